@@ -1,0 +1,544 @@
+"""The critical batch from a batch sweep: fits, loss targets and a recommendation.
+
+McCandlish, Kaplan, Amodei 2018, "An Empirical Model of Large-Batch Training"
+(arXiv 1812.06162), eq. 2.11: to reach a given loss, the optimizer steps S and the
+examples E = B·S trade off along the hyperbola
+
+    (S / S_min − 1)(E / E_min − 1) = 1,        B_crit = E_min / S_min,
+
+which, with E = B·S, is S(B) = S_min·(1 + B_crit / B). They tune the LR at each batch,
+take the fastest run at each batch for each target of an EMA-smoothed loss, fit the
+hyperbola in log space and report B_crit with its standard error. This module does the
+same: the fit is ``scipy.optimize.curve_fit`` of log S = log S_min + log(1 + B_crit/B)
+with parameters (log S_min, log B_crit), so the covariance of log B_crit comes straight
+out of the fit and SE(B_crit) = B_crit·SE(log B_crit) (delta method).
+
+Zhang et al. 2024, "How Does Critical Batch Size Scale in Pre-training?" (arXiv
+2410.21676) define a different number, the CBS: the batch at which the steps exceed the
+linear-scaling ideal by 20%. From S(B) = a + b/B (a = S_min, b = E_min) and the ideal
+S_ideal(B) = S(B0)·B0/B: CBS = 0.2·b/a + 1.2·B0, i.e. 0.2·B_crit in the B0 → 0 limit.
+The two definitions differ by ~5×; every number here says which one it is.
+
+Units: "examples" are whatever the sweep counts per step — tokens for language models,
+samples otherwise (``unit``). Pure numpy/scipy; no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+__all__ = [
+    "Curve",
+    "HyperbolaFit",
+    "BatchPoint",
+    "TargetResult",
+    "Recommendation",
+    "Analysis",
+    "ema_smooth",
+    "steps_to_target",
+    "fit_hyperbola",
+    "zhang_cbs",
+    "default_targets",
+    "points_for_target",
+    "recommend",
+    "analyze",
+]
+
+
+# ---------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class Curve:
+    """One trial's training curve: a batch size, an LR and the loss after each step."""
+
+    batch_size: float
+    """Examples per optimizer step, in ``unit`` (tokens or samples)."""
+    lr: float
+    """Peak learning rate of the trial."""
+    examples: np.ndarray
+    """Cumulative examples consumed after each optimizer step (1-D, increasing)."""
+    loss: np.ndarray
+    """Training loss (mean per example) of each optimizer step, same length as ``examples``."""
+    examples_per_s: Optional[float] = None
+    """Measured training throughput in examples/s (evaluation excluded); None if unknown."""
+    cost_per_example: Optional[float] = None
+    """Cost (any currency or device-seconds) of one example at this batch; None if unknown."""
+    label: str = ""
+    """Free-form trial name, e.g. ``b64_lr0.001``."""
+
+    def __post_init__(self) -> None:
+        self.examples = np.asarray(self.examples, dtype=float)
+        self.loss = np.asarray(self.loss, dtype=float)
+        if not self.batch_size > 0:
+            raise ValueError(f"batch_size: {self.batch_size}: must be > 0")
+        if not self.lr > 0:
+            raise ValueError(f"lr: {self.lr}: must be > 0")
+        if self.examples.ndim != 1 or self.examples.shape != self.loss.shape:
+            raise ValueError(
+                f"examples/loss: shapes {self.examples.shape} and {self.loss.shape}: must be equal 1-D arrays"
+            )
+        if self.examples.size and np.any(np.diff(self.examples) <= 0):
+            raise ValueError("examples: must be strictly increasing (cumulative examples after each step)")
+        if self.examples_per_s is not None and not self.examples_per_s > 0:
+            raise ValueError(f"examples_per_s: {self.examples_per_s}: must be > 0 or None")
+
+
+# ---------------------------------------------------------------------------
+# Smoothing and steps to a target
+# ---------------------------------------------------------------------------
+
+
+def ema_smooth(values: np.ndarray, halflife_steps: float) -> tuple[np.ndarray, np.ndarray]:
+    """Bias-corrected EMA of ``values`` and the centre of mass of its weights.
+
+    Returns ``(smoothed, lag_steps)``: ``smoothed[t]`` averages values[0..t] with weights
+    decaying by half every ``halflife_steps`` (normalised, so no start-up bias), and
+    ``lag_steps[t]`` is the weighted mean distance of those values behind step t. A
+    smoothed value estimates the loss at step ``t − lag_steps[t]``, not at step t: using
+    it at step t would add ~halflife/ln 2 steps to every batch's steps-to-target and bias
+    S_min up and B_crit down. Non-finite values (skipped steps) get zero weight.
+    """
+    if not halflife_steps > 0:
+        raise ValueError(f"halflife_steps: {halflife_steps}: must be > 0")
+    x = np.asarray(values, dtype=float)
+    beta = 0.5 ** (1.0 / halflife_steps)
+    out = np.full(x.shape, np.nan)
+    lag = np.zeros(x.shape)
+    s_w = s_wx = s_wd = 0.0  # sums of weights, weight·value, weight·distance
+    for t, v in enumerate(x):
+        # Every older weight decays by beta and moves one step further away.
+        s_wd = beta * (s_wd + s_w)
+        s_w *= beta
+        s_wx *= beta
+        if math.isfinite(v):
+            s_w += 1.0
+            s_wx += v
+        if s_w > 0:
+            out[t] = s_wx / s_w
+            lag[t] = s_wd / s_w
+    return out, lag
+
+
+def steps_to_target(curve: Curve, target: float, *, halflife_steps: float = 8.0) -> Optional[tuple[float, float]]:
+    """Steps and examples the trial needed to bring its smoothed loss to ``target``.
+
+    The first crossing of the lag-corrected EMA (see :func:`ema_smooth`) is linearly
+    interpolated between steps, so the result is fractional. Returns ``(steps,
+    examples)`` or None if the smoothed loss never reaches ``target``.
+    """
+    n = curve.loss.size
+    if n == 0:
+        return None
+    smooth, lag = ema_smooth(curve.loss, halflife_steps)
+    step = np.arange(1, n + 1, dtype=float) - lag  # the step each smoothed value describes
+    below = np.flatnonzero(np.isfinite(smooth) & (smooth <= target))
+    if below.size == 0:
+        return None
+    i = int(below[0])
+    if i == 0:
+        s = step[0]
+    else:
+        l0, l1 = smooth[i - 1], smooth[i]
+        frac = 1.0 if not np.isfinite(l0) or l0 == l1 else (l0 - target) / (l0 - l1)
+        s = step[i - 1] + frac * (step[i] - step[i - 1])
+    # Examples at fractional step s, interpolated on the recorded cumulative examples
+    # (exact E = B·S when every step carries B examples; honest when counts vary).
+    steps_axis = np.arange(1, n + 1, dtype=float)
+    e = float(np.interp(s, np.concatenate([[0.0], steps_axis]), np.concatenate([[0.0], curve.examples])))
+    return float(s), e
+
+
+# ---------------------------------------------------------------------------
+# The hyperbola fit (McCandlish eq. 2.11) and the 20%-overhead CBS (Zhang 2024)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class HyperbolaFit:
+    """Least-squares fit of S(B) = S_min·(1 + B_crit/B) in log space, with standard errors."""
+
+    s_min: float
+    """Fewest steps that can reach the target (B → ∞)."""
+    e_min: float
+    """Fewest examples that can reach the target (B → 0), = S_min·B_crit."""
+    b_crit: float
+    """McCandlish critical batch E_min/S_min, in examples per step."""
+    se_log_s_min: float
+    se_log_b_crit: float
+    """Standard error of ln B_crit from the fit covariance (residual-variance scaled)."""
+    se_b_crit: float
+    """SE(B_crit) = B_crit·SE(ln B_crit) (delta method)."""
+    se_e_min: float
+    cov_log: list[list[float]]
+    """Covariance of (ln S_min, ln B_crit)."""
+    n_points: int
+    dof: int
+    residual_std_log: float
+    """Standard deviation of the log-space residuals (≈ relative scatter of S)."""
+    batch_range: tuple[float, float]
+    """Smallest and largest batch that went into the fit."""
+
+    def steps(self, batch_size: np.ndarray | float) -> np.ndarray:
+        """Predicted steps to target at ``batch_size``."""
+        return self.s_min * (1.0 + self.b_crit / np.asarray(batch_size, dtype=float))
+
+    def examples(self, batch_size: np.ndarray | float) -> np.ndarray:
+        """Predicted examples to target at ``batch_size`` (E = B·S = E_min·(1 + B/B_crit))."""
+        return np.asarray(batch_size, dtype=float) * self.steps(batch_size)
+
+    def b_crit_interval(self, level: float = 0.95) -> tuple[float, float]:
+        """Confidence interval of B_crit: symmetric in ln B_crit with a Student-t quantile (dof of the fit)."""
+        from scipy import stats
+
+        q = float(stats.t.ppf(0.5 + level / 2.0, max(self.dof, 1)))
+        return self.b_crit * math.exp(-q * self.se_log_b_crit), self.b_crit * math.exp(q * self.se_log_b_crit)
+
+    @property
+    def extrapolated(self) -> bool:
+        """True when B_crit lies outside the swept batch range (the curvature was not observed)."""
+        return not (self.batch_range[0] <= self.b_crit <= self.batch_range[1])
+
+    def cbs(self, *, overhead: float = 0.2, base_batch: float = 0.0) -> float:
+        """Zhang et al. 2024 critical batch for this fit; see :func:`zhang_cbs`."""
+        return zhang_cbs(self.s_min, self.e_min, overhead=overhead, base_batch=base_batch)
+
+
+def zhang_cbs(s_min: float, e_min: float, *, overhead: float = 0.2, base_batch: float = 0.0) -> float:
+    """Batch where steps exceed the linear-scaling ideal from ``base_batch`` by ``overhead``.
+
+    With S(B) = a + b/B (a = S_min, b = E_min), linear scaling from B0 predicts
+    S(B0)·B0/B steps; S(B) = (1 + overhead)·S(B0)·B0/B solves to
+    B = overhead·b/a + (1 + overhead)·B0. With the default B0 = 0 (ideal = E_min/B,
+    perfect data efficiency) this is 0.2·B_crit — Zhang et al. 2024's CBS, not McCandlish's.
+    """
+    if not overhead > 0:
+        raise ValueError(f"overhead: {overhead}: must be > 0 (0.2 = 20%)")
+    if base_batch < 0:
+        raise ValueError(f"base_batch: {base_batch}: must be >= 0")
+    return overhead * e_min / s_min + (1.0 + overhead) * base_batch
+
+
+def _log_model(batch: np.ndarray, log_s_min: float, log_b_crit: float) -> np.ndarray:
+    return log_s_min + np.log1p(np.exp(log_b_crit) / batch)
+
+
+def fit_hyperbola(batch_sizes: Sequence[float], steps: Sequence[float]) -> HyperbolaFit:
+    """Fit S(B) = S_min·(1 + B_crit/B) to steps-to-target at each batch.
+
+    Args:
+        batch_sizes: examples per step of each point (each batch once, its best LR).
+        steps: steps to reach the target at that batch.
+
+    The fit is in log space (relative errors, as McCandlish); the covariance is scaled
+    by the residual variance (``absolute_sigma=False``), so use a Student-t quantile with
+    ``dof = n − 2`` for intervals (:meth:`HyperbolaFit.b_crit_interval`). Raises
+    ValueError with fewer than 3 points (a 2-parameter fit needs a residual).
+    """
+    from scipy.optimize import curve_fit
+
+    b = np.asarray(batch_sizes, dtype=float)
+    s = np.asarray(steps, dtype=float)
+    if b.shape != s.shape or b.ndim != 1:
+        raise ValueError(f"batch_sizes/steps: shapes {b.shape} and {s.shape}: must be equal 1-D")
+    if b.size < 3:
+        raise ValueError(f"points: {b.size}: the hyperbola fit needs at least 3 batch sizes that reach the target")
+    if np.any(b <= 0) or np.any(s <= 0) or not np.all(np.isfinite(s)):
+        raise ValueError("batch_sizes/steps: must be positive and finite")
+    y = np.log(s)
+    lo, hi = math.log(b.min()), math.log(b.max())
+    bounds = ([-np.inf, lo - 12.0], [np.inf, hi + 12.0])
+    best = None
+    # A few starting points for ln B_crit across (and beyond) the swept range: the
+    # objective is not convex in ln B_crit and a single start can stall on a plateau.
+    for log_bc0 in np.linspace(lo - 2.0, hi + 2.0, 5):
+        log_s0 = float(np.median(y - np.log1p(math.exp(log_bc0) / b)))
+        try:
+            popt, pcov = curve_fit(_log_model, b, y, p0=[log_s0, log_bc0], bounds=bounds, method="trf", maxfev=5000)
+        except (RuntimeError, ValueError):
+            continue
+        sse = float(np.sum((y - _log_model(b, *popt)) ** 2))
+        if best is None or sse < best[0] - 1e-12:
+            best = (sse, popt, pcov)
+    if best is None:
+        raise ValueError("fit: curve_fit did not converge from any starting point")
+    sse, popt, pcov = best
+    dof = b.size - 2
+    if not np.all(np.isfinite(pcov)):
+        pcov = np.full((2, 2), np.inf)
+    log_s_min, log_b_crit = (float(v) for v in popt)
+    s_min, b_crit = math.exp(log_s_min), math.exp(log_b_crit)
+    se_ls, se_lb = math.sqrt(max(pcov[0, 0], 0.0)), math.sqrt(max(pcov[1, 1], 0.0))
+    # ln E_min = ln S_min + ln B_crit: its variance includes the covariance term.
+    var_le = pcov[0, 0] + pcov[1, 1] + 2.0 * pcov[0, 1]
+    e_min = s_min * b_crit
+    return HyperbolaFit(
+        s_min=s_min,
+        e_min=e_min,
+        b_crit=b_crit,
+        se_log_s_min=se_ls,
+        se_log_b_crit=se_lb,
+        se_b_crit=b_crit * se_lb,
+        se_e_min=e_min * math.sqrt(max(var_le, 0.0)) if np.isfinite(var_le) else math.inf,
+        cov_log=[[float(v) for v in row] for row in pcov],
+        n_points=int(b.size),
+        dof=dof,
+        residual_std_log=math.sqrt(sse / dof) if dof > 0 else 0.0,
+        batch_range=(float(b.min()), float(b.max())),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Per-target points, throughput, recommendation
+# ---------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class BatchPoint:
+    """One batch size at one loss target, with its best LR."""
+
+    batch_size: float
+    lr: float
+    """The LR of the fastest trial at this batch (fewest steps to target)."""
+    steps: float
+    examples: float
+    examples_per_s: Optional[float] = None
+    """Median throughput of this batch's trials (throughput does not depend on the LR)."""
+    time_s: Optional[float] = None
+    """Wall-clock to target = examples / examples_per_s."""
+    cost: Optional[float] = None
+    """examples × cost_per_example, when the cost per example is known."""
+
+
+@dataclass(kw_only=True)
+class TargetResult:
+    target: float
+    points: list[BatchPoint]
+    unreached: list[float]
+    """Batch sizes none of whose trials reached the target within the budget."""
+    fit: Optional[HyperbolaFit] = None
+    fit_error: Optional[str] = None
+    cbs_20: Optional[float] = None
+    """Zhang et al. 2024 CBS (20% step overhead over E_min/B), = 0.2·B_crit."""
+    se_cbs_20: Optional[float] = None
+
+
+@dataclass(kw_only=True)
+class Recommendation:
+    batch_size: float
+    lr: float
+    objective: str
+    tolerance: float
+    target: float
+    reasons: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        return "\n".join(self.reasons)
+
+
+@dataclass(kw_only=True)
+class Analysis:
+    unit: str
+    targets: list[TargetResult]
+    primary_target: float
+    recommendation: Optional[Recommendation]
+    halflife_steps: float
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (the summary a report or a script reads)."""
+        return asdict(self)
+
+
+def _throughput(curves: Sequence[Curve]) -> dict[float, tuple[Optional[float], Optional[float]]]:
+    out: dict[float, tuple[Optional[float], Optional[float]]] = {}
+    for b in sorted({c.batch_size for c in curves}):
+        tp = [c.examples_per_s for c in curves if c.batch_size == b and c.examples_per_s]
+        cp = [c.cost_per_example for c in curves if c.batch_size == b and c.cost_per_example is not None]
+        out[b] = (float(np.median(tp)) if tp else None, float(np.median(cp)) if cp else None)
+    return out
+
+
+def points_for_target(curves: Sequence[Curve], target: float, *, halflife_steps: float = 8.0) -> TargetResult:
+    """For each batch size, the fastest LR's steps and examples to ``target``, and the fit."""
+    tput = _throughput(curves)
+    points: list[BatchPoint] = []
+    unreached: list[float] = []
+    for b in sorted(tput):
+        best: Optional[tuple[float, float, float]] = None
+        for c in curves:
+            if c.batch_size != b:
+                continue
+            r = steps_to_target(c, target, halflife_steps=halflife_steps)
+            if r is not None and (best is None or r[0] < best[0]):
+                best = (r[0], r[1], c.lr)
+        if best is None:
+            unreached.append(b)
+            continue
+        eps, cpe = tput[b]
+        points.append(
+            BatchPoint(
+                batch_size=b,
+                lr=best[2],
+                steps=best[0],
+                examples=best[1],
+                examples_per_s=eps,
+                time_s=best[1] / eps if eps else None,
+                cost=best[1] * cpe if cpe is not None else None,
+            )
+        )
+    result = TargetResult(target=float(target), points=points, unreached=unreached)
+    try:
+        fit = fit_hyperbola([p.batch_size for p in points], [p.steps for p in points])
+    except ValueError as exc:
+        result.fit_error = str(exc)
+    else:
+        result.fit = fit
+        result.cbs_20 = fit.cbs(overhead=0.2)
+        result.se_cbs_20 = 0.2 * fit.se_b_crit
+    return result
+
+
+def default_targets(curves: Sequence[Curve], *, n_targets: int = 4, halflife_steps: float = 8.0) -> list[float]:
+    """Loss targets, tightest first: the best smoothed loss that every batch reaches, then looser ones.
+
+    The tightest is max over batches of (min over that batch's trials of its lowest
+    smoothed loss): every batch size reaches it with its best LR. The others are spaced
+    up to a quarter of the way back to the initial smoothed loss.
+    """
+    if n_targets < 1:
+        raise ValueError(f"n_targets: {n_targets}: must be >= 1")
+    per_batch: dict[float, float] = {}
+    starts = []
+    for c in curves:
+        sm, _ = ema_smooth(c.loss, halflife_steps)
+        finite = sm[np.isfinite(sm)]
+        if finite.size == 0:
+            continue
+        per_batch[c.batch_size] = min(per_batch.get(c.batch_size, math.inf), float(finite.min()))
+        starts.append(float(finite[0]))
+    if not per_batch:
+        raise ValueError("curves: no finite loss in any trial")
+    tight = max(per_batch.values())
+    start = float(np.median(starts))
+    # Nudge the tightest target up by a hair so the batch that defines it registers a crossing.
+    tight += 1e-9 * max(1.0, abs(tight))
+    if n_targets == 1 or start <= tight:
+        return [tight]
+    return [float(tight + f * (start - tight)) for f in np.linspace(0.0, 0.25, n_targets)]
+
+
+def recommend(points: Sequence[BatchPoint], *, objective: str = "time", tolerance: float = 0.05, target: float = math.nan, unit: str = "example") -> Recommendation:
+    """The batch that reaches the target fastest (or cheapest), within a tolerance.
+
+    Rule: rank the batches that reach the target by ``objective`` ("time": wall-clock
+    to target; "cost": cost to target, falling back to examples consumed when no cost per
+    example is known). Every batch within ``tolerance`` (relative) of the best is a tie;
+    among ties the one that needs the fewest examples (least compute and data) wins —
+    for "cost", among cost ties the fastest wins. So a bigger batch that is only
+    marginally faster but burns many more tokens loses: this is "the highest-throughput
+    batch that reaches the target", not the largest that fits.
+    """
+    if objective not in ("time", "cost"):
+        raise ValueError(f"objective: {objective!r}: allowed 'time' or 'cost'")
+    if not 0 <= tolerance < 1:
+        raise ValueError(f"tolerance: {tolerance}: must be in [0, 1) (0.05 = 5%)")
+    pts = list(points)
+    if not pts:
+        raise ValueError("points: no batch size reached the target; lower the target or raise the token budget")
+
+    def primary(p: BatchPoint) -> float:
+        if objective == "time":
+            if p.time_s is None:
+                raise ValueError(f"examples_per_s: batch {p.batch_size:g} has no throughput; objective 'time' needs it")
+            return p.time_s
+        return p.cost if p.cost is not None else p.examples
+
+    all_cost = all(q.cost is not None for q in pts)
+    all_time = all(q.time_s is not None for q in pts)
+    if objective == "time":
+        sec_name = "cost" if all_cost else f"{unit}s"
+    else:
+        sec_name = "wall-clock" if all_time else f"{unit}s"
+
+    def secondary(p: BatchPoint) -> float:
+        if sec_name == "cost":
+            return p.cost  # type: ignore[return-value]
+        if sec_name == "wall-clock":
+            return p.time_s  # type: ignore[return-value]
+        return p.examples
+
+    best_val = min(primary(p) for p in pts)
+    ties = [p for p in pts if primary(p) <= best_val * (1.0 + tolerance)]
+    winner = min(ties, key=lambda p: (secondary(p), primary(p)))
+    fastest = min(pts, key=primary)
+    what = "wall-clock to target" if objective == "time" else "cost to target"
+
+    def desc(p: BatchPoint) -> str:
+        parts = [f"batch {p.batch_size:,.0f} (lr {p.lr:g}): {p.steps:,.1f} steps, {p.examples:,.0f} {unit}s"]
+        if p.examples_per_s:
+            parts.append(f"{p.examples_per_s:,.0f} {unit}/s")
+        if p.time_s is not None:
+            parts.append(f"{p.time_s:,.1f} s")
+        if p.cost is not None:
+            parts.append(f"cost {p.cost:,.4g}")
+        return ", ".join(parts)
+
+    reasons = [f"target loss {target:.4f}; objective: {what}, tolerance {tolerance:.0%}"]
+    reasons += ["  " + desc(p) for p in sorted(pts, key=lambda p: p.batch_size)]
+    if winner is fastest:
+        reasons.append(f"recommend batch {winner.batch_size:,.0f}: best {what}")
+    else:
+        gap = primary(winner) / primary(fastest) - 1.0
+        saving = 1.0 - secondary(winner) / secondary(fastest)
+        reasons.append(
+            f"recommend batch {winner.batch_size:,.0f}: batch {fastest.batch_size:,.0f} is best on {what} "
+            f"but only by {gap:.1%} (within {tolerance:.0%}), and batch {winner.batch_size:,.0f} needs "
+            f"{saving:.0%} {'less' if sec_name in ('cost', 'wall-clock') else 'fewer'} {sec_name}"
+        )
+    bigger = [p for p in pts if p.batch_size > winner.batch_size]
+    for p in sorted(bigger, key=lambda p: p.batch_size):
+        if p is fastest:
+            continue
+        reasons.append(
+            f"  batch {p.batch_size:,.0f} needs {p.examples / winner.examples - 1:+.0%} {unit}s for "
+            f"{primary(p) / primary(winner) - 1:+.0%} {what}"
+        )
+    return Recommendation(
+        batch_size=winner.batch_size, lr=winner.lr, objective=objective, tolerance=tolerance, target=float(target), reasons=reasons
+    )
+
+
+def analyze(
+    curves: Sequence[Curve],
+    *,
+    targets: Optional[Sequence[float]] = None,
+    n_targets: int = 4,
+    halflife_steps: float = 8.0,
+    objective: str = "time",
+    tolerance: float = 0.05,
+    unit: str = "example",
+) -> Analysis:
+    """Fits at every target and the recommendation at the primary (first, tightest) target."""
+    curves = list(curves)
+    if not curves:
+        raise ValueError("curves: empty; nothing to analyze")
+    if targets is None:
+        targets = default_targets(curves, n_targets=n_targets, halflife_steps=halflife_steps)
+    targets = [float(t) for t in targets]
+    if not targets:
+        raise ValueError("targets: empty")
+    results = [points_for_target(curves, t, halflife_steps=halflife_steps) for t in targets]
+    rec = None
+    primary = results[0]
+    if primary.points:
+        try:
+            rec = recommend(primary.points, objective=objective, tolerance=tolerance, target=primary.target, unit=unit)
+        except ValueError:  # no throughput recorded: the fit stands, no recommendation
+            rec = None
+    return Analysis(unit=unit, targets=results, primary_target=targets[0], recommendation=rec, halflife_steps=halflife_steps)

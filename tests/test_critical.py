@@ -1,0 +1,232 @@
+"""critical.py against ground truth: synthetic hyperbolas and curves with known B_crit."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from globalbatch.critical import (
+    BatchPoint,
+    Curve,
+    analyze,
+    default_targets,
+    ema_smooth,
+    fit_hyperbola,
+    points_for_target,
+    recommend,
+    steps_to_target,
+    zhang_cbs,
+)
+
+B_CRIT, S_MIN = 300.0, 1000.0
+BATCHES = np.geomspace(16, 4096, 8)
+
+
+def hyperbola_steps(batch, s_min=S_MIN, b_crit=B_CRIT):
+    return s_min * (1.0 + b_crit / np.asarray(batch, dtype=float))
+
+
+# --- the fit ---------------------------------------------------------------
+
+
+def test_fit_exact_points_recovers_every_parameter():
+    fit = fit_hyperbola(BATCHES, hyperbola_steps(BATCHES))
+    assert fit.b_crit == pytest.approx(B_CRIT, rel=1e-6)
+    assert fit.s_min == pytest.approx(S_MIN, rel=1e-6)
+    assert fit.e_min == pytest.approx(S_MIN * B_CRIT, rel=1e-6)
+    assert fit.se_b_crit < 1e-3 * B_CRIT
+    # E = B·S lies on McCandlish's hyperbola (S/S_min − 1)(E/E_min − 1) = 1.
+    s, e = fit.steps(BATCHES), fit.examples(BATCHES)
+    np.testing.assert_allclose((s / fit.s_min - 1) * (e / fit.e_min - 1), 1.0, rtol=1e-9)
+
+
+def test_fit_with_noise_recovers_b_crit_within_5_percent():
+    rng = np.random.default_rng(7)
+    rel_err = []
+    for _ in range(50):
+        steps = hyperbola_steps(BATCHES) * np.exp(rng.normal(0.0, 0.02, BATCHES.size))
+        rel_err.append(abs(fit_hyperbola(BATCHES, steps).b_crit / B_CRIT - 1.0))
+    assert np.median(rel_err) < 0.05
+    assert np.mean(np.asarray(rel_err) < 0.05) > 0.7
+
+
+@pytest.mark.parametrize("b_crit", [40.0, 1000.0])
+def test_fit_recovers_b_crit_across_the_range(b_crit):
+    rng = np.random.default_rng(3)
+    steps = hyperbola_steps(BATCHES, b_crit=b_crit) * np.exp(rng.normal(0.0, 0.01, BATCHES.size))
+    assert fit_hyperbola(BATCHES, steps).b_crit == pytest.approx(b_crit, rel=0.05)
+
+
+def test_standard_error_covers_truth_at_stated_rate():
+    """200 replicates, 3% log-normal noise on S, 8 batches (dof 6).
+
+    ±1.96 SE with residual-scaled covariance and 6 dof should cover ~90% (Student t);
+    the t-interval of b_crit_interval should cover ~95%.
+    """
+    rng = np.random.default_rng(1)
+    hit_log = hit_lin = hit_t = 0
+    n = 200
+    for _ in range(n):
+        steps = hyperbola_steps(BATCHES) * np.exp(rng.normal(0.0, 0.03, BATCHES.size))
+        fit = fit_hyperbola(BATCHES, steps)
+        hit_log += abs(math.log(fit.b_crit / B_CRIT)) <= 1.96 * fit.se_log_b_crit
+        hit_lin += abs(fit.b_crit - B_CRIT) <= 1.96 * fit.se_b_crit
+        lo, hi = fit.b_crit_interval(0.95)
+        hit_t += lo <= B_CRIT <= hi
+    assert 0.85 <= hit_log / n <= 0.99
+    assert 0.85 <= hit_lin / n <= 0.99
+    assert 0.90 <= hit_t / n <= 0.995
+
+
+def test_fit_flags_extrapolation_and_needs_three_points():
+    fit = fit_hyperbola(BATCHES, hyperbola_steps(BATCHES, b_crit=20000.0))
+    assert fit.extrapolated
+    assert not fit_hyperbola(BATCHES, hyperbola_steps(BATCHES)).extrapolated
+    with pytest.raises(ValueError, match="at least 3"):
+        fit_hyperbola([16, 32], [10.0, 6.0])
+
+
+# --- Zhang et al. 2024 CBS ---------------------------------------------------
+
+
+def test_zhang_cbs_is_a_fifth_of_b_crit_and_meets_its_definition():
+    e_min = S_MIN * B_CRIT
+    assert zhang_cbs(S_MIN, e_min) == pytest.approx(0.2 * B_CRIT)
+    # With a base batch B0, at B = CBS the steps exceed S(B0)·B0/B by exactly 20%.
+    b0 = 16.0
+    cbs = zhang_cbs(S_MIN, e_min, base_batch=b0)
+    ideal = hyperbola_steps(b0) * b0 / cbs
+    assert hyperbola_steps(cbs) == pytest.approx(1.2 * ideal)
+    with pytest.raises(ValueError, match="overhead"):
+        zhang_cbs(S_MIN, e_min, overhead=0.0)
+
+
+# --- smoothing ----------------------------------------------------------------
+
+
+def test_ema_lag_correction_gives_exact_steps_on_a_linear_curve():
+    # loss = 10 − 0.01·step: target 9 is crossed at step 100 exactly, whatever the halflife.
+    steps = np.arange(1, 401, dtype=float)
+    curve = Curve(batch_size=8, lr=1e-3, examples=8 * steps, loss=10.0 - 0.01 * steps)
+    for halflife in (1.0, 8.0, 30.0):
+        s, e = steps_to_target(curve, 9.0, halflife_steps=halflife)
+        assert s == pytest.approx(100.0, abs=1e-6)
+        assert e == pytest.approx(800.0, abs=1e-4)
+    # The uncorrected EMA lags by ~halflife/ln 2 steps: the correction matters.
+    sm, lag = ema_smooth(10.0 - 0.01 * steps, 30.0)
+    assert lag[-1] == pytest.approx(0.5 ** (1 / 30) / (1 - 0.5 ** (1 / 30)), rel=1e-3)
+    assert np.argmax(sm <= 9.0) + 1 > 130
+
+
+def test_ema_ignores_non_finite_steps_and_unreached_is_none():
+    sm, _ = ema_smooth(np.array([1.0, np.nan, 1.0, np.inf]), 2.0)
+    np.testing.assert_allclose(sm, [1.0, 1.0, 1.0, 1.0])
+    curve = Curve(batch_size=4, lr=1.0, examples=[4, 8, 12], loss=[3.0, 2.9, 2.8])
+    assert steps_to_target(curve, 1.0) is None
+
+
+# --- end to end on synthetic training curves -----------------------------------
+
+
+def synthetic_curves(rng, *, batches=(16, 32, 64, 128, 256, 512), lrs=(3e-4, 1e-3, 3e-3), total=2 ** 17, b_crit=100.0):
+    """Loss = 2 + 3/(1 + s/τ(B, lr)) with τ = 20·(1 + b_crit/B)·slowdown(lr), noise ∝ 1/√B.
+
+    Steps to a target ℓ: τ·(3/(ℓ − 2) − 1), so at every target the best LR (1e-3,
+    slowdown 1) traces the hyperbola with B_crit = b_crit exactly.
+    """
+    slow = {3e-4: 1.6, 1e-3: 1.0, 3e-3: 1.25}
+    curves = []
+    for b in batches:
+        n = total // b
+        s = np.arange(1, n + 1, dtype=float)
+        for lr in lrs:
+            tau = 20.0 * (1.0 + b_crit / b) * slow[lr]
+            loss = 2.0 + 3.0 / (1.0 + s / tau) + rng.normal(0, 0.05 / math.sqrt(b), n)
+            curves.append(Curve(batch_size=b, lr=lr, examples=b * s, loss=loss, examples_per_s=1000.0 * b ** 0.5))
+    return curves
+
+
+def test_analyze_recovers_b_crit_and_best_lr_from_curves():
+    rng = np.random.default_rng(0)
+    curves = synthetic_curves(rng)
+    res = analyze(curves, n_targets=3, halflife_steps=4.0)
+    assert len(res.targets) == 3
+    primary = res.targets[0]
+    # Every batch reaches the primary target (that is how it is chosen), with LR 1e-3.
+    assert not primary.unreached and len(primary.points) == 6
+    assert all(p.lr == 1e-3 for p in primary.points)
+    for t in res.targets:
+        assert t.fit is not None
+        assert t.fit.b_crit == pytest.approx(100.0, rel=0.05), t.target
+        assert t.cbs_20 == pytest.approx(0.2 * t.fit.b_crit)
+    # Throughput ∝ √B, tokens-to-target ∝ (1 + B/B_crit): time ∝ (1 + B/100)/√B is lowest at B≈100.
+    assert res.recommendation is not None and res.recommendation.batch_size in (64, 128)
+    assert "recommend batch" in res.recommendation.text()
+    d = res.to_dict()
+    assert d["targets"][0]["fit"]["b_crit"] == pytest.approx(primary.fit.b_crit)
+
+
+def test_default_targets_tightest_is_reached_by_every_batch():
+    curves = synthetic_curves(np.random.default_rng(1), batches=(16, 64, 256))
+    targets = default_targets(curves, n_targets=4)
+    assert targets == sorted(targets)
+    assert not points_for_target(curves, targets[0]).unreached
+    # A target below what the largest batch reaches leaves it unreached.
+    assert 256 in points_for_target(curves, targets[0] - 0.05).unreached
+
+
+# --- the recommendation ---------------------------------------------------------
+
+
+def seeds_points():
+    """The seeds' example: 1M/2M/4M tokens per batch, 1.0/1.7/2.2M tok/s, 80B/82B/105B tokens to the loss."""
+    pts = []
+    for b, tps, tokens in [(1e6, 1.0e6, 80e9), (2e6, 1.7e6, 82e9), (4e6, 2.2e6, 105e9)]:
+        pts.append(BatchPoint(batch_size=b, lr=1e-3, steps=tokens / b, examples=tokens, examples_per_s=tps, time_s=tokens / tps))
+    return pts
+
+
+def test_recommendation_seeds_example_2m_wins():
+    rec = recommend(seeds_points(), objective="time", tolerance=0.05, target=2.5, unit="token")
+    assert rec.batch_size == 2e6
+    text = rec.text()
+    # 4M is 1.1% faster (47,727 s vs 48,235 s) but needs 28% more tokens; the reasoning says so.
+    assert "4,000,000 is best on wall-clock to target but only by 1.1%" in text
+    assert "22% fewer tokens" in text
+
+
+def test_recommendation_without_tolerance_takes_the_fastest():
+    # Strict wall-clock: 4M is fastest. The tolerance, not a preference for small batches, picks 2M.
+    assert recommend(seeds_points(), tolerance=0.0).batch_size == 4e6
+    # Cost with no price falls back to tokens: strictly, 1M (80B) is cheapest; with 5%
+    # tolerance 2M (82B, +2.5%) ties and wins as the faster of the two — the seeds' answer.
+    assert recommend(seeds_points(), objective="cost", tolerance=0.0).batch_size == 1e6
+    assert recommend(seeds_points(), objective="cost", tolerance=0.05).batch_size == 2e6
+
+
+def test_recommendation_uses_costs_when_known():
+    pts = seeds_points()
+    # $ per token falls with batch (better utilisation); cost objective then favours 4M.
+    for p, usd_per_token in zip(pts, (3e-9, 1.6e-9, 1.0e-9)):
+        p.cost = p.examples * usd_per_token
+    assert recommend(pts, objective="cost").batch_size == 4e6
+
+
+def test_recommendation_errors_name_the_field():
+    with pytest.raises(ValueError, match="objective"):
+        recommend(seeds_points(), objective="speed")
+    with pytest.raises(ValueError, match="tolerance"):
+        recommend(seeds_points(), tolerance=1.5)
+    with pytest.raises(ValueError, match="no batch size reached"):
+        recommend([])
+
+
+def test_curve_validation():
+    with pytest.raises(ValueError, match="shapes"):
+        Curve(batch_size=4, lr=1e-3, examples=[4, 8], loss=[1.0])
+    with pytest.raises(ValueError, match="batch_size"):
+        Curve(batch_size=0, lr=1e-3, examples=[], loss=[])
+    with pytest.raises(ValueError, match="increasing"):
+        Curve(batch_size=4, lr=1e-3, examples=[8, 4], loss=[1.0, 1.0])
