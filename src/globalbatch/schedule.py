@@ -1,0 +1,346 @@
+"""Batch-size and learning-rate schedules measured in consumed tokens or samples.
+
+Two kinds of schedule, both functions of the *schedule position*: the loss-bearing
+tokens (or samples) of the optimizer steps applied so far. Skipped windows do not
+advance it (Megatron-LM does the same for its LR scheduler).
+
+* **Batch schedules** give the global batch (in samples/sequences) at a position:
+
+  - :class:`StepBatchSchedule`, Megatron-LM's ``--step-batch-size-schedule``
+    semantics: ``"0:256 2B:512 8B:1024"`` means 256 sequences per step until 2
+    billion units are consumed, 512 until 8 billion, then 1,024. Thresholds take
+    K/M/B/T (decimal) suffixes, the first must be 0, they strictly increase, and the
+    batch only grows.
+  - :class:`RampupBatchSchedule`, Megatron-LM's ``--rampup-batch-size start incr
+    ramp`` semantics: ``batch = start + floor(position / (ramp / n)) × incr`` with
+    ``n = (final − start) / incr`` increments, and ``final`` from ``ramp`` on.
+
+  At every change the learning rate is multiplied by ``scale_lr`` of
+  :mod:`globalbatch.plan` (``sqrt`` for Adam-type optimizers, ``linear`` for SGD,
+  ``none``) relative to the schedule's first batch, and the change is logged::
+
+      global batch 256 -> 512 at 2,000,000,000 tokens; lr 3e-4 -> 4.24e-4 (sqrt)
+
+* **LR schedules** (:class:`TokenLRSchedule`: constant, linear, cosine, WSD =
+  warmup-stable-decay) are defined over the same position, so a batch change moves
+  along the curve at a different pace but neither stretches nor breaks it: the LR
+  after 1M tokens is the same whatever batch sizes got there.
+
+Pure Python, no torch import.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from globalbatch.plan import LR_RULES, fmt_int, parse_count, scale_lr
+
+__all__ = [
+    "SCHEDULE_UNITS",
+    "BatchSchedule",
+    "StepBatchSchedule",
+    "RampupBatchSchedule",
+    "constant_batch",
+    "parse_step_schedule",
+    "format_batch_change",
+    "format_lr",
+    "TokenLRSchedule",
+    "LR_SHAPES",
+    "list_lr_shapes",
+]
+
+SCHEDULE_UNITS = ("token", "sample")
+"""What a schedule position counts: loss-bearing tokens or samples (sequences)."""
+
+
+def _check_unit(unit: str) -> None:
+    if unit not in SCHEDULE_UNITS:
+        raise ValueError(f"unit {unit!r} is not allowed; allowed: {', '.join(SCHEDULE_UNITS)}")
+
+
+def _check_rule(rule: str) -> None:
+    if rule not in LR_RULES:
+        raise ValueError(f"lr_rule {rule!r} is not allowed; allowed: {', '.join(LR_RULES)}")
+
+
+def format_lr(lr: float) -> str:
+    """``3e-4`` → ``'3e-4'``, ``4.2426e-4`` → ``'4.24e-4'``, ``0.01`` → ``'0.01'``."""
+    if lr == 0 or 1e-3 <= abs(lr) < 1e3:
+        return f"{lr:.3g}"
+    mantissa, exponent = f"{lr:.2e}".split("e")
+    mantissa = mantissa.rstrip("0").rstrip(".")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def format_batch_change(
+    old_batch: int, new_batch: int, position: int, unit: str, lr_old: float, lr_new: float, rule: str
+) -> str:
+    """The log line of a batch change, e.g. ``global batch 256 -> 512 at 2,000,000,000 tokens; lr 3e-4 -> 4.24e-4 (sqrt)``."""
+    return (
+        f"global batch {fmt_int(old_batch)} -> {fmt_int(new_batch)} at {fmt_int(position)} {unit}s; "
+        f"lr {format_lr(lr_old)} -> {format_lr(lr_new)} ({rule})"
+    )
+
+
+class BatchSchedule:
+    """A global batch (samples per optimizer step) as a function of the schedule position.
+
+    Subclasses set :attr:`unit` and :attr:`lr_rule` and implement :meth:`batch_at`
+    and :meth:`all_batches`.
+    """
+
+    unit: str
+    """``"token"`` (loss-bearing tokens) or ``"sample"``: what positions count."""
+    lr_rule: str
+    """How the LR follows the batch: ``"sqrt"``, ``"linear"`` or ``"none"``."""
+
+    def batch_at(self, position: int) -> int:
+        """The global batch, in samples, once ``position`` units have been trained on."""
+        raise NotImplementedError
+
+    def all_batches(self) -> list[int]:
+        """Every global batch this schedule can produce, ascending (for up-front geometry checks)."""
+        raise NotImplementedError
+
+    @property
+    def first_batch(self) -> int:
+        """The batch at position 0; LR multipliers are relative to it."""
+        return self.batch_at(0)
+
+    def lr_multiplier(self, global_batch: int) -> float:
+        """``scale_lr(1, first_batch, global_batch, lr_rule)``: the factor on the base LR."""
+        return scale_lr(1.0, self.first_batch, global_batch, self.lr_rule)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepBatchSchedule(BatchSchedule):
+    """Piecewise-constant global batch (Megatron-LM ``--step-batch-size-schedule``)."""
+
+    steps: tuple[tuple[int, int], ...]
+    """``(threshold, global_batch)`` pairs: from ``threshold`` consumed units on, use ``global_batch``."""
+    unit: str = "token"
+    """What thresholds count: ``"token"`` (loss-bearing tokens) or ``"sample"``."""
+    lr_rule: str = "sqrt"
+    """LR rule applied at each change: ``"sqrt"`` (Adam-type), ``"linear"`` (SGD) or ``"none"``."""
+
+    def __post_init__(self) -> None:
+        _check_unit(self.unit)
+        _check_rule(self.lr_rule)
+        if not self.steps:
+            raise ValueError("batch schedule is empty; allowed: at least one THRESHOLD:BATCH entry starting at 0")
+        for t, b in self.steps:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"batch schedule threshold {t!r} is not allowed; allowed: a whole number >= 0")
+            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+                raise ValueError(f"batch schedule batch {b!r} is not allowed; allowed: a whole number >= 1")
+        if self.steps[0][0] != 0:
+            raise ValueError(f"batch schedule first threshold {fmt_int(self.steps[0][0])} is not allowed; allowed: 0")
+        for (t0, b0), (t1, b1) in zip(self.steps, self.steps[1:]):
+            if t1 <= t0:
+                raise ValueError(
+                    f"batch schedule thresholds {fmt_int(t0)} then {fmt_int(t1)} are not strictly increasing"
+                )
+            if b1 <= b0:
+                raise ValueError(
+                    f"batch schedule batch {b0} then {b1} at {fmt_int(t1)} does not grow; allowed: each batch > the previous"
+                )
+
+    def batch_at(self, position: int) -> int:
+        if position < 0:
+            raise ValueError(f"position {position} is not allowed; allowed: >= 0")
+        batch = self.steps[0][1]
+        for threshold, b in self.steps:
+            if position >= threshold:
+                batch = b
+            else:
+                break
+        return batch
+
+    def all_batches(self) -> list[int]:
+        return [b for _, b in self.steps]
+
+    def __str__(self) -> str:
+        return " ".join(f"{t}:{b}" for t, b in self.steps)
+
+
+_ENTRY = re.compile(r"^\s*([^:\s]+)\s*:\s*([^:\s]+)\s*$")
+
+
+def parse_step_schedule(text: str, *, unit: str = "token", lr_rule: str = "sqrt") -> StepBatchSchedule:
+    """Parse ``"0:256 2B:512 8B:1024"`` (spaces or commas between entries).
+
+    Thresholds accept K/M/B/T decimal suffixes; batches are whole samples.
+    Raises a one-line ``ValueError`` naming the offending entry.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"batch schedule {text!r} is empty; allowed: entries THRESHOLD:BATCH, e.g. '0:256 2B:512'")
+    steps = []
+    for entry in re.split(r"[\s,]+", text.strip()):
+        m = _ENTRY.match(entry)
+        if m is None:
+            raise ValueError(
+                f"batch schedule entry {entry!r} is not THRESHOLD:BATCH; allowed: e.g. '0:256 2B:512 8B:1024'"
+            )
+        threshold = parse_count(m.group(1), "batch schedule threshold")
+        batch = parse_count(m.group(2), "batch schedule batch")
+        steps.append((threshold, batch))
+    return StepBatchSchedule(steps=tuple(steps), unit=unit, lr_rule=lr_rule)
+
+
+def constant_batch(global_batch: int, *, unit: str = "token") -> StepBatchSchedule:
+    """A schedule that never changes: ``0:global_batch``."""
+    return StepBatchSchedule(steps=((0, global_batch),), unit=unit, lr_rule="none")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RampupBatchSchedule(BatchSchedule):
+    """Linear batch ramp-up in equal increments (Megatron-LM ``--rampup-batch-size``)."""
+
+    start: int
+    """Global batch (samples) at position 0."""
+    increment: int
+    """Samples added at each ramp step."""
+    ramp: int
+    """Units (tokens or samples) over which the batch grows from ``start`` to ``final``."""
+    final: int
+    """Global batch from ``ramp`` units on."""
+    unit: str = "sample"
+    """What ``ramp`` counts: ``"token"`` (loss-bearing tokens) or ``"sample"``."""
+    lr_rule: str = "sqrt"
+    """LR rule applied at each change: ``"sqrt"``, ``"linear"`` or ``"none"``."""
+
+    def __post_init__(self) -> None:
+        _check_unit(self.unit)
+        _check_rule(self.lr_rule)
+        for name in ("start", "increment", "ramp", "final"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"rampup {name} {v!r} is not allowed; allowed: a whole number >= 1")
+        if self.final <= self.start:
+            raise ValueError(f"rampup final {self.final} is not allowed; allowed: > start {self.start}")
+        if (self.final - self.start) % self.increment:
+            raise ValueError(
+                f"rampup interval final {self.final} - start {self.start} = {self.final - self.start} "
+                f"is not divisible by increment {self.increment}"
+            )
+
+    @property
+    def num_increments(self) -> int:
+        """``(final − start) / increment``."""
+        return (self.final - self.start) // self.increment
+
+    def batch_at(self, position: int) -> int:
+        if position < 0:
+            raise ValueError(f"position {position} is not allowed; allowed: >= 0")
+        if position >= self.ramp:
+            return self.final
+        # floor(position / (ramp / n)) in exact integer arithmetic
+        steps = position * self.num_increments // self.ramp
+        return min(self.start + steps * self.increment, self.final)
+
+    def all_batches(self) -> list[int]:
+        return list(range(self.start, self.final + 1, self.increment))
+
+
+# ---------------------------------------------------------------------------
+# LR schedules over tokens (or samples)
+# ---------------------------------------------------------------------------
+
+
+def _shape_constant(progress: float, decay_fraction: float) -> float:
+    return 1.0
+
+
+def _shape_linear(progress: float, decay_fraction: float) -> float:
+    return 1.0 - progress
+
+
+def _shape_cosine(progress: float, decay_fraction: float) -> float:
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _shape_wsd(progress: float, decay_fraction: float) -> float:
+    # stable until the last `decay_fraction` of the post-warmup span, then linear to 0
+    start = 1.0 - decay_fraction
+    if progress <= start:
+        return 1.0
+    return max(0.0, (1.0 - progress) / decay_fraction)
+
+
+LR_SHAPES: dict[str, Callable[[float, float], float]] = {
+    "constant": _shape_constant,
+    "linear": _shape_linear,
+    "cosine": _shape_cosine,
+    "wsd": _shape_wsd,
+}
+"""Post-warmup shapes: progress in [0, 1] → factor in [0, 1], mapped onto [min_lr_ratio, 1]."""
+
+
+def list_lr_shapes() -> list[str]:
+    """Names accepted by :attr:`TokenLRSchedule.shape`."""
+    return sorted(LR_SHAPES)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenLRSchedule:
+    """Learning rate as a function of trained tokens (or samples), not optimizer steps.
+
+    ``lr_at(p)``: linear warmup ``peak_lr × p / warmup`` for ``p < warmup``; then
+    ``peak_lr × (r + (1 − r) × shape(progress))`` with ``r = min_lr_ratio`` and
+    ``progress = (p − warmup) / (total − warmup)`` clamped to [0, 1]. The step driver
+    evaluates it at the position *after* the step it applies to, so the first step
+    of a warmup has a small non-zero LR.
+    """
+
+    peak_lr: float
+    """LR after warmup (before any batch-schedule multiplier)."""
+    total: int
+    """Units (tokens or samples) at which the decay ends; beyond it the LR stays at ``min_lr_ratio × peak_lr``."""
+    warmup: int = 0
+    """Units of linear warmup from 0 to ``peak_lr``."""
+    shape: str = "cosine"
+    """Post-warmup shape: ``"constant"``, ``"linear"``, ``"cosine"`` or ``"wsd"`` (warmup-stable-decay)."""
+    min_lr_ratio: float = 0.0
+    """Final LR as a fraction of ``peak_lr``."""
+    decay_fraction: float = 0.2
+    """WSD only: fraction of the post-warmup span spent decaying (linearly) at the end."""
+    unit: str = "token"
+    """What positions count: ``"token"`` (loss-bearing tokens) or ``"sample"``."""
+
+    def __post_init__(self) -> None:
+        _check_unit(self.unit)
+        if self.shape not in LR_SHAPES:
+            raise ValueError(f"lr shape {self.shape!r} is not allowed; allowed: {', '.join(list_lr_shapes())}")
+        if not (isinstance(self.peak_lr, (int, float)) and self.peak_lr > 0 and math.isfinite(self.peak_lr)):
+            raise ValueError(f"peak_lr {self.peak_lr!r} is not allowed; allowed: a finite number > 0")
+        for name in ("total", "warmup"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} {v!r} is not allowed; allowed: a whole number of {self.unit}s >= 0")
+        if self.total < 1:
+            raise ValueError(f"total {self.total} is not allowed; allowed: >= 1 {self.unit}")
+        if self.warmup > self.total:
+            raise ValueError(f"warmup {fmt_int(self.warmup)} is not allowed; allowed: <= total {fmt_int(self.total)}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio {self.min_lr_ratio} is not allowed; allowed: 0 <= ratio <= 1")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ValueError(f"decay_fraction {self.decay_fraction} is not allowed; allowed: 0 < fraction <= 1")
+
+    def factor_at(self, position: float) -> float:
+        """``lr_at(position) / peak_lr``."""
+        if position < 0:
+            raise ValueError(f"position {position} is not allowed; allowed: >= 0")
+        if position < self.warmup:
+            return position / self.warmup
+        span = self.total - self.warmup
+        progress = 1.0 if span == 0 else min(1.0, (position - self.warmup) / span)
+        r = self.min_lr_ratio
+        return r + (1.0 - r) * LR_SHAPES[self.shape](progress, self.decay_fraction)
+
+    def lr_at(self, position: float) -> float:
+        """The learning rate once ``position`` units have been trained on."""
+        return self.peak_lr * self.factor_at(position)
+

@@ -1,0 +1,339 @@
+"""Tests of globalbatch.step: exact accumulation, skip on non-finite, resume, schedules in the driver.
+
+Single-process checks here; the same equivalences across 2 DDP ranks run in
+``tests/dist/step_equivalence_script.py`` (marked ``dist``).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from globalbatch.schedule import TokenLRSchedule, parse_step_schedule
+from globalbatch.step import (
+    NonFiniteError,
+    StepConfig,
+    StepDriver,
+    load_checkpoint,
+    plan_for_world,
+    save_checkpoint,
+)
+from conftest import run_torchrun
+
+_DIST = Path(__file__).parent / "dist"
+_spec = importlib.util.spec_from_file_location("step_common", _DIST / "step_common.py")
+sc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sc)
+
+
+def _driver(model, opt, *, micro=2, global_batch=16, clip=None, k=8, **kw):
+    return StepDriver(model, opt, StepConfig(micro_batch=micro, global_batch=global_batch,
+                                             max_grad_norm=clip, max_consecutive_skips=k), **kw)
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def test_plan_for_world_derives_accum_and_refuses_non_dividing_world():
+    g = plan_for_world(16, 2, 2)
+    assert (g.global_batch, g.micro_batch, g.grad_accum_steps, g.dp_world_size) == (16, 2, 4, 2)
+    with pytest.raises(ValueError, match=r"global batch 16 is not divisible by micro_batch 2 × dp 3 = 6"):
+        plan_for_world(16, 2, 3)
+
+
+def test_driver_refuses_schedule_batch_that_does_not_divide():
+    model = sc.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = parse_step_schedule("0:8 1K:12", unit="token")
+    with pytest.raises(ValueError, match="global batch 12 is not divisible by micro_batch 8"):
+        StepDriver(model, opt, StepConfig(micro_batch=8, batch_schedule=sched))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(micro_batch=0, global_batch=4), "micro_batch 0"),
+    (dict(micro_batch=2), "exactly one"),
+    (dict(micro_batch=2, global_batch=4, batch_schedule=parse_step_schedule("0:4")), "exactly one"),
+    (dict(micro_batch=2, global_batch=4, max_grad_norm=0.0), "max_grad_norm 0.0"),
+    (dict(micro_batch=2, global_batch=4, max_consecutive_skips=0), "max_consecutive_skips 0"),
+    (dict(micro_batch=2, batch_schedule="0:4"), "parse strings"),
+])
+def test_step_config_errors_quote_the_value(kw, match):
+    with pytest.raises(ValueError, match=match):
+        StepConfig(**kw)
+
+
+# --------------------------------------------------------------------------- equivalence
+
+
+def _run_accum_vs_full(dtype, *, micro, steps, clip, window_sizes):
+    """Driver (micro-batches of ``micro``) vs one full-batch forward, over several windows."""
+    torch.manual_seed(0)
+    base = sc.build_model(dtype=dtype)
+    ours, opt = sc.clone_model_opt(base)
+    ref, ref_opt = sc.clone_model_opt(base)
+    probe = sc.GradProbe(ours)
+    drv = _driver(ours, opt, micro=micro, global_batch=16, clip=clip, callbacks=[probe])
+    seqs = sc.make_sequences(sum(window_sizes), seed=1)
+    start, ref_grads, norms = 0, [], []
+    for n in window_sizes[:steps]:
+        window = seqs[start:start + n]
+        start += n
+        mbs = sc.micro_batches(window, micro)
+        res = drv.run_window(mbs, sc.loss_fn, samples_per_micro=sc.samples_of(mbs))
+        assert not res.skipped and res.global_samples == n
+        ref_grads.append(sc.reference_step(ref, ref_opt, window, clip))
+        norms.append(res.grad_norm)
+    return ours, ref, probe, ref_grads, norms, seqs
+
+
+def test_accumulation_equals_full_batch_float64_adamw_clipped():
+    # micro 2 × accum 8 = 16, then a short last window of 5 samples (accum 3, last micro of 1)
+    ours, ref, probe, ref_grads, norms, seqs = _run_accum_vs_full(
+        torch.float64, micro=2, steps=4, clip=0.2, window_sizes=[16, 16, 16, 5])
+    for got, want in zip(probe.window, ref_grads):
+        assert sc.max_abs_diff(got, want) < 1e-10
+    assert all(n > 0.2 for n in norms), norms  # clipping was active in every step
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-10, rtol=0)
+    # the naive mean of micro-batch means differs measurably on this ragged data
+    naive = sc.naive_grads(copy.deepcopy(sc.build_model()), sc.chunks(seqs[:16], 2))
+    exact = sc.full_batch_grads(copy.deepcopy(sc.build_model()), seqs[:16])
+    assert sc.max_rel_diff(naive, exact) > 1e-3
+
+
+def test_accumulation_equals_full_batch_float32():
+    ours, ref, probe, ref_grads, _, _ = _run_accum_vs_full(
+        torch.float32, micro=4, steps=3, clip=None, window_sizes=[16, 16, 16])
+    for got, want in zip(probe.window, ref_grads):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
+
+
+def test_callback_grad_state_running_sum_then_normalized():
+    model = sc.build_model()
+    probe = sc.GradProbe(model)
+    drv = _driver(model, torch.optim.SGD(model.parameters(), lr=0.1), micro=2, global_batch=4, callbacks=[probe])
+    seqs = sc.make_sequences(4, seed=3)
+    twin = copy.deepcopy(model)
+    drv.run_window(sc.micro_batches(seqs, 2), sc.loss_fn)
+    # on_micro_backward after micro 0: ∇ loss_sum(micro 0), un-normalized
+    twin.zero_grad()
+    l0, c0 = sc.loss_fn(twin, sc.collate(seqs[:2]))
+    l0.backward()
+    assert sc.max_abs_diff(probe.micro[0], [p.grad for p in twin.parameters()]) < 1e-12
+    # after micro 1: the running sum ∇(loss_sum0 + loss_sum1)
+    l1, c1 = sc.loss_fn(twin, sc.collate(seqs[2:]))
+    l1.backward()
+    assert sc.max_abs_diff(probe.micro[1], [p.grad for p in twin.parameters()]) < 1e-12
+    # on_window_end: normalized by the global count, before the optimizer step
+    exact = sc.full_batch_grads(copy.deepcopy(sc.build_model()), seqs)
+    assert sc.max_abs_diff(probe.window[0], exact) < 1e-12
+    assert probe.counts[0] == (float(c0 + c1), float(c0 + c1))
+
+
+def test_grad_scaler_path_matches_unscaled_path():
+    base = sc.build_model(dtype=torch.float32)
+    seqs = sc.make_sequences(32, seed=2)
+    runs = []
+    for use_scaler in (False, True):
+        model, opt = sc.clone_model_opt(base)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if use_scaler else None
+        drv = _driver(model, opt, micro=4, global_batch=16, clip=0.5, scaler=scaler)
+        for w in sc.chunks(seqs, 16):
+            res = drv.run_window(sc.micro_batches(w, 4), sc.loss_fn)
+            assert not res.skipped
+        runs.append(model)
+    for p, q in zip(runs[0].parameters(), runs[1].parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+def test_step_result_reports_global_loss_per_token():
+    model = sc.build_model()
+    drv = _driver(model, torch.optim.SGD(model.parameters(), lr=0.0 + 1e-9), micro=2, global_batch=6)
+    seqs = sc.make_sequences(6, seed=5)
+    with torch.no_grad():
+        loss, count = sc.loss_fn(model, sc.collate(seqs))
+    res = drv.run_window(sc.micro_batches(seqs, 2), sc.loss_fn)
+    assert res.global_units == int(count) and res.global_samples == 6
+    assert math.isclose(res.loss_per_unit, float(loss / count), rel_tol=1e-12)
+    assert res.step == 1 and res.window == 1 and drv.consumed_units == int(count)
+
+
+def test_step_without_backward_is_an_error():
+    model = sc.build_model()
+    drv = _driver(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match="no micro-batch"):
+        drv.step()
+
+
+# --------------------------------------------------------------------------- non-finite
+
+
+class _Poison:
+    """Callback that turns one micro-batch's gradient into inf."""
+
+    def __init__(self, at: set[tuple[int, int]]):
+        self.at, self.window = at, 0
+
+    def on_micro_backward(self, driver, micro_index, local_count):
+        if (self.window, micro_index) in self.at:
+            next(driver.model.parameters()).grad.fill_(float("inf"))
+
+    def on_step_end(self, driver, result):
+        self.window += 1
+
+
+@pytest.mark.parametrize("how", ["nan_loss", "inf_grad", "empty_window"])
+def test_non_finite_window_is_skipped_and_state_untouched(how, caplog):
+    model, opt = sc.clone_model_opt(sc.build_model())
+    poison = _Poison({(1, 1)} if how == "inf_grad" else set())
+    sched = TokenLRSchedule(peak_lr=1e-2, warmup=200, total=1000)
+    drv = _driver(model, opt, micro=2, global_batch=4, clip=1.0, callbacks=[poison], lr_schedule=sched)
+    seqs = sc.make_sequences(12, seed=4)
+    drv.run_window(sc.micro_batches(seqs[:4], 2), sc.loss_fn)
+    params = [p.detach().clone() for p in model.parameters()]
+    opt_state = copy.deepcopy(opt.state_dict())
+    trained, lr = drv.trained_units, opt.param_groups[0]["lr"]
+
+    def bad_loss(m, batch):
+        loss, count = sc.loss_fn(m, batch)
+        if how == "nan_loss":
+            loss = loss * float("nan")
+        if how == "empty_window":
+            return loss * 0, count * 0
+        return loss, count
+
+    mbs = sc.micro_batches(seqs[4:8], 2)
+    with caplog.at_level(logging.WARNING, logger="globalbatch.step"):
+        res = drv.run_window(mbs, bad_loss if how != "inf_grad" else sc.loss_fn)
+    assert res.skipped and drv.skipped_windows == 1 and drv.consecutive_skips == 1
+    assert drv.optimizer_steps == 1 and drv.windows == 2
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    assert sc.optimizer_state_equal(opt, _opt_from(model, opt_state))
+    assert drv.trained_units == trained and opt.param_groups[0]["lr"] == lr
+    assert "optimizer step 1 (window 2) skipped" in caplog.text
+    assert all(p.grad is None for p in model.parameters())
+    # the next good window steps again and resets the consecutive counter
+    res = drv.run_window(sc.micro_batches(seqs[8:12], 2), sc.loss_fn)
+    assert not res.skipped and drv.consecutive_skips == 0 and drv.optimizer_steps == 2
+
+
+def _opt_from(model, state):
+    o = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    o.load_state_dict(state)
+    return o
+
+
+def test_k_consecutive_skips_raise():
+    model, opt = sc.clone_model_opt(sc.build_model())
+    drv = _driver(model, opt, micro=2, global_batch=4, k=3)
+    seqs = sc.make_sequences(4, seed=6)
+
+    def nan_loss(m, batch):
+        loss, count = sc.loss_fn(m, batch)
+        return loss * float("nan"), count
+
+    for _ in range(2):
+        assert drv.run_window(sc.micro_batches(seqs, 2), nan_loss).skipped
+    with pytest.raises(NonFiniteError, match="3 consecutive windows skipped"):
+        drv.run_window(sc.micro_batches(seqs, 2), nan_loss)
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def _train(model, opt, drv, seqs, start_window, n_windows, per_window=8, micro=2):
+    for w in range(start_window, start_window + n_windows):
+        window = seqs[w * per_window:(w + 1) * per_window]
+        drv.run_window(sc.micro_batches(window, micro), sc.loss_fn)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_resume_is_bitwise_identical(tmp_path, dtype):
+    seqs = sc.make_sequences(8 * 6, seed=7)
+    sched = TokenLRSchedule(peak_lr=1e-2, warmup=100, total=600, shape="cosine")
+    bsched = parse_step_schedule("0:4 50:8", unit="token")
+
+    def fresh():
+        model, opt = sc.clone_model_opt(sc.build_model(dtype=dtype))
+        drv = StepDriver(model, opt, StepConfig(micro_batch=2, batch_schedule=bsched, max_grad_norm=0.5),
+                         lr_schedule=sched)
+        return model, opt, drv
+
+    def run(model, opt, drv, windows):
+        consumed = drv.consumed_samples
+        for _ in range(windows):
+            gb = drv.global_batch
+            window = seqs[consumed:consumed + gb]
+            consumed += gb
+            drv.run_window(sc.micro_batches(window, 2), sc.loss_fn)
+
+    m1, o1, d1 = fresh()
+    run(m1, o1, d1, 6)
+    m2, o2, d2 = fresh()
+    run(m2, o2, d2, 2)
+    path = tmp_path / "ck" / "step.pt"
+    save_checkpoint(path, m2, o2, d2, extra={"note": "k=2"})
+    assert [p.name for p in path.parent.iterdir()] == ["step.pt"]  # no temporary left behind
+    m3, o3, d3 = fresh()
+    assert load_checkpoint(path, m3, o3, d3) == {"note": "k=2"}
+    run(m3, o3, d3, 4)
+    assert d1.global_batch == 8  # the batch schedule switched during the run
+    assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), m3.parameters()))
+    assert sc.optimizer_state_equal(o1, o3)
+    assert d1.state_dict() == d3.state_dict()
+    torch.load(path, weights_only=True)  # loadable without unpickling arbitrary objects
+
+
+# --------------------------------------------------------------------------- schedules in the driver
+
+
+def test_batch_schedule_switches_at_threshold_and_rescales_lr(caplog):
+    model = sc.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    bsched = parse_step_schedule("0:2 60:4 120:8", unit="token", lr_rule="sqrt")
+    drv = StepDriver(model, opt, StepConfig(micro_batch=2, batch_schedule=bsched))
+    seqs = sc.make_sequences(60, seed=8)
+    consumed, seen = 0, []
+    with caplog.at_level(logging.INFO, logger="globalbatch.step"):
+        for _ in range(10):
+            before = drv.trained_units
+            gb = drv.global_batch
+            expected = 2 if before < 60 else 4 if before < 120 else 8
+            assert gb == expected, (before, gb)
+            res = drv.run_window(sc.micro_batches(seqs[consumed:consumed + gb], 2), sc.loss_fn)
+            consumed += gb
+            seen.append((res.global_batch, res.lr))
+    lrs = {gb: lr for gb, lr in seen}
+    assert set(lrs) == {2, 4, 8}
+    assert math.isclose(lrs[4], 0.01 * math.sqrt(2), rel_tol=1e-12)
+    assert math.isclose(lrs[8], 0.01 * 2, rel_tol=1e-12)
+    assert "global batch 2 -> 4 at" in caplog.text and "lr 0.01 -> 0.0141 (sqrt)" in caplog.text
+
+
+def test_token_lr_schedule_applied_at_position_after_step():
+    model = sc.build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = TokenLRSchedule(peak_lr=1e-3, warmup=500, total=2000, shape="linear")
+    drv = StepDriver(model, opt, StepConfig(micro_batch=2, global_batch=4), lr_schedule=sched)
+    seqs = sc.make_sequences(16, seed=9)
+    for w in sc.chunks(seqs, 4):
+        res = drv.run_window(sc.micro_batches(w, 2), sc.loss_fn)
+        assert res.lr == pytest.approx(sched.lr_at(drv.trained_units), rel=1e-15)
+
+
+@pytest.mark.dist
+def test_distributed_equivalence_skip_and_fsdp():
+    proc = run_torchrun(_DIST / "step_equivalence_script.py")
+    out = proc.stdout
+    for check in ("ddp-float64", "ddp-float32", "ddp-short-window", "ddp-uneven-ranks",
+                  "ddp-no-sync-deferred", "ddp-nan-skip", "ddp-k-skips-raise", "ddp-resume"):
+        assert f"PASS {check}" in out, out[-3000:]
