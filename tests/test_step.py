@@ -331,9 +331,9 @@ def test_token_lr_schedule_applied_at_position_after_step():
 
 
 @pytest.mark.dist
-def test_distributed_equivalence_skip_and_fsdp():
-    proc = run_torchrun(_DIST / "step_equivalence_script.py")
+def test_distributed_equivalence_skip_resume_fsdp2(tmp_path):
+    proc = run_torchrun(_DIST / "step_equivalence_script.py", str(tmp_path))
     out = proc.stdout
     for check in ("ddp-float64", "ddp-float32", "ddp-short-window", "ddp-uneven-ranks",
-                  "ddp-no-sync-deferred", "ddp-nan-skip", "ddp-k-skips-raise", "ddp-resume"):
+                  "ddp-no-sync-deferred", "ddp-nan-skip", "ddp-k-skips-raise", "ddp-resume", "fsdp2-float64"):
         assert f"PASS {check}" in out, out[-3000:]

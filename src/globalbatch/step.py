@@ -262,6 +262,8 @@ class StepDriver:
 
         self._reset_window()
         self._t_last: Optional[float] = None
+        # log on rank 0 only: skips and batch changes are agreed on by all ranks
+        self._log = dist.get_rank() == 0 if dist.is_available() and dist.is_initialized() else True
 
     # ------------------------------------------------------------------ plan
 
@@ -455,10 +457,11 @@ class StepDriver:
         self.consecutive_skips += 1
         if self.scaler is not None:
             self.scaler.update()  # back off the loss scale; no optimizer step
-        logger.warning(
-            "optimizer step %d (window %d) skipped on all ranks: %s (%d consecutive, %d total)",
-            self.optimizer_steps, self.windows, "; ".join(reasons), self.consecutive_skips, self.skipped_windows,
-        )
+        if self._log:
+            logger.warning(
+                "optimizer step %d (window %d) skipped on all ranks: %s (%d consecutive, %d total)",
+                self.optimizer_steps, self.windows, "; ".join(reasons), self.consecutive_skips, self.skipped_windows,
+            )
 
     def _apply(self, units: int, samples: int) -> float:
         """Set the LR, step the optimizer, advance the schedule position; returns the LR used."""
@@ -501,8 +504,9 @@ class StepDriver:
             for g in self.optimizer.param_groups:
                 g["lr"] = float(g["lr"]) * ratio
             lr_new = float(self.optimizer.param_groups[0]["lr"])
-        logger.info(format_batch_change(
-            self.global_batch, new_batch, pos, self.schedule.unit, lr_old, lr_new, self.schedule.lr_rule))
+        if self._log:
+            logger.info(format_batch_change(
+                self.global_batch, new_batch, pos, self.schedule.unit, lr_old, lr_new, self.schedule.lr_rule))
         self.global_batch = new_batch
         self.batch_lr_mult = new_mult
 
