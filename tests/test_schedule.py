@@ -1,0 +1,186 @@
+"""Tests of globalbatch.schedule: step and ramp-up batch schedules, LR schedules over tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from globalbatch.schedule import (
+    RampupBatchSchedule,
+    StepBatchSchedule,
+    TokenLRSchedule,
+    constant_batch,
+    format_batch_change,
+    format_lr,
+    list_lr_shapes,
+    parse_step_schedule,
+)
+
+B = 1_000_000_000
+
+
+def test_parse_megatron_step_schedule():
+    s = parse_step_schedule("0:256 2B:512 8B:1024")
+    assert s.steps == ((0, 256), (2 * B, 512), (8 * B, 1024))
+    assert s.unit == "token" and s.lr_rule == "sqrt"
+    assert [s.batch_at(p) for p in (0, 2 * B - 1, 2 * B, 8 * B - 1, 8 * B, 10**15)] == [256, 256, 512, 512, 1024, 1024]
+    assert parse_step_schedule("0:8, 1.5K:16,3M:32", unit="sample").steps == ((0, 8), (1500, 16), (3_000_000, 32))
+    assert s.all_batches() == [256, 512, 1024] and str(parse_step_schedule("0:4 10:8")) == "0:4 10:8"
+
+
+@pytest.mark.parametrize("text, match", [
+    ("", "is empty"),
+    ("   ", "is empty"),
+    ("0:256 2B", "entry '2B' is not THRESHOLD:BATCH"),
+    ("0:256 2B:512:3", "entry '2B:512:3'"),
+    ("1K:256 2B:512", "first threshold 1,000 is not allowed; allowed: 0"),
+    ("0:256 2B:512 2B:1024", "thresholds 2,000,000,000 then 2,000,000,000 are not strictly increasing"),
+    ("0:256 2B:512 1B:1024", "not strictly increasing"),
+    ("0:512 2B:256", "batch 512 then 256 at 2,000,000,000 does not grow"),
+    ("0:256 2B:256", "does not grow"),
+    ("0:256 2X:512", "threshold '2X'"),
+    ("0:0", "batch 0 is not allowed"),
+    ("0:2.5", "2.5"),
+])
+def test_parse_errors_are_one_line_value_errors(text, match):
+    with pytest.raises(ValueError, match=match) as info:
+        parse_step_schedule(text)
+    assert "\n" not in str(info.value)
+
+
+def test_schedule_unit_and_rule_are_checked():
+    with pytest.raises(ValueError, match="unit 'epoch' is not allowed; allowed: token, sample"):
+        parse_step_schedule("0:4", unit="epoch")
+    with pytest.raises(ValueError, match="lr_rule 'cubic' is not allowed; allowed: linear, sqrt, none"):
+        parse_step_schedule("0:4", lr_rule="cubic")
+
+
+@pytest.mark.parametrize("rule, mult", [("sqrt", math.sqrt(4)), ("linear", 4.0), ("none", 1.0)])
+def test_lr_multiplier_follows_the_rule_relative_to_first_batch(rule, mult):
+    s = parse_step_schedule("0:256 1M:1024", lr_rule=rule)
+    assert s.lr_multiplier(256) == 1.0
+    assert s.lr_multiplier(1024) == pytest.approx(mult, rel=1e-15)
+
+
+def test_constant_batch_never_changes():
+    s = constant_batch(64)
+    assert s.batch_at(0) == s.batch_at(10**18) == 64 and s.all_batches() == [64]
+
+
+def test_rampup_matches_megatron_example():
+    # Megatron-LM --rampup-batch-size 16 8 300000 with --global-batch-size 1024:
+    # 126 increments of 300000/126 ≈ 2380.95 samples each
+    r = RampupBatchSchedule(start=16, increment=8, ramp=300_000, final=1024)
+    assert r.num_increments == 126
+    for k in range(1, 127):
+        boundary = math.ceil(k * 300_000 / 126)  # first position of increment k
+        assert r.batch_at(boundary) == 16 + 8 * k
+        assert r.batch_at(boundary - 1) == 16 + 8 * (k - 1)
+    assert r.batch_at(0) == 16 and r.batch_at(300_000) == 1024 and r.batch_at(10**12) == 1024
+    assert r.all_batches() == list(range(16, 1025, 8))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(start=16, increment=10, ramp=100, final=1024), "1008 is not divisible by increment 10"),
+    (dict(start=64, increment=8, ramp=100, final=64), "final 64 is not allowed; allowed: > start 64"),
+    (dict(start=16, increment=8, ramp=0, final=1024), "rampup ramp 0"),
+])
+def test_rampup_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        RampupBatchSchedule(**kw)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 10**6), min_size=1, max_size=20), st.integers(1, 50), st.integers(1, 8),
+       st.integers(1, 10**5))
+def test_batch_schedules_only_grow(positions, start, steps, ramp):
+    r = RampupBatchSchedule(start=start, increment=3, ramp=ramp, final=start + 3 * steps)
+    s = parse_step_schedule("0:2 1K:4 100K:8")
+    for sched in (r, s):
+        values = [sched.batch_at(p) for p in sorted(positions)]
+        assert values == sorted(values)
+        assert set(values) <= set(sched.all_batches())
+
+
+def test_batch_change_log_line():
+    line = format_batch_change(256, 512, 2 * B, "token", 3e-4, 3e-4 * math.sqrt(2), "sqrt")
+    assert line == "global batch 256 -> 512 at 2,000,000,000 tokens; lr 3e-4 -> 4.24e-4 (sqrt)"
+    assert format_batch_change(8, 16, 1500, "sample", 0.1, 0.2, "linear") == (
+        "global batch 8 -> 16 at 1,500 samples; lr 0.1 -> 0.2 (linear)")
+
+
+@pytest.mark.parametrize("lr, text", [(3e-4, "3e-4"), (6e-5, "6e-5"), (1.2345e-4, "1.23e-4"), (0.01, "0.01"),
+                                      (0.00141421, "0.00141"), (0.0, "0"), (2.0, "2")])
+def test_format_lr(lr, text):
+    assert format_lr(lr) == text
+
+
+# --------------------------------------------------------------------------- LR schedules
+
+
+@pytest.mark.parametrize("shape", list_lr_shapes())
+def test_lr_shapes_warm_up_then_end_at_min(shape):
+    s = TokenLRSchedule(peak_lr=1e-3, warmup=1000, total=11_000, shape=shape, min_lr_ratio=0.1)
+    assert s.lr_at(0) == 0.0
+    assert s.lr_at(500) == pytest.approx(5e-4, rel=1e-15)  # linear warmup: half-way, half the peak
+    assert s.lr_at(1000) == pytest.approx(1e-3, rel=1e-15)
+    end = 1e-3 if shape == "constant" else 1e-4
+    assert s.lr_at(11_000) == pytest.approx(end, rel=1e-12)
+    assert s.lr_at(10**9) == pytest.approx(end, rel=1e-12)
+    after = [s.lr_at(p) for p in range(1000, 12_000, 250)]
+    assert all(a >= b for a, b in zip(after, after[1:]))  # never increases after warmup
+
+
+def test_lr_shape_values_by_hand():
+    # cosine half-way: r + (1 - r)·½(1 + cos(π/2)) = 0.1 + 0.9·0.5 = 0.55 of peak
+    cos = TokenLRSchedule(peak_lr=1.0, warmup=0, total=1000, shape="cosine", min_lr_ratio=0.1)
+    assert cos.lr_at(500) == pytest.approx(0.55, rel=1e-15)
+    # linear a quarter in: 1 − 0.25 = 0.75
+    lin = TokenLRSchedule(peak_lr=1.0, warmup=0, total=1000, shape="linear")
+    assert lin.lr_at(250) == pytest.approx(0.75, rel=1e-15)
+    # WSD with the last 20 % decaying: stable until 800, half-way down at 900
+    wsd = TokenLRSchedule(peak_lr=1.0, warmup=0, total=1000, shape="wsd", decay_fraction=0.2)
+    assert wsd.lr_at(799) == 1.0 and wsd.lr_at(800) == 1.0
+    assert wsd.lr_at(900) == pytest.approx(0.5, rel=1e-12)
+    assert wsd.factor_at(1000) == 0.0
+
+
+def test_token_warmup_is_identical_across_batch_sizes():
+    """LR as a function of tokens is the same whatever batch walks along it; a step-based warmup is not."""
+    sched = TokenLRSchedule(peak_lr=3e-4, warmup=8192, total=100_000, shape="cosine")
+    small, large = 256, 1024  # tokens per optimizer step
+    lr_small = {small * k: sched.lr_at(small * k) for k in range(1, 200)}
+    lr_large = {large * k: sched.lr_at(large * k) for k in range(1, 50)}
+    common = sorted(set(lr_small) & set(lr_large))
+    assert len(common) == 49
+    assert all(lr_small[t] == lr_large[t] for t in common)
+    # the step-based equivalent (warmup = 32 steps, tuned at the small batch) reaches the peak
+    # after 32 × 1024 = 32,768 tokens at the large batch: 4× later, so it differs at 4,096 tokens
+    step_warmup = 32
+    step_lr_large_at_4096 = 3e-4 * (4096 // large) / step_warmup
+    assert lr_large[4096] == pytest.approx(3e-4 * 4096 / 8192, rel=1e-15)
+    assert abs(lr_large[4096] - step_lr_large_at_4096) > 1e-5
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(peak_lr=0.0, total=10), "peak_lr 0.0"),
+    (dict(peak_lr=1e-3, total=10, warmup=11), "warmup 11 is not allowed; allowed: <= total 10"),
+    (dict(peak_lr=1e-3, total=0), "total 0"),
+    (dict(peak_lr=1e-3, total=10, shape="step"), "lr shape 'step' is not allowed; allowed: constant, cosine, linear, wsd"),
+    (dict(peak_lr=1e-3, total=10, min_lr_ratio=1.5), "min_lr_ratio 1.5"),
+    (dict(peak_lr=1e-3, total=10, decay_fraction=0.0), "decay_fraction 0.0"),
+    (dict(peak_lr=1e-3, total=10, unit="step"), "unit 'step'"),
+])
+def test_lr_schedule_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TokenLRSchedule(**kw)
+
+
+def test_step_schedule_direct_construction_is_validated():
+    with pytest.raises(ValueError, match="threshold -1"):
+        StepBatchSchedule(steps=((-1, 4),))
+    with pytest.raises(ValueError, match="is empty"):
+        StepBatchSchedule(steps=())
