@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -433,7 +433,15 @@ def default_targets(curves: Sequence[Curve], *, n_targets: int = 4, halflife_ste
     return [float(tight + f * (start - tight)) for f in np.linspace(0.0, 0.25, n_targets)]
 
 
-def recommend(points: Sequence[BatchPoint], *, objective: str = "time", tolerance: float = 0.05, target: float = math.nan, unit: str = "example") -> Recommendation:
+def recommend(
+    points: Sequence[BatchPoint],
+    *,
+    objective: str = "time",
+    tolerance: float = 0.05,
+    target: float = math.nan,
+    unit: str = "example",
+    label: Optional[Callable[[float], str]] = None,
+) -> Recommendation:
     """The batch that reaches the target fastest (or cheapest), within a tolerance.
 
     Rule: rank the batches that reach the target by ``objective`` ("time": wall-clock
@@ -478,9 +486,10 @@ def recommend(points: Sequence[BatchPoint], *, objective: str = "time", toleranc
     winner = min(ties, key=lambda p: (secondary(p), primary(p)))
     fastest = min(pts, key=primary)
     what = "wall-clock to target" if objective == "time" else "cost to target"
+    name = label if label is not None else (lambda b: f"batch {b:,.0f}")
 
     def desc(p: BatchPoint) -> str:
-        parts = [f"batch {p.batch_size:,.0f} (lr {p.lr:g}): {p.steps:,.1f} steps, {p.examples:,.0f} {unit}s"]
+        parts = [f"{name(p.batch_size)} (lr {p.lr:g}): {p.steps:,.1f} steps, {p.examples:,.0f} {unit}s"]
         if p.examples_per_s:
             parts.append(f"{p.examples_per_s:,.0f} {unit}/s")
         if p.time_s is not None:
@@ -492,13 +501,13 @@ def recommend(points: Sequence[BatchPoint], *, objective: str = "time", toleranc
     reasons = [f"target loss {target:.4f}; objective: {what}, tolerance {tolerance:.0%}"]
     reasons += ["  " + desc(p) for p in sorted(pts, key=lambda p: p.batch_size)]
     if winner is fastest:
-        reasons.append(f"recommend batch {winner.batch_size:,.0f}: best {what}")
+        reasons.append(f"recommend {name(winner.batch_size)}: best {what}")
     else:
         gap = primary(winner) / primary(fastest) - 1.0
         saving = 1.0 - secondary(winner) / secondary(fastest)
         reasons.append(
-            f"recommend batch {winner.batch_size:,.0f}: batch {fastest.batch_size:,.0f} is best on {what} "
-            f"but only by {gap:.1%} (within {tolerance:.0%}), and batch {winner.batch_size:,.0f} needs "
+            f"recommend {name(winner.batch_size)}: {name(fastest.batch_size)} is best on {what} "
+            f"but only by {gap:.1%} (within {tolerance:.0%}), and {name(winner.batch_size)} needs "
             f"{saving:.0%} {'less' if sec_name in ('cost', 'wall-clock') else 'fewer'} {sec_name}"
         )
     bigger = [p for p in pts if p.batch_size > winner.batch_size]
@@ -506,7 +515,7 @@ def recommend(points: Sequence[BatchPoint], *, objective: str = "time", toleranc
         if p is fastest:
             continue
         reasons.append(
-            f"  batch {p.batch_size:,.0f} needs {p.examples / winner.examples - 1:+.0%} {unit}s for "
+            f"  {name(p.batch_size)} needs {p.examples / winner.examples - 1:+.0%} {unit}s for "
             f"{primary(p) / primary(winner) - 1:+.0%} {what}"
         )
     return Recommendation(
@@ -523,6 +532,7 @@ def analyze(
     objective: str = "time",
     tolerance: float = 0.05,
     unit: str = "example",
+    label: Optional[Callable[[float], str]] = None,
 ) -> Analysis:
     """Fits at every target and the recommendation at the primary (first, tightest) target."""
     curves = list(curves)
@@ -538,7 +548,8 @@ def analyze(
     primary = results[0]
     if primary.points:
         try:
-            rec = recommend(primary.points, objective=objective, tolerance=tolerance, target=primary.target, unit=unit)
+            rec = recommend(primary.points, objective=objective, tolerance=tolerance, target=primary.target,
+                            unit=unit, label=label)
         except ValueError:  # no throughput recorded: the fit stands, no recommendation
             rec = None
     return Analysis(unit=unit, targets=results, primary_target=targets[0], recommendation=rec, halflife_steps=halflife_steps)

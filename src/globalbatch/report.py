@@ -1,0 +1,376 @@
+"""The sweep report: PNG plots and one self-contained HTML page with the recommendation.
+
+Plots (McCandlish et al. 2018, arXiv 1812.06162, figs. 4–7 show the same views):
+
+1. ``loss_vs_tokens.png`` — the EMA-smoothed training loss of every trial against
+   consumed units (best LR of each batch drawn bold), validation loss as markers,
+   loss targets dashed;
+2. ``steps_vs_examples.png`` — steps against examples to reach each target, one point
+   per batch (its best LR), with the fitted hyperbola (S/S_min − 1)(E/E_min − 1) = 1
+   and B_crit ± SE in the legend;
+3. ``batch_tradeoff.png`` — units to target, throughput and wall-clock to target
+   against batch, at the primary target;
+4. ``noise_scale.png`` — the gradient noise scale B_simple against units, only when
+   the trials recorded it (``b_simple`` in their JSONL).
+
+The HTML embeds the PNGs as base64 (no external file, no network) and lists the fits,
+the per-batch numbers and the recommendation with its reasoning. matplotlib is
+imported lazily with the Agg backend.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from globalbatch.critical import Analysis, ema_smooth
+from globalbatch.sweep import SweepData, analyze_sweep, atomic_write_json, atomic_write_text
+
+__all__ = ["ReportResult", "write_report", "analysis_table", "batch_label", "render_html"]
+
+
+@dataclass(kw_only=True)
+class ReportResult:
+    html: str
+    """Path of the HTML page."""
+    plots: list[str]
+    """Paths of the PNG files, in page order."""
+    analysis_json: str
+    analysis: Analysis
+    data: SweepData
+
+
+def batch_label(data: SweepData, units: float) -> str:
+    """The batch in samples with its mean units per step, e.g. ``"batch 64 (≈2,030 tokens)"``."""
+    return data.label(units)
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> str:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    os.replace(tmp, path)
+    _plt().close(fig)
+    return str(path)
+
+
+def _colors(n: int):
+    cmap = _plt().get_cmap("viridis")
+    return [cmap(x) for x in np.linspace(0.05, 0.9, max(n, 1))]
+
+
+def _best_lr_by_batch(analysis: Analysis) -> dict[float, float]:
+    t = analysis.targets[0]
+    return {p.batch_size: p.lr for p in t.points}
+
+
+def plot_loss_vs_tokens(data: SweepData, analysis: Analysis, path: Path) -> str:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    units = data.batch_units()
+    colors = dict(zip(units, _colors(len(units))))
+    best = _best_lr_by_batch(analysis)
+    for name, recs in sorted(data.trials.items(), key=lambda kv: (data.summaries[kv[0]]["batch"], data.summaries[kv[0]]["lr"])):
+        s = data.summaries[name]
+        b, lr = int(s["batch"]), float(s["lr"])
+        steps = [r for r in recs if r.get("kind") == "step"]
+        if not steps:
+            continue
+        x = np.array([r["consumed"] for r in steps], dtype=float)
+        y, _ = ema_smooth(np.array([r["loss"] for r in steps], dtype=float), analysis.halflife_steps)
+        is_best = best.get(units[b]) == lr
+        ax.plot(x, y, color=colors[b], lw=2.0 if is_best else 0.8, alpha=1.0 if is_best else 0.35,
+                label=f"batch {b}, lr {lr:g}" if is_best else None)
+        ev = [r for r in recs if "val_loss" in r and r["consumed"] > 0]
+        if is_best and ev:
+            ax.plot([r["consumed"] for r in ev], [r["val_loss"] for r in ev], "o", ms=3.5, color=colors[b], mfc="white")
+    for t in analysis.targets:
+        ax.axhline(t.target, color="grey", ls="--", lw=0.7)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"{data.unit}s consumed")
+    ax.set_ylabel("training loss (EMA) · validation ○")
+    ax.set_title("Loss against consumed data (bold: best LR per batch; dashed: targets)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_steps_vs_examples(data: SweepData, analysis: Analysis, path: Path) -> str:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    colors = _colors(len(analysis.targets))
+    for t, c in zip(analysis.targets, colors):
+        if not t.points:
+            continue
+        e = np.array([p.examples for p in t.points])
+        s = np.array([p.steps for p in t.points])
+        label = f"loss {t.target:.3f}"
+        if t.fit is not None:
+            f = t.fit
+            label += f": B_crit {f.b_crit:,.0f} ± {f.se_b_crit:,.0f}"
+            bb = np.geomspace(min(f.batch_range[0], f.b_crit) / 4, max(f.batch_range[1], f.b_crit) * 4, 200)
+            ax.plot(f.examples(bb), f.steps(bb), color=c, lw=1.2)
+            ax.plot([2 * f.e_min], [2 * f.s_min], marker="*", ms=11, color=c, mec="black", mew=0.5, ls="none")
+        ax.plot(e, s, "o", color=c, label=label, ms=6)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"{data.unit}s to reach target (E)")
+    ax.set_ylabel("optimizer steps to reach target (S)")
+    ax.set_title("Steps vs examples: (S/S_min − 1)(E/E_min − 1) = 1  (★ = B_crit: 2·S_min, 2·E_min)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    return _save(fig, path)
+
+
+def plot_batch_tradeoff(data: SweepData, analysis: Analysis, path: Path) -> str:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    t = analysis.targets[0]
+    b = np.array([p.batch_size for p in t.points])
+    e = np.array([p.examples for p in t.points])
+    axes[0].plot(b, e, "o-", label="measured (best LR)")
+    if t.fit is not None:
+        bb = np.geomspace(b.min(), b.max(), 100) if b.size else np.array([])
+        axes[0].plot(bb, t.fit.examples(bb), "--", label=f"fit, B_crit {t.fit.b_crit:,.0f}")
+        axes[0].axvline(t.fit.b_crit, color="grey", ls=":", lw=1)
+    for u in t.unreached:
+        axes[0].axvline(u, color="red", alpha=0.3, lw=4)
+    axes[0].set_title(f"{data.unit}s to loss {t.target:.3f} (red: not reached)")
+    tp_b, tp = [], []
+    units = data.batch_units()
+    for batch, u in units.items():
+        rates = [s["units_per_s"] for s in data.summaries.values() if int(s["batch"]) == batch and s.get("units_per_s")]
+        if rates:
+            tp_b.append(u)
+            tp.append(float(np.median(rates)))
+    axes[1].plot(tp_b, tp, "o-", color="tab:green")
+    axes[1].set_title(f"throughput ({data.unit}s/s, median over LRs)")
+    times = [(p.batch_size, p.time_s) for p in t.points if p.time_s is not None]
+    if times:
+        axes[2].plot([x for x, _ in times], [y for _, y in times], "o-", color="tab:orange")
+    if analysis.recommendation is not None:
+        for ax in axes:
+            ax.axvline(analysis.recommendation.batch_size, color="tab:red", ls="--", lw=1, label="recommended")
+    axes[2].set_title("wall-clock to target (s)")
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlabel(f"batch ({data.unit}s per step)")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=8)
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_noise_scale(data: SweepData, path: Path) -> Optional[str]:
+    series = []
+    for name, recs in data.trials.items():
+        pts = [(r["consumed"], r["b_simple"]) for r in recs if r.get("b_simple") is not None and np.isfinite(r["b_simple"])]
+        if pts:
+            series.append((name, pts))
+    if not series:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, pts in sorted(series):
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1, label=name)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"{data.unit}s consumed")
+    ax.set_ylabel(f"B_simple ({data.unit}s)")
+    ax.set_title("Gradient noise scale B_simple = tr(Σ)/|G|² (McCandlish 2018)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3, which="both")
+    return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------
+
+
+def _fmt(x: Optional[float], spec: str = ",.0f") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    return format(x, spec)
+
+
+def _fit_rows(data: SweepData, analysis: Analysis) -> list[list[str]]:
+    rows = []
+    for t in analysis.targets:
+        if t.fit is None:
+            rows.append([f"{t.target:.4f}", str(len(t.points)), "–", "–", "–", "–", t.fit_error or ""])
+            continue
+        f = t.fit
+        lo, hi = f.b_crit_interval(0.95)
+        note = "B_crit outside the swept range: extrapolated" if f.extrapolated else ""
+        rows.append([
+            f"{t.target:.4f}", str(f.n_points), f"{f.b_crit:,.0f} ± {f.se_b_crit:,.0f}", f"{lo:,.0f}–{hi:,.0f}",
+            f"{t.cbs_20:,.0f} ± {t.se_cbs_20:,.0f}", f"{f.s_min:,.1f} / {f.e_min:,.0f}", note,
+        ])
+    return rows
+
+
+FIT_HEADER = ["target loss", "points", "B_crit ± SE (McCandlish)", "95% CI", "CBS 20% ± SE (Zhang)", "S_min / E_min", "note"]
+
+
+def _point_rows(data: SweepData, analysis: Analysis) -> list[list[str]]:
+    t = analysis.targets[0]
+    rows = []
+    rec = analysis.recommendation
+    for p in t.points:
+        mark = "◀ recommended" if rec is not None and rec.batch_size == p.batch_size else ""
+        rows.append([batch_label(data, p.batch_size), f"{p.lr:g}", f"{p.steps:,.1f}", f"{p.examples:,.0f}",
+                     _fmt(p.examples_per_s), _fmt(p.time_s, ",.1f"), mark])
+    for u in t.unreached:
+        rows.append([batch_label(data, u), "–", "not reached", "–", "–", "–", ""])
+    return rows
+
+
+POINT_HEADER = ["batch", "best lr", "steps", "units to target", "units/s", "time to target (s)", ""]
+
+
+def _trial_rows(data: SweepData) -> list[list[str]]:
+    rows = []
+    for name in sorted(data.summaries, key=lambda n: (data.summaries[n]["batch"], data.summaries[n]["lr"])):
+        s = data.summaries[name]
+        rows.append([name, str(s["steps"]), f"{s['consumed']:,}", _fmt(s.get("units_per_s")),
+                     _fmt(s.get("core_s_per_unit"), ".3g"), str(s.get("skipped_windows", 0)),
+                     _fmt(s.get("final_val_loss"), ".4f"), _fmt(s.get("train_time_s"), ",.1f")])
+    return rows
+
+
+TRIAL_HEADER = ["trial", "steps", "units", "units/s", "core-s/unit", "skipped", "final val loss", "train s"]
+
+
+def analysis_table(data: SweepData, analysis: Analysis):
+    """Rich renderables: per-batch numbers at the primary target and the fits at every target."""
+    from rich.console import Group
+    from rich.table import Table
+
+    u = data.unit
+    t1 = Table(title=f"to loss {analysis.targets[0].target:.4f} (primary target; best LR per batch)")
+    for h in POINT_HEADER:
+        t1.add_column(h.replace("units", f"{u}s"), justify="right")
+    for r in _point_rows(data, analysis):
+        t1.add_row(*r)
+    t2 = Table(title=f"critical batch per target ({u}s per step)")
+    for h in FIT_HEADER:
+        t2.add_column(h, justify="right")
+    for r in _fit_rows(data, analysis):
+        t2.add_row(*r)
+    return Group(t1, t2)
+
+
+# ---------------------------------------------------------------------------
+# HTML
+# ---------------------------------------------------------------------------
+
+
+def _table_html(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, str]], *, title: str = "globalbatch sweep report") -> str:
+    """The page: the recommendation, the tables and every plot as an inline base64 PNG."""
+    u = data.unit
+    cfg = data.config
+    rec = analysis.recommendation
+    rec_html = (
+        f"<p class='rec'>Recommended batch: <b>{html.escape(batch_label(data, rec.batch_size))}</b> at lr {rec.lr:g}</p>"
+        f"<pre>{html.escape(rec.text())}</pre>"
+        if rec is not None else "<p class='rec'>No recommendation: no batch reached the target, or no throughput was recorded.</p>"
+    )
+    imgs = []
+    for caption, path in plots:
+        b64 = base64.b64encode(Path(path).read_bytes()).decode("ascii")
+        imgs.append(f"<figure><img alt='{html.escape(caption)}' src='data:image/png;base64,{b64}'>"
+                    f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    missing = (f"<p class='warn'>{len(data.missing)} trial(s) not finished: {html.escape(', '.join(data.missing))}</p>"
+               if data.missing else "")
+    grid = (f"task <code>{html.escape(cfg.task)}</code> {html.escape(json.dumps(cfg.task_overrides))}; batches "
+            f"{cfg.batches} samples; lrs {cfg.lrs}; budget {cfg.budget:,} {u}s per trial; seed {cfg.seed}; "
+            f"optimizer {cfg.optimizer}; LR warmup {cfg.warmup_fraction:.0%} then {cfg.lr_shape}; "
+            f"EMA half-life {analysis.halflife_steps:g} steps (lag-corrected)")
+    css = ("body{font-family:sans-serif;max-width:1200px;margin:2em auto;color:#222}"
+           "table{border-collapse:collapse;margin:1em 0;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+           "th{background:#f3f3f3}figure{margin:1.5em 0}img{max-width:100%;border:1px solid #ddd}"
+           ".rec{font-size:1.3em}.warn{color:#a60}pre{background:#f7f7f7;padding:0.8em;white-space:pre-wrap}")
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title><style>{css}</style></head>
+<body>
+<h1>{html.escape(title)}</h1>
+<p>{grid}</p>
+{missing}
+<h2>Recommendation</h2>
+{rec_html}
+<h2>At the primary target</h2>
+{_table_html([h.replace('units', u + 's') for h in POINT_HEADER], _point_rows(data, analysis))}
+<h2>Critical batch at each loss target</h2>
+<p>B_crit = E_min/S_min from the fit of S(B) = S_min(1 + B_crit/B) in log space (McCandlish et al. 2018);
+SE from the fit covariance, CI with a Student-t quantile. CBS 20% = batch where steps exceed the linear-scaling
+ideal E_min/B by 20% (Zhang et al. 2024) = 0.2·B_crit. The two definitions differ by 5×. Units: {u}s per step.</p>
+{_table_html(FIT_HEADER, _fit_rows(data, analysis))}
+<h2>Plots</h2>
+{''.join(imgs)}
+<h2>Trials</h2>
+{_table_html([h.replace('unit', u) for h in TRIAL_HEADER], _trial_rows(data))}
+<p class="foot">Generated {time.strftime('%Y-%m-%d %H:%M:%S')} by globalbatch from {html.escape(data.out_dir)}.
+Throughput is measured inside each trial (evaluation excluded) and shares the machine with concurrent trials.</p>
+</body></html>
+"""
+
+
+def write_report(
+    run_dir: str | os.PathLike,
+    out_dir: Optional[str | os.PathLike] = None,
+    *,
+    targets: Optional[Sequence[float]] = None,
+    n_targets: int = 4,
+    halflife_steps: float = 8.0,
+    objective: str = "time",
+    tolerance: float = 0.05,
+) -> ReportResult:
+    """Analyse the sweep in ``run_dir`` and write the plots, ``analysis.json`` and ``report.html``.
+
+    Args:
+        out_dir: where to write; default ``run_dir/report``.
+    """
+    data, analysis = analyze_sweep(run_dir, targets=targets, n_targets=n_targets, halflife_steps=halflife_steps,
+                                   objective=objective, tolerance=tolerance)
+    out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    plots: list[tuple[str, str]] = [
+        ("Loss against consumed data per batch", plot_loss_vs_tokens(data, analysis, out / "loss_vs_tokens.png")),
+        ("Steps against examples with the fitted hyperbola", plot_steps_vs_examples(data, analysis, out / "steps_vs_examples.png")),
+        ("Units to target, throughput and wall-clock against batch", plot_batch_tradeoff(data, analysis, out / "batch_tradeoff.png")),
+    ]
+    noise = plot_noise_scale(data, out / "noise_scale.png")
+    if noise is not None:
+        plots.append(("Gradient noise scale against consumed data", noise))
+    summary = {"analysis": analysis.to_dict(), "batch_units": data.batch_units(), "missing": data.missing,
+               "grid": data.config.manifest()["grid"]}
+    atomic_write_json(out / "analysis.json", summary)
+    page = render_html(data, analysis, plots)
+    atomic_write_text(out / "report.html", page)
+    return ReportResult(html=str(out / "report.html"), plots=[p for _, p in plots], analysis_json=str(out / "analysis.json"),
+                        analysis=analysis, data=data)

@@ -1,0 +1,834 @@
+"""Batch × LR sweeps: every trial on the same data order and the same token budget.
+
+The measurement McCandlish et al. 2018 (arXiv 1812.06162, §3) base their critical
+batch on: train at several batch sizes, tune the LR at each, and record the loss
+against examples consumed. Each trial here
+
+* trains ``task.build_model(seed)`` with AdamW (or SGD) through the exact step driver
+  (:class:`globalbatch.step.StepDriver`: token-normalised accumulation, non-finite
+  windows skipped) on ``task.sample_order(seed)`` — one seeded order shared by every
+  trial, so at equal tokens all trials have seen the same data;
+* uses a token-indexed LR schedule (linear warmup, then constant by default), so the
+  LR at a given number of tokens does not depend on the batch;
+* stops at the first step at which ``budget`` loss-bearing units (tokens, or samples)
+  are trained;
+* writes one JSONL line per optimizer step (loss, gradient norm, LR, batch, consumed
+  units, skipped windows, units/s, train time) with the validation loss every
+  ``eval_every`` units (evaluation is excluded from the timing).
+
+Crash safety (a ``kill -9`` at any moment loses no finished result and leaves no
+corrupt file): a trial appends to ``metrics.jsonl.tmp-<pid>``; at the end it
+``os.replace``-s it to ``metrics.jsonl`` and then writes ``summary.json`` atomically
+(tmp + fsync + replace). ``summary.json`` is the done marker. Rerunning the sweep
+skips trials that have one and restarts the others from scratch (trials are
+deterministic, so a restarted trial gives the same numbers). ``manifest.json``
+describes the grid; rerunning into the same directory with a different grid is an
+error, never a silent mix.
+
+Backends: ``local`` runs trials in spawned processes (``workers`` at a time, torch
+threads = cores ÷ workers); ``ray`` runs them as Ray Tune trials (``pip install
+'globalbatch[ray]'``), each writing into the same output directory (a shared file
+system on a multi-node cluster).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import platform
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+__all__ = [
+    "SweepConfig",
+    "TrialSpec",
+    "SweepResult",
+    "SweepData",
+    "run_sweep",
+    "run_trial",
+    "load_sweep",
+    "analyze_sweep",
+    "atomic_write_text",
+    "atomic_write_json",
+    "read_jsonl",
+]
+
+MANIFEST_VERSION = 1
+OPTIMIZERS = ("adamw", "sgd")
+BACKENDS = ("local", "ray")
+RAY_HINT = "pip install 'globalbatch[ray]'"
+
+
+# ---------------------------------------------------------------------------
+# Atomic files
+# ---------------------------------------------------------------------------
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` via a same-directory temporary file, fsync and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
+
+
+def _json_default(o: Any) -> Any:
+    try:
+        import numpy as np
+
+        if isinstance(o, np.generic):
+            return o.item()
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(o, tuple):
+        return list(o)
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Records of a JSONL file; a torn last line (a write cut by a kill) is dropped."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break
+            line = line.strip()
+            if line:
+                out.append(json.loads(line))
+    return out
+
+
+def _append_event(out_dir: Path, **event: Any) -> None:
+    """One line in ``events.jsonl`` (O_APPEND: concurrent writers never interleave a short line)."""
+    event = {"time": time.time(), "pid": os.getpid(), **event}
+    fd = os.open(out_dir / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(event, sort_keys=True) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class SweepConfig:
+    """The grid and the training recipe shared by every trial. Everything here is in the manifest."""
+
+    task: str = "tinygpt"
+    """Task name or ``module:function`` (see :func:`globalbatch.tasks.load_task`)."""
+    task_overrides: dict[str, Any] = field(default_factory=dict)
+    """Keyword overrides for the task, e.g. ``{"d_model": 64}``."""
+    batches: list[int]
+    """Global batch sizes in samples (sequences) per optimizer step."""
+    lrs: list[float]
+    """Peak learning rates; every batch is trained at every LR."""
+    budget: int
+    """Loss-bearing units (tokens for a token task, samples otherwise) each trial trains on."""
+    seed: int = 0
+    """Seed of the model initialisation and of the shared data order."""
+    micro_batch: Optional[int] = None
+    """Samples per forward/backward; None: min(batch, 16) (must divide every batch)."""
+    eval_every: Optional[int] = None
+    """Units between validation evaluations; None: budget ÷ 8."""
+    max_val_samples: int = 256
+    """Evaluate on the first this many validation samples (same ones every time)."""
+    optimizer: str = "adamw"
+    """``"adamw"`` (betas 0.9/0.95, weight decay ``weight_decay``) or ``"sgd"`` (momentum 0.9)."""
+    weight_decay: float = 0.0
+    warmup_fraction: float = 0.05
+    """Linear LR warmup over this fraction of ``budget`` (in units, so the same for every batch)."""
+    lr_shape: str = "constant"
+    """Post-warmup LR shape over the budget (``constant``, ``cosine``, ``linear``, ``wsd``)."""
+    max_grad_norm: Optional[float] = 1.0
+    """Clip the global gradient norm to this (None: no clipping); the logged norm is before clipping."""
+
+    def __post_init__(self) -> None:
+        self.batches = [int(b) for b in self.batches]
+        self.lrs = [float(x) for x in self.lrs]
+        if not self.batches:
+            raise ValueError("batches: []: give at least one batch size, e.g. 16,32,64")
+        if any(b < 1 for b in self.batches) or len(set(self.batches)) != len(self.batches):
+            raise ValueError(f"batches: {self.batches}: must be distinct integers >= 1")
+        if not self.lrs or any(not (x > 0 and math.isfinite(x)) for x in self.lrs) or len(set(self.lrs)) != len(self.lrs):
+            raise ValueError(f"lrs: {self.lrs}: must be distinct finite numbers > 0")
+        if isinstance(self.budget, bool) or int(self.budget) != self.budget or self.budget < 1:
+            raise ValueError(f"budget: {self.budget!r}: must be a whole number of units >= 1")
+        self.budget = int(self.budget)
+        if self.seed < 0:
+            raise ValueError(f"seed: {self.seed}: must be >= 0")
+        if self.micro_batch is not None:
+            bad = [b for b in self.batches if b % self.micro_batch and b > self.micro_batch]
+            if self.micro_batch < 1 or bad:
+                raise ValueError(
+                    f"micro_batch: {self.micro_batch}: must be >= 1 and divide every batch larger than it (not {bad})"
+                )
+        if self.eval_every is not None and self.eval_every < 1:
+            raise ValueError(f"eval_every: {self.eval_every}: must be >= 1 unit")
+        if self.max_val_samples < 1:
+            raise ValueError(f"max_val_samples: {self.max_val_samples}: must be >= 1")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer: {self.optimizer!r}: allowed {', '.join(OPTIMIZERS)}")
+        if not 0.0 <= self.warmup_fraction < 1.0:
+            raise ValueError(f"warmup_fraction: {self.warmup_fraction}: must be in [0, 1)")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm: {self.max_grad_norm}: must be > 0 or None")
+
+    def micro_batch_for(self, batch: int) -> int:
+        """Samples per micro-batch for a trial of ``batch`` samples."""
+        m = self.micro_batch if self.micro_batch is not None else 16
+        return batch if batch <= m else math.gcd(batch, m)
+
+    def eval_every_units(self) -> int:
+        return self.eval_every if self.eval_every is not None else max(1, self.budget // 8)
+
+    def trials(self) -> list["TrialSpec"]:
+        """Every (batch, LR) pair, smallest batch and LR first."""
+        return [TrialSpec(batch=b, lr=lr) for b, lr in itertools.product(sorted(self.batches), sorted(self.lrs))]
+
+    def manifest(self) -> dict[str, Any]:
+        """The grid as stored in ``manifest.json`` (what a resumed sweep must match)."""
+        d = asdict(self)
+        d["batches"] = sorted(d["batches"])
+        d["lrs"] = sorted(d["lrs"])
+        return {"version": MANIFEST_VERSION, "grid": d}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SweepConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrialSpec:
+    batch: int
+    """Global batch in samples per step."""
+    lr: float
+
+    @property
+    def name(self) -> str:
+        return f"b{self.batch}_lr{self.lr:g}"
+
+
+# ---------------------------------------------------------------------------
+# One trial
+# ---------------------------------------------------------------------------
+
+
+def _build_optimizer(name: str, params, lr: float, weight_decay: float):
+    import torch
+
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+
+
+def _evaluate(task, model, micro_batch: int, max_samples: int) -> float:
+    """Loss per unit over the first ``max_samples`` validation samples (no grad, eval mode)."""
+    import torch
+
+    total = torch.zeros((), dtype=torch.float64)
+    count = torch.zeros((), dtype=torch.float64)
+    seen = 0
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for batch in task.val_batches(micro_batch):
+            loss_sum, n = task.loss_sum(model, batch)
+            total += loss_sum.double()
+            count += n.double() if hasattr(n, "double") else float(n)
+            first = next(iter(batch.values()))
+            seen += int(first.shape[0])
+            if seen >= max_samples:
+                break
+    model.train(was_training)
+    return float(total / count.clamp(min=1.0))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _trial_done(trial_dir: Path, spec: TrialSpec) -> bool:
+    summary = trial_dir / "summary.json"
+    if not summary.is_file() or not (trial_dir / "metrics.jsonl").is_file():
+        return False
+    try:
+        s = json.loads(summary.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return bool(s.get("completed")) and s.get("batch") == spec.batch and s.get("lr") == spec.lr
+
+
+def run_trial(
+    config: dict[str, Any],
+    spec: dict[str, Any],
+    out_dir: str,
+    *,
+    threads: Optional[int] = None,
+    parent_pid: Optional[int] = None,
+) -> dict[str, Any]:
+    """Train one (batch, LR) trial to the budget; returns its summary (also in ``summary.json``).
+
+    Plain-dict arguments so that it pickles into spawned processes and Ray workers. When
+    ``parent_pid`` is given and that process disappears (the sweep was killed), the trial
+    stops at the next step instead of finishing as an orphan.
+    """
+    import torch
+
+    from globalbatch.schedule import TokenLRSchedule
+    from globalbatch.step import StepConfig, StepDriver
+    from globalbatch.tasks import load_task
+
+    cfg = SweepConfig.from_dict(config)
+    trial = TrialSpec(**spec)
+    out = Path(out_dir)
+    trial_dir = out / "trials" / trial.name
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    if threads is not None:
+        torch.set_num_threads(max(1, int(threads)))
+    # Stale temporary files of killed attempts: remove those whose writer is gone.
+    for stale in trial_dir.glob("metrics.jsonl.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or not _pid_alive(int(pid)) or int(pid) == os.getpid():
+            stale.unlink(missing_ok=True)
+
+    task = load_task(cfg.task, **cfg.task_overrides)
+    unit = task.unit
+    micro = cfg.micro_batch_for(trial.batch)
+    torch.manual_seed(cfg.seed)
+    model = task.build_model(cfg.seed)
+    model.train()
+    opt = _build_optimizer(cfg.optimizer, model.parameters(), trial.lr, cfg.weight_decay)
+    warmup = int(cfg.warmup_fraction * cfg.budget)
+    lr_schedule = TokenLRSchedule(peak_lr=trial.lr, total=cfg.budget, warmup=warmup, shape=cfg.lr_shape, unit=unit)
+    driver = StepDriver(
+        model, opt, StepConfig(micro_batch=micro, global_batch=trial.batch, max_grad_norm=cfg.max_grad_norm),
+        lr_schedule=lr_schedule,
+    )
+    order = task.sample_order(cfg.seed)
+    eval_every = cfg.eval_every_units()
+    val_micro = max(micro, 16)
+
+    tmp = trial_dir / f"metrics.jsonl.tmp-{os.getpid()}"
+    _append_event(out, event="start", trial=trial.name)
+    started = time.time()
+    header = {
+        "kind": "header",
+        "trial": trial.name,
+        "batch": trial.batch,
+        "lr": trial.lr,
+        "micro_batch": micro,
+        "unit": unit,
+        "task": task.name,
+        "grid": cfg.manifest()["grid"],
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "host": platform.node(),
+        "started_at": started,
+    }
+    train_time = 0.0
+    eval_time = 0.0
+    rates: list[float] = []
+    last_val = math.nan
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(header) + "\n")
+        t0 = time.perf_counter()
+        last_val = _evaluate(task, model, val_micro, cfg.max_val_samples)
+        eval_time += time.perf_counter() - t0
+        f.write(json.dumps({"kind": "eval", "step": 0, "consumed": 0, "val_loss": last_val}) + "\n")
+        f.flush()
+        next_eval = eval_every
+        step = 0
+        while driver.trained_units < cfg.budget:
+            if parent_pid is not None and os.getppid() != parent_pid:
+                raise SystemExit(f"sweep process {parent_pid} is gone; trial {trial.name} stops unfinished")
+            t0 = time.perf_counter()
+            idx = list(itertools.islice(order, trial.batch))
+            micros = [task.collate(idx[i:i + micro]) for i in range(0, trial.batch, micro)]
+            res = driver.run_window(micros, task.loss_sum, samples_per_micro=[len(idx[i:i + micro]) for i in range(0, trial.batch, micro)])
+            dt = time.perf_counter() - t0
+            train_time += dt
+            step += 1
+            rate = res.global_units / dt if dt > 0 else math.nan
+            rates.append(rate)
+            rec = {
+                "kind": "step",
+                "step": res.step,
+                "window": res.window,
+                "consumed": driver.trained_units,
+                "consumed_samples": driver.trained_samples,
+                "batch": trial.batch,
+                "batch_units": res.global_units,
+                "loss": res.loss_per_unit,
+                "grad_norm": res.grad_norm,
+                "lr": res.lr,
+                "skipped": res.skipped,
+                "skipped_total": driver.skipped_windows,
+                "units_per_s": rate,
+                "train_time_s": train_time,
+            }
+            if driver.trained_units >= next_eval or driver.trained_units >= cfg.budget:
+                t1 = time.perf_counter()
+                last_val = _evaluate(task, model, val_micro, cfg.max_val_samples)
+                eval_time += time.perf_counter() - t1
+                rec["val_loss"] = last_val
+                while next_eval <= driver.trained_units:
+                    next_eval += eval_every
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+        os.fsync(f.fileno())
+
+    final = trial_dir / "metrics.jsonl"
+    os.replace(tmp, final)
+    steady = rates[2:] if len(rates) > 4 else rates  # the first steps pay one-off costs
+    threads_used = torch.get_num_threads()
+    import statistics
+
+    units_per_s = float(statistics.median(steady)) if steady else math.nan
+    summary = {
+        "completed": True,
+        "trial": trial.name,
+        "batch": trial.batch,
+        "lr": trial.lr,
+        "micro_batch": micro,
+        "unit": unit,
+        "steps": driver.optimizer_steps,
+        "windows": driver.windows,
+        "skipped_windows": driver.skipped_windows,
+        "consumed": driver.trained_units,
+        "consumed_samples": driver.trained_samples,
+        "mean_batch_units": driver.trained_units / max(driver.optimizer_steps, 1),
+        "final_val_loss": last_val,
+        "units_per_s": units_per_s,
+        "core_s_per_unit": threads_used / units_per_s if units_per_s > 0 else math.nan,
+        "threads": threads_used,
+        "train_time_s": train_time,
+        "eval_time_s": eval_time,
+        "wall_time_s": time.time() - started,
+        "started_at": started,
+        "finished_at": time.time(),
+        "pid": os.getpid(),
+    }
+    atomic_write_json(trial_dir / "summary.json", summary)
+    _append_event(out, event="done", trial=trial.name)
+    return summary
+
+
+# ---------------------------------------------------------------------------
+# The sweep
+# ---------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class SweepResult:
+    out_dir: str
+    summaries: list[dict[str, Any]]
+    ran: list[str]
+    """Trials run by this call."""
+    skipped: list[str]
+    """Trials already finished by an earlier call (not rerun)."""
+    wall_time_s: float
+    workers: int
+    threads_per_worker: int
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        return os.cpu_count() or 1
+
+
+def _check_manifest(out: Path, config: SweepConfig) -> None:
+    path = out / "manifest.json"
+    want = json.loads(json.dumps(config.manifest(), default=_json_default))
+    if path.is_file():
+        have = json.loads(path.read_text())
+        if have != want:
+            g_have, g_want = have.get("grid", {}), want["grid"]
+            diffs = [f"{k}: {g_have.get(k)!r} -> {g_want.get(k)!r}" for k in sorted(set(g_have) | set(g_want)) if g_have.get(k) != g_want.get(k)]
+            raise ValueError(
+                f"out: {str(out)!r}: holds a sweep with a different grid ({'; '.join(diffs) or 'version'}); "
+                "use another --out or the original grid"
+            )
+        return
+    atomic_write_json(path, want)
+
+
+class _Progress:
+    """Rich progress bars fed by polling each running trial's temporary JSONL (works for every backend)."""
+
+    def __init__(self, out: Path, pending: Sequence[TrialSpec], budget: int, unit: str, enabled: bool) -> None:
+        self.out, self.pending, self.budget, self.enabled = out, list(pending), budget, enabled
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.unit = unit
+
+    def __enter__(self) -> "_Progress":
+        if not self.enabled or not self.pending:
+            return self
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(
+            TextColumn("{task.description:>16}"), BarColumn(), MofNCompleteColumn(), TextColumn(self.unit + "s"),
+            TimeElapsedColumn(), transient=False,
+        )
+        self._ids = {t.name: self._progress.add_task(t.name, total=self.budget) for t in self.pending}
+        self._progress.start()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _consumed(self, trial: str) -> Optional[int]:
+        d = self.out / "trials" / trial
+        if (d / "summary.json").is_file():
+            return self.budget
+        try:
+            tmps = sorted(d.glob("metrics.jsonl.tmp-*"), key=lambda p: p.stat().st_mtime)
+            if not tmps:
+                return None
+            with open(tmps[-1], "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 4096))
+                lines = f.read().split(b"\n")
+            for line in reversed(lines[:-1]):
+                rec = json.loads(line)
+                if "consumed" in rec:
+                    return int(rec["consumed"])
+        except (OSError, ValueError):
+            return None
+        return None
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.5):
+            self.refresh()
+
+    def refresh(self) -> None:
+        for name, tid in self._ids.items():
+            c = self._consumed(name)
+            if c is not None:
+                self._progress.update(tid, completed=min(c, self.budget))
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.refresh()
+            self._progress.stop()
+
+
+def run_sweep(
+    config: SweepConfig,
+    out_dir: str | os.PathLike,
+    *,
+    workers: Optional[int] = None,
+    backend: str = "local",
+    address: Optional[str] = None,
+    progress: bool = True,
+) -> SweepResult:
+    """Run (or resume) every trial of the grid into ``out_dir``.
+
+    Args:
+        workers: trials at once; None: min(pending trials, CPU cores). Each gets
+            ``cores ÷ workers`` torch threads (at least 1). ``workers=1`` runs in-process.
+        backend: ``"local"`` (spawned processes) or ``"ray"`` (Ray Tune; ``address`` of an
+            existing cluster, or None to start a local Ray).
+        progress: rich progress bars on the terminal.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: {backend!r}: allowed {', '.join(BACKENDS)}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers: {workers}: must be >= 1")
+    if address is not None and backend != "ray":
+        raise ValueError(f"address: {address!r}: only with --backend ray")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _check_manifest(out, config)
+    trials = config.trials()
+    done = [t for t in trials if _trial_done(out / "trials" / t.name, t)]
+    pending = [t for t in trials if t not in done]
+    cores = _cpu_count()
+    # Threads per trial follow from the requested workers and the whole grid, not from
+    # what is left: a resumed sweep then runs its trials with the same thread count
+    # (CPU float reductions depend on it) and reproduces an uninterrupted sweep.
+    requested = workers if workers is not None else min(len(trials), cores)
+    threads = max(1, cores // requested)
+    n_workers = max(1, min(len(pending) or 1, requested))
+    from globalbatch.tasks import load_task
+
+    unit = load_task(config.task, **config.task_overrides).unit  # fails here, not in a worker, on a bad task
+    t0 = time.time()
+    cfg_dict = asdict(config)
+    if pending:
+        with _Progress(out, pending, config.budget, unit, progress):
+            if backend == "ray":
+                _run_ray(cfg_dict, pending, out, n_workers, threads, address)
+            elif requested == 1:
+                import torch
+
+                old = torch.get_num_threads()
+                try:
+                    for t in pending:
+                        run_trial(cfg_dict, asdict(t), str(out), threads=threads)
+                finally:
+                    torch.set_num_threads(old)
+            else:
+                _run_pool(cfg_dict, pending, out, n_workers, threads)
+    summaries = [json.loads((out / "trials" / t.name / "summary.json").read_text()) for t in trials]
+    return SweepResult(
+        out_dir=str(out), summaries=summaries, ran=[t.name for t in pending], skipped=[t.name for t in done],
+        wall_time_s=time.time() - t0, workers=n_workers, threads_per_worker=threads,
+    )
+
+
+def _worker_init(threads: int) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set in this process
+        pass
+
+
+def _run_pool(cfg: dict, pending: Sequence[TrialSpec], out: Path, n_workers: int, threads: int) -> None:
+    import multiprocessing as mp
+    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+
+    ctx = mp.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx, initializer=_worker_init, initargs=(threads,)) as ex:
+        futures = {
+            ex.submit(run_trial, cfg, asdict(t), str(out), threads=threads, parent_pid=os.getpid()): t for t in pending
+        }
+        finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for fut in finished:
+            exc = fut.exception()
+            if exc is not None:
+                for other in futures:
+                    other.cancel()
+                raise RuntimeError(f"trial {futures[fut].name} failed: {exc}") from exc
+
+
+def _run_ray(cfg: dict, pending: Sequence[TrialSpec], out: Path, n_workers: int, threads: int, address: Optional[str]) -> None:
+    try:
+        import ray
+        from ray import tune
+    except ImportError:
+        raise ValueError(f"backend: 'ray': Ray Tune is not installed; {RAY_HINT}") from None
+    started_here = False
+    if not ray.is_initialized():
+        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+        if address is not None:
+            kwargs["address"] = address
+        else:
+            kwargs["num_cpus"] = n_workers * threads
+        ray.init(**kwargs)
+        started_here = True
+    out_abs = str(out.resolve())
+
+    def trainable(params: dict) -> None:
+        summary = run_trial(cfg, params["trial"], out_abs, threads=threads)
+        metrics = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        report = getattr(tune, "report", None)
+        if report is None:  # older Ray
+            from ray import train
+
+            report = train.report
+        report(metrics)
+
+    try:
+        tuner = tune.Tuner(
+            tune.with_resources(trainable, {"cpu": threads}),
+            param_space={"trial": tune.grid_search([asdict(t) for t in pending])},
+            tune_config=tune.TuneConfig(max_concurrent_trials=n_workers if address is None else None),
+            run_config=_ray_run_config(out_abs),
+        )
+        results = tuner.fit()
+        errors = [str(r.error) for r in results if r.error is not None]
+        if errors:
+            raise RuntimeError(f"{len(errors)} Ray trial(s) failed; first: {errors[0]}")
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def _ray_run_config(out_abs: str):
+    try:
+        from ray.tune import RunConfig
+    except ImportError:  # Ray < 2.40
+        from ray.air import RunConfig
+    return RunConfig(name="ray", storage_path=os.path.join(out_abs, "ray_results"), verbose=0)
+
+
+# ---------------------------------------------------------------------------
+# Reading a sweep back
+# ---------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class SweepData:
+    """A finished (or partly finished) sweep read from disk."""
+
+    out_dir: str
+    config: SweepConfig
+    unit: str
+    trials: dict[str, list[dict]]
+    """Trial name → its step/eval records (finished trials only)."""
+    summaries: dict[str, dict]
+    missing: list[str]
+    """Trials of the grid without a finished result."""
+
+    def batch_units(self) -> dict[int, float]:
+        """Mean loss-bearing units per step at each batch (samples), over its trials."""
+        out: dict[int, list[float]] = {}
+        for s in self.summaries.values():
+            out.setdefault(int(s["batch"]), []).append(float(s["mean_batch_units"]))
+        return {b: sum(v) / len(v) for b, v in sorted(out.items())}
+
+    def label(self, units: float) -> str:
+        """``"batch 64 (≈2,030 tokens)"`` for a token task, ``"batch 64"`` for a sample task."""
+        pairs = list(self.batch_units().items())
+        b = min(pairs, key=lambda kv: abs(kv[1] - units))[0] if pairs else None
+        if b is None:
+            return f"batch {units:,.0f}"
+        return f"batch {b} (≈{units:,.0f} tokens)" if self.unit == "token" else f"batch {b}"
+
+
+def load_sweep(out_dir: str | os.PathLike) -> SweepData:
+    """Read ``manifest.json`` and every finished trial; unfinished ones are listed in ``missing``."""
+    out = Path(out_dir)
+    manifest = out / "manifest.json"
+    if not manifest.is_file():
+        raise ValueError(f"run_dir: {str(out)!r}: no manifest.json (not a sweep directory)")
+    grid = json.loads(manifest.read_text())["grid"]
+    config = SweepConfig.from_dict(grid)
+    trials: dict[str, list[dict]] = {}
+    summaries: dict[str, dict] = {}
+    missing = []
+    unit = None
+    for t in config.trials():
+        d = out / "trials" / t.name
+        if not _trial_done(d, t):
+            missing.append(t.name)
+            continue
+        summaries[t.name] = json.loads((d / "summary.json").read_text())
+        trials[t.name] = read_jsonl(d / "metrics.jsonl")
+        unit = summaries[t.name]["unit"]
+    return SweepData(out_dir=str(out), config=config, unit=unit or "unit", trials=trials, summaries=summaries, missing=missing)
+
+
+def curves_from_sweep(data: SweepData):
+    """One :class:`globalbatch.critical.Curve` per finished trial; batch in units per step."""
+    import numpy as np
+
+    from globalbatch.critical import Curve
+
+    units = data.batch_units()
+    curves = []
+    for name, recs in data.trials.items():
+        s = data.summaries[name]
+        steps = [r for r in recs if r.get("kind") == "step" and not r.get("skipped")]
+        if not steps:
+            continue
+        tput = s.get("units_per_s")
+        curves.append(
+            Curve(
+                batch_size=units[int(s["batch"])],
+                lr=float(s["lr"]),
+                examples=np.array([r["consumed"] for r in steps], dtype=float),
+                loss=np.array([r["loss"] for r in steps], dtype=float),
+                examples_per_s=tput if tput and math.isfinite(tput) and tput > 0 else None,
+                label=name,
+            )
+        )
+    return curves
+
+
+def analyze_sweep(
+    out_dir: str | os.PathLike,
+    *,
+    targets: Optional[Sequence[float]] = None,
+    n_targets: int = 4,
+    halflife_steps: float = 8.0,
+    objective: str = "time",
+    tolerance: float = 0.05,
+):
+    """Load a sweep and run :func:`globalbatch.critical.analyze` on it; returns ``(data, analysis)``."""
+    from globalbatch.critical import analyze
+
+    data = load_sweep(out_dir)
+    curves = curves_from_sweep(data)
+    if not curves:
+        raise ValueError(f"run_dir: {data.out_dir!r}: no finished trial yet ({len(data.missing)} pending)")
+    analysis = analyze(
+        curves, targets=targets, n_targets=n_targets, halflife_steps=halflife_steps,
+        objective=objective, tolerance=tolerance, unit=data.unit, label=data.label,
+    )
+    return data, analysis
+
+
+# ---------------------------------------------------------------------------
+# Command-line parsing helpers (used by ``globalbatch sweep``/``branch``)
+# ---------------------------------------------------------------------------
+
+
+def parse_list(text: str, field_name: str, kind: type = float) -> list:
+    """``"16,32,64"`` → ``[16, 32, 64]``; K/M suffixes allowed for integers (``"1K,2K"``)."""
+    from globalbatch.plan import parse_count
+
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"{field_name}: {text!r}: expected a comma-separated list, e.g. 16,32,64")
+    out = []
+    for item in items:
+        try:
+            out.append(parse_count(item, field_name) if kind is int else float(item))
+        except ValueError:
+            raise ValueError(f"{field_name}: {item!r}: not a {'whole number' if kind is int else 'number'} "
+                             f"(list like {'16,32,64' if kind is int else '3e-4,1e-3'})") from None
+    return out
+
+
+def parse_task_args(pairs: Sequence[str]) -> dict[str, Any]:
+    """``["d_model=64", "corpus_dir=/x"]`` → ``{"d_model": 64, "corpus_dir": "/x"}`` (JSON values where they parse)."""
+    out: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--task-arg: {pair!r}: expected KEY=VALUE, e.g. d_model=64")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
