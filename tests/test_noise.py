@@ -1,0 +1,403 @@
+"""globalbatch.noise: the unbiased two-batch estimators against ground truth.
+
+Truths used here: (1) synthetic per-unit gradients g = G + noise with known G and Σ;
+(2) linear regression with Gaussian inputs, where G and Σ are closed-form; (3) an MLP
+whose tr(Σ) and |G|² come from brute-force per-example gradients (torch.func) of the
+whole dataset at fixed parameters; (4) under torchrun, an exact re-computation of every
+micro-batch gradient and the per-example truth (tests/dist/noise_ddp.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from globalbatch.noise import (
+    NEEDS_TWO_BATCH_SIZES,
+    NoiseConfig,
+    NoiseScaleEstimator,
+    NoiseScaleMonitor,
+    fieller_interval,
+    window_estimates,
+)
+
+sys.path.insert(0, str(Path(__file__).parent / "dist"))
+import noise_common as nc  # noqa: E402
+
+from conftest import run_torchrun  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread is ~10× faster than two on the shared 2-core machines."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------------------
+# The pure estimator
+# ---------------------------------------------------------------------------
+
+
+def test_equal_counts_reduce_to_mccandlish_formulas():
+    # k = 4 small batches of b = 8; B_big = 32. Hand-made norms.
+    small = torch.tensor([5.0, 7.0, 6.0, 4.0])
+    big = 2.0
+    s = window_estimates(small, [8, 8, 8, 8], big)
+    g_small = small.mean().item()  # 5.5
+    # McCandlish A.1: |G|² = (B_big|G_big|² − B_small|G_small|²)/(B_big − B_small) = (64 − 44)/24
+    assert s.g_sq.item() == pytest.approx((32 * big - 8 * g_small) / (32 - 8))
+    # tr(Σ) = (|G_small|² − |G_big|²)/(1/B_small − 1/B_big) = 3.5 / (1/8 − 1/32) = 37.333…
+    assert s.tr_sigma.item() == pytest.approx((g_small - big) / (1 / 8 - 1 / 32))
+    assert s.big_count.item() == 32
+
+
+def _synthetic_window(gen, G, sd, counts):
+    """Per-unit gradients G + sd·ε (non-Gaussian: centred exponential) for each small batch."""
+    per = [G + sd * (torch.empty(c, len(G)).exponential_(generator=gen) - 1.0) for c in counts]
+    means = torch.stack([p.mean(0) for p in per])
+    big = torch.cat(per).mean(0)
+    return means.square().sum(1), big.square().sum()
+
+
+def test_ragged_counts_unbiased_within_5_percent_of_synthetic_truth():
+    gen = torch.Generator().manual_seed(0)
+    d = 24
+    G = torch.randn(d, generator=gen) * 0.4
+    sd = torch.rand(d, generator=gen) + 0.5
+    tr_true, g_true = float(sd.square().sum()), float(G.square().sum())  # exp(1) − 1 has unit variance
+    est = NoiseScaleEstimator(half_life=math.inf)
+    counts = torch.tensor([3, 11, 6, 1, 9])  # very unequal, including a single unit
+    for _ in range(1500):
+        small_sq, big_sq = _synthetic_window(gen, G, sd, counts.tolist())
+        est.update(small_sq, counts, big_sq)
+    e = est.estimate()
+    assert e.ok, e.flags
+    assert e.tr_sigma == pytest.approx(tr_true, rel=0.05)
+    assert e.g_sq == pytest.approx(g_true, rel=0.05)
+    assert e.b_simple == pytest.approx(tr_true / g_true, rel=0.05)
+    assert e.low < tr_true / g_true < e.high
+
+
+def test_equal_size_formula_with_mean_counts_is_biased_for_ragged_counts():
+    """Negative control: McCandlish's equal-size formula fed the *mean* count is off here."""
+    gen = torch.Generator().manual_seed(1)
+    d = 24
+    G = torch.randn(d, generator=gen) * 0.4
+    sd = torch.ones(d)
+    counts = [1, 1, 1, 29]
+    ours, naive = NoiseScaleEstimator(half_life=math.inf), []
+    for _ in range(800):
+        small_sq, big_sq = _synthetic_window(gen, G, sd, counts)
+        ours.update(small_sq, counts, big_sq)
+        b, B = sum(counts) / len(counts), sum(counts)
+        naive.append(((small_sq.mean() - big_sq) / (1 / b - 1 / B)).item())
+    tr_true = float(sd.square().sum())
+    assert ours.estimate().tr_sigma == pytest.approx(tr_true, rel=0.05)
+    assert abs(sum(naive) / len(naive) / tr_true - 1) > 0.5
+
+
+def test_one_small_batch_raises_naming_the_fix():
+    with pytest.raises(ValueError, match="grad_accum_steps ≥ 2 or dp_world_size ≥ 2"):
+        window_estimates([1.0], [8], 1.0)
+    model = torch.nn.Linear(3, 1)
+    mon = NoiseScaleMonitor(model)
+    model(torch.randn(4, 3)).sum().backward()
+    mon.micro_backward(4)
+    with pytest.raises(ValueError, match="needs at least two batch sizes: use grad_accum_steps ≥ 2 or "
+                                         "dp_world_size ≥ 2"):
+        mon.window_end()
+    with pytest.raises(ValueError, match=NEEDS_TWO_BATCH_SIZES):
+        NoiseScaleMonitor(model, config=NoiseConfig(sources=("rank",)))
+
+
+def test_inputs_are_validated_with_numbers():
+    with pytest.raises(ValueError, match="big_count: 10: must equal sum"):
+        window_estimates([1.0, 2.0], [4, 4], 1.0, big_count=10)
+    with pytest.raises(ValueError, match="small_counts: 3 values for 2"):
+        window_estimates([1.0, 2.0], [4, 4, 4], 1.0)
+    with pytest.raises(ValueError, match="every count must be > 0"):
+        window_estimates([1.0, 2.0], [4, 0], 1.0)
+    with pytest.raises(ValueError, match="sources"):
+        NoiseConfig(sources=("bogus",))
+    with pytest.raises(ValueError, match="half_life: -1"):
+        NoiseConfig(half_life=-1)
+    with pytest.raises(ValueError, match="confidence: 1.5"):
+        NoiseScaleEstimator(confidence=1.5)
+    with pytest.raises(ValueError, match="adam=True needs"):
+        NoiseScaleMonitor(torch.nn.Linear(2, 2), config=NoiseConfig(adam=True))
+
+
+def test_fieller_interval_known_cases():
+    # No noise: the interval collapses to the ratio.
+    lo, hi = fieller_interval(6.0, 2.0, 0.0, 0.0, 0.0, 1.96)
+    assert lo == pytest.approx(3.0) and hi == pytest.approx(3.0)
+    # Independent noise on the numerator only: ratio ± z·se/den.
+    lo, hi = fieller_interval(6.0, 2.0, 0.25, 0.0, 0.0, 2.0)
+    assert (lo, hi) == (pytest.approx(2.5), pytest.approx(3.5))
+    # Denominator not significantly positive: unbounded.
+    assert fieller_interval(6.0, 0.1, 0.0, 0.01, 0.0, 1.96) is None
+
+
+def test_interval_covers_the_truth_about_95_percent():
+    gen = torch.Generator().manual_seed(3)
+    d = 16
+    G = torch.randn(d, generator=gen) * 0.5
+    sd = torch.ones(d) * 0.8
+    truth = float(sd.square().sum() / G.square().sum())
+    hits, runs = 0, 150
+    for _ in range(runs):
+        est = NoiseScaleEstimator(half_life_windows=10.0)
+        for _ in range(40):
+            small_sq, big_sq = _synthetic_window(gen, G, sd, [4, 4, 4, 4])
+            est.update(small_sq, [4, 4, 4, 4], big_sq)
+        e = est.estimate()
+        hits += e.low <= truth <= e.high
+    coverage = hits / runs
+    assert 0.87 <= coverage <= 0.995, coverage
+
+
+def test_flags_zero_gradient_and_few_windows():
+    gen = torch.Generator().manual_seed(4)
+    est = NoiseScaleEstimator(half_life=math.inf)
+    assert est.estimate().flags == ("no_windows",)
+    G = torch.zeros(16)  # pure noise: |G|² = 0, B_simple is infinite
+    for w in range(60):
+        small_sq, big_sq = _synthetic_window(gen, G, torch.ones(16), [4, 4])
+        est.update(small_sq, [4, 4], big_sq)
+        if w == 1:
+            assert "few_windows" in est.estimate().flags
+    e = est.estimate()
+    assert not e.ok
+    assert set(e.flags) & {"too_noisy", "g_sq_nonpositive"}
+    assert math.isnan(e.low) and math.isnan(e.high)
+
+
+def test_nonfinite_window_is_skipped_on_device():
+    est = NoiseScaleEstimator(half_life=math.inf)
+    est.update([5.0, 7.0], [8, 8], 2.0)
+    before = est.estimate()
+    est.update([float("inf"), 7.0], [8, 8], float("nan"))
+    after = est.estimate()
+    assert after.skipped_windows == 1 and after.windows == 1
+    assert after.tr_sigma == before.tr_sigma and after.g_sq == before.g_sq
+
+
+def test_ema_forgets_per_unit_not_per_step():
+    """Same units consumed → same memory, whatever the batch: half the weight after half_life units."""
+    a = NoiseScaleEstimator(half_life=1000.0)
+    b = NoiseScaleEstimator(half_life=1000.0)
+    for est, batch in ((a, 50), (b, 200)):
+        assert est.decay_for(torch.tensor(float(batch))).item() == pytest.approx(0.5 ** (batch / 1000))
+        for _ in range(4000 // batch):  # 4000 units at tr(Σ)^ = 10
+            est.update([10.0 / batch * 4 + 1, 1.0], [batch / 2, batch / 2], 1.0)  # any fixed window
+        first = est.estimate().tr_sigma
+        for _ in range(1000 // batch):  # one half-life at a new value
+            est.update([30.0 / batch * 4 + 1, 1.0], [batch / 2, batch / 2], 1.0)
+        est._moved = (first, est.estimate().tr_sigma)
+    (a0, a1), (b0, b1) = a._moved, b._moved
+    assert a0 == pytest.approx(b0)
+    # Half-way (in the EMA's weight) between old and new value, for both batch sizes.
+    assert (a1 - a0) / (3 * a0 - a0) == pytest.approx(0.5, abs=0.03)
+    assert (b1 - b0) / (3 * b0 - b0) == pytest.approx(0.5, abs=0.03)
+
+
+def test_state_dict_roundtrip():
+    est = NoiseScaleEstimator()
+    for v in (5.0, 6.0, 9.0):
+        est.update([v, 7.0], [8, 8], 2.0, lr=0.1)
+    clone = NoiseScaleEstimator()
+    clone.load_state_dict(est.state_dict())
+    assert clone.estimate() == est.estimate()
+    assert clone.estimate().lr == pytest.approx(0.1)
+
+
+# ---------------------------------------------------------------------------
+# The monitor on real gradients
+# ---------------------------------------------------------------------------
+
+
+def test_linear_regression_closed_form_within_5_percent():
+    """x ~ N(0, I_d), y = w*·x + σε, loss ½(w·x − y)²: G = Δ, Σ = (|Δ|² + σ²)I + ΔΔᵀ."""
+    torch.manual_seed(0)
+    d, sigma = 12, 0.5
+    model = torch.nn.Linear(d, 1, bias=False)
+    w_star = torch.randn(d)
+    with torch.no_grad():
+        model.weight.copy_((w_star + 0.3 * torch.randn(d))[None])
+    delta = model.weight[0].detach() - w_star
+    g_true = float(delta.square().sum())
+    tr_true = d * (g_true + sigma**2) + g_true
+    mon = NoiseScaleMonitor(model, unit="sample", config=NoiseConfig(half_life=math.inf))
+    for _ in range(300):
+        counts = [16, 36, 24, 52]
+        for c in counts:
+            x = torch.randn(c, d)
+            y = x @ w_star + sigma * torch.randn(c)
+            (0.5 * (model(x)[:, 0] - y).square().sum()).backward()
+            mon.micro_backward(c)
+        for p in model.parameters():
+            p.grad /= sum(counts)
+        mon.window_end(lr=0.0)
+        model.zero_grad(set_to_none=True)
+    e = mon.estimate()
+    assert e.ok, e.flags
+    assert e.tr_sigma == pytest.approx(tr_true, rel=0.05)
+    assert e.g_sq == pytest.approx(g_true, rel=0.05)
+    assert e.b_simple == pytest.approx(tr_true / g_true, rel=0.05)
+
+
+@pytest.fixture(scope="module")
+def mlp_problem():
+    x, y = nc.make_data()
+    model = nc.make_model(0)
+    tr, g = nc.truth(model, x, y)
+    return x, y, model, tr, g
+
+
+def _run_plain_loop(model, x, y, windows, sizes, seed, *, mean_loss=False, optimizer=None, adam=False):
+    mon = NoiseScaleMonitor(model, unit="sample", optimizer=optimizer,
+                            config=NoiseConfig(half_life=math.inf, adam=adam))
+    gen = torch.Generator().manual_seed(seed)
+    k = len(sizes)
+    for _ in range(windows):
+        for i, b in enumerate(sizes):
+            idx = torch.randint(0, len(x), (b,), generator=gen)
+            loss, count = nc.loss_sum(model, x[idx], y[idx])
+            if mean_loss:  # the common `loss.mean() / k` loop: Δ.grad = g_i / k
+                (loss / count / k).backward()
+                mon.micro_backward(count, grad_multiplier=1.0 / k, is_last=i == k - 1)
+            else:
+                loss.backward()
+                mon.micro_backward(count, is_last=i == k - 1)
+        if not mean_loss:
+            for p in model.parameters():
+                p.grad /= sum(sizes)
+        mon.window_end()
+        model.zero_grad(set_to_none=True)
+    return mon
+
+
+def test_mlp_accumulation_within_10_percent_of_per_example_truth(mlp_problem):
+    x, y, model, tr, g = mlp_problem
+    mon = _run_plain_loop(copy.deepcopy(model), x, y, windows=250, sizes=[16, 40, 8, 24], seed=0)
+    e = mon.estimate()
+    assert e.ok, e.flags
+    assert e.b_simple == pytest.approx(tr / g, rel=0.10)
+    assert e.tr_sigma == pytest.approx(tr, rel=0.10)
+
+
+def test_mean_loss_loop_gives_the_same_numbers_as_sum_loss(mlp_problem):
+    x, y, model, _, _ = mlp_problem
+    a = _run_plain_loop(copy.deepcopy(model), x, y, windows=5, sizes=[8, 8, 8], seed=1).estimate()
+    b = _run_plain_loop(copy.deepcopy(model), x, y, windows=5, sizes=[8, 8, 8], seed=1, mean_loss=True).estimate()
+    assert b.tr_sigma == pytest.approx(a.tr_sigma, rel=1e-4)
+    assert b.g_sq == pytest.approx(a.g_sq, rel=1e-4)
+
+
+def test_adam_variant_within_10_percent_of_preconditioned_truth(mlp_problem):
+    x, y, model, _, _ = mlp_problem
+    model = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(3):  # build exp_avg_sq, then freeze everything: no more optimizer steps
+        opt.zero_grad()
+        idx = torch.randint(0, len(x), (64,))
+        (nc.loss_sum(model, x[idx], y[idx])[0] / 64).backward()
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    beta2, eps = opt.param_groups[0]["betas"][1], opt.param_groups[0]["eps"]
+    precond = [1.0 / ((opt.state[p]["exp_avg_sq"] / (1 - beta2 ** 3)).sqrt() + eps) for p in model.parameters()]
+    tr, g = nc.truth(model, x, y, precond)
+    mon = _run_plain_loop(model, x, y, windows=250, sizes=[16, 40, 8, 24], seed=2, optimizer=opt, adam=True)
+    e = mon.estimate(adam=True)
+    assert e.ok, e.flags
+    assert e.b_simple == pytest.approx(tr / g, rel=0.10)
+    plain = mon.estimate()
+    assert abs(plain.b_simple / e.b_simple - 1) > 0.2  # the variant is a different quantity here
+
+
+def test_step_driver_callback_matches_plain_loop_and_unscales(mlp_problem):
+    """Through StepDriver (with and without a GradScaler) the numbers equal the plain loop's."""
+    from globalbatch.step import StepConfig, StepDriver
+
+    x, y, model, _, _ = mlp_problem
+    sizes, windows = [8, 8, 8, 8], 6
+    want = _run_plain_loop(copy.deepcopy(model), x, y, windows, sizes, seed=5).estimate()
+    for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0**12)):
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=0.0)
+        mon = NoiseScaleMonitor(m, optimizer=opt, unit="sample", config=NoiseConfig(half_life=math.inf))
+        driver = StepDriver(m, opt, StepConfig(micro_batch=8, global_batch=32), scaler=scaler, callbacks=[mon])
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(windows):
+            for i, b in enumerate(sizes):
+                idx = torch.randint(0, len(x), (b,), generator=gen)
+                with driver.micro_step(last=i == len(sizes) - 1):
+                    driver.backward(*nc.loss_sum(m, x[idx], y[idx]))
+            driver.step()
+        got = mon.estimate()
+        assert got.tr_sigma == pytest.approx(want.tr_sigma, rel=1e-4)
+        assert got.g_sq == pytest.approx(want.g_sq, rel=1e-4)
+        assert got.lr == 0.0 and got.big_count == 32
+
+
+def test_token_and_sample_units_differ_by_tokens_per_sample():
+    """Token-mean loss with T loss-bearing tokens in every sample: B_tokens = T × B_samples."""
+    torch.manual_seed(0)
+    T, vocab = 6, 11
+    model = torch.nn.Sequential(torch.nn.Embedding(vocab, 8), torch.nn.Linear(8, vocab))
+    mon = NoiseScaleMonitor(model, unit="token", config=NoiseConfig(half_life=math.inf))
+    for _ in range(4):
+        for n in (3, 5):
+            ids = torch.randint(0, vocab, (n, T + 1))
+            logits = model(ids[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1),
+                                                     reduction="sum")
+            loss.backward()
+            mon.micro_backward(torch.tensor(n * T), samples=n)
+        for p in model.parameters():
+            p.grad /= 8 * T
+        mon.window_end()
+        model.zero_grad(set_to_none=True)
+    tok, smp = mon.estimate(unit="token"), mon.estimate(unit="sample")
+    assert tok.b_simple == pytest.approx(T * smp.b_simple, rel=1e-6)
+    assert tok.big_count == 8 * T and smp.big_count == 8
+
+
+def test_state_is_one_float64_tensor_on_the_gradients_device(mlp_problem):
+    """The estimators' state lives on the gradients' device and is a single float64 tensor."""
+    x, y, model, _, _ = mlp_problem
+    mon = _run_plain_loop(copy.deepcopy(model), x, y, windows=2, sizes=[4, 4], seed=0)
+    (est,) = mon.estimators.values()
+    assert est.state.dtype == torch.float64 and est.state.device == next(model.parameters()).device
+
+
+# ---------------------------------------------------------------------------
+# DDP + accumulation (torchrun, 2 gloo ranks)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.dist
+def test_ddp_and_accumulation_exact_plumbing_and_agreement():
+    proc = run_torchrun(Path(__file__).parent / "dist" / "noise_ddp.py", "300")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("NOISE_DDP "))
+    out = json.loads(line[len("NOISE_DDP "):])
+    assert out["world"] == 2
+    # Every source's per-window estimates equal the reference from per-micro gradients.
+    assert out["phase1_worst_rel_err"] < 1e-4
+    truth, micro, rank = out["truth"], out["micro"], out["rank"]
+    for e in (micro, rank):
+        assert not e["flags"], e
+        assert e["b_simple"] == pytest.approx(truth, rel=0.10)
+        assert e["tr_sigma"] == pytest.approx(out["truth_tr_sigma"], rel=0.10)
+    # The accumulation (micro) and DDP (rank) estimates agree within their intervals.
+    assert micro["low"] <= rank["high"] and rank["low"] <= micro["high"]
+    assert micro["low"] <= truth <= micro["high"]
