@@ -1,0 +1,154 @@
+"""Train the byte-level tinygpt task with the exact global-batch step driver.
+
+Single process (gradient accumulation only)::
+
+    python examples/train_tinygpt.py
+
+Two data-parallel ranks (gloo on CPU, NCCL on GPU)::
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 examples/train_tinygpt.py
+
+The loop below is the user's: it draws each global batch as a contiguous chunk of the
+task's seeded sample order, gives every rank a contiguous slice of it, cuts the slice
+into micro-batches padded on their own (documents are ragged), and hands each
+micro-batch's *summed* loss and token count to :class:`globalbatch.step.StepDriver`.
+Whatever the world size, the global batch, and therefore the optimizer step, is the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from globalbatch.plan import fmt_int
+from globalbatch.schedule import TokenLRSchedule, constant_batch, parse_step_schedule
+from globalbatch.step import StepConfig, StepDriver, load_checkpoint, save_checkpoint, unwrap_model
+from globalbatch.tasks import load_task
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps to run (in total, resumes included)")
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step, all ranks")
+    p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward per rank")
+    p.add_argument("--batch-schedule", default=None,
+                   help="Megatron-style step schedule in loss-bearing tokens, e.g. '0:8 20K:16' (replaces --global-batch)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate at the first global batch")
+    p.add_argument("--lr-shape", default="cosine", choices=["constant", "linear", "cosine", "wsd"])
+    p.add_argument("--warmup-tokens", type=int, default=5_000, help="linear warmup, in loss-bearing tokens")
+    p.add_argument("--total-tokens", type=int, default=None,
+                   help="LR decay length in loss-bearing tokens (default: estimated from --steps; fix it when resuming)")
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--checkpoint", default=None, help="write a checkpoint here every --checkpoint-every steps")
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--resume", default=None, help="resume from this checkpoint")
+    p.add_argument("--val-batches", type=int, default=8, help="validation micro-batches at the end (0: none)")
+    return p.parse_args(argv)
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """Initialise the process group when launched by torchrun; pick the device."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl")
+        device = torch.device("cuda", local_rank)
+    else:
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank, world, device = setup_distributed()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    say = print if rank == 0 else (lambda *a, **k: None)
+
+    task = load_task("tinygpt", n_layer=args.n_layer, d_model=args.d_model, seq_len=args.seq_len,
+                     max_corpus_bytes=1_000_000)
+    model = task.build_model(args.seed).to(device)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+
+    schedule = (parse_step_schedule(args.batch_schedule, unit="token", lr_rule="sqrt")
+                if args.batch_schedule else constant_batch(args.global_batch))
+    # total tokens for the LR decay: steps × batch × mean loss-bearing tokens per document (an estimate)
+    mean_units = float(task.train_lengths.mean()) - 1.0
+    total_tokens = args.total_tokens or max(int(args.steps * schedule.batch_at(0) * mean_units), args.warmup_tokens + 1)
+    lr_schedule = TokenLRSchedule(peak_lr=args.lr, warmup=args.warmup_tokens, total=total_tokens, shape=args.lr_shape,
+                                  min_lr_ratio=0.1)
+    config = StepConfig(micro_batch=args.micro_batch, batch_schedule=schedule, max_grad_norm=args.max_grad_norm)
+    driver = StepDriver(model, optimizer, config, lr_schedule=lr_schedule)
+
+    if args.resume:
+        load_checkpoint(args.resume, model, optimizer, driver, map_location=device)
+        say(f"resumed from {args.resume} at step {driver.optimizer_steps}, "
+            f"{fmt_int(driver.consumed_samples)} samples consumed")
+
+    g = driver.geometry
+    say(f"task {task.name}: {fmt_int(task.num_train_samples)} documents, seq_len {task.seq_len}, "
+        f"{fmt_int(sum(p.numel() for p in model.parameters()))} parameters, device {device}")
+    say(f"global {g.arithmetic()}; ≤ {fmt_int(g.tokens(task.seq_len))} token slots per step "
+        f"(padding included; ~{fmt_int(round(g.global_batch * mean_units))} loss-bearing)")
+    say(f"batch schedule [{schedule}] in tokens, lr {lr_schedule.shape} peak {args.lr:g}, "
+        f"warmup {fmt_int(args.warmup_tokens)} tokens, decay over {fmt_int(total_tokens)} tokens")
+
+    order = task.sample_order(args.seed)
+    order = itertools.islice(order, driver.consumed_samples, None)  # resume: skip what was drawn
+    t0 = time.perf_counter()
+    while driver.optimizer_steps < args.steps:
+        g = driver.geometry  # may change when the batch schedule moves on
+        window = list(itertools.islice(order, g.global_batch))          # contiguous chunk of the order
+        per_rank = g.micro_batch * g.grad_accum_steps
+        mine = window[rank * per_rank:(rank + 1) * per_rank]             # contiguous slice per rank
+        micro = [mine[i:i + g.micro_batch] for i in range(0, per_rank, g.micro_batch)]
+        for i, idx in enumerate(micro):
+            batch = task.collate(idx, device)                            # padded to its own longest doc
+            with driver.micro_step(last=i == len(micro) - 1):           # no DDP sync before the last
+                loss_sum, count = task.loss_sum(model, batch)
+                driver.backward(loss_sum, count, samples=len(idx))
+        result = driver.step()
+        if result.step % args.log_every == 0 or result.skipped or result.step == args.steps:
+            say(f"step {result.step:4d} | loss/token {result.loss_per_unit:.4f} | tokens {result.global_units:5d} "
+                f"| grad norm {result.grad_norm:.3f} | lr {result.lr:.2e} | batch {result.global_batch} "
+                f"| {result.units_per_s:,.0f} tok/s{' | SKIPPED' if result.skipped else ''}")
+        if args.checkpoint and args.checkpoint_every and result.step % args.checkpoint_every == 0 \
+                and not result.skipped:
+            save_checkpoint(args.checkpoint, model, optimizer, driver)
+    elapsed = time.perf_counter() - t0
+
+    if args.val_batches:
+        net = unwrap_model(model).eval()
+        loss_total, units_total = 0.0, 0
+        with torch.no_grad():
+            for batch in itertools.islice(task.val_batches(args.micro_batch * 4), args.val_batches):
+                batch = {k: v.to(device) for k, v in batch.items()}
+                loss, count = task.loss_sum(net, batch)
+                loss_total += float(loss)  # host sync: evaluation, outside the training hot path
+                units_total += int(count)
+        say(f"validation loss/token {loss_total / units_total:.4f} over {fmt_int(units_total)} tokens")
+    say(f"done: {driver.optimizer_steps} steps, {driver.skipped_windows} skipped, "
+        f"{fmt_int(driver.consumed_units)} tokens in {elapsed:.1f} s")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
