@@ -268,13 +268,18 @@ def _evaluate(task, model, micro_batch: int, max_samples: int) -> float:
 
 
 def _pid_alive(pid: int) -> bool:
+    """True if ``pid`` runs (a zombie — killed, not yet reaped — counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            return "\nState:\tZ" not in f.read()
+    except OSError:  # no procfs (macOS): trust kill(0)
+        return True
 
 
 def _trial_done(trial_dir: Path, spec: TrialSpec) -> bool:
@@ -554,6 +559,7 @@ def run_sweep(
     workers: Optional[int] = None,
     backend: str = "local",
     address: Optional[str] = None,
+    threads: Optional[int] = None,
     progress: bool = True,
 ) -> SweepResult:
     """Run (or resume) every trial of the grid into ``out_dir``.
@@ -561,6 +567,8 @@ def run_sweep(
     Args:
         workers: trials at once; None: min(pending trials, CPU cores). Each gets
             ``cores ÷ workers`` torch threads (at least 1). ``workers=1`` runs in-process.
+        threads: torch threads per trial, overriding ``cores ÷ workers``. CPU results
+            depend on it in the last bits: resume with the same value.
         backend: ``"local"`` (spawned processes) or ``"ray"`` (Ray Tune; ``address`` of an
             existing cluster, or None to start a local Ray).
         progress: rich progress bars on the terminal.
@@ -569,6 +577,8 @@ def run_sweep(
         raise ValueError(f"backend: {backend!r}: allowed {', '.join(BACKENDS)}")
     if workers is not None and workers < 1:
         raise ValueError(f"workers: {workers}: must be >= 1")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads: {threads}: must be >= 1")
     if address is not None and backend != "ray":
         raise ValueError(f"address: {address!r}: only with --backend ray")
     out = Path(out_dir)
@@ -582,7 +592,7 @@ def run_sweep(
     # what is left: a resumed sweep then runs its trials with the same thread count
     # (CPU float reductions depend on it) and reproduces an uninterrupted sweep.
     requested = workers if workers is not None else min(len(trials), cores)
-    threads = max(1, cores // requested)
+    threads = threads if threads is not None else max(1, cores // requested)
     n_workers = max(1, min(len(pending) or 1, requested))
     from globalbatch.tasks import load_task
 
@@ -611,7 +621,16 @@ def run_sweep(
     )
 
 
+def _watch_parent(parent_pid: int) -> None:
+    """Exit this worker as soon as the sweep process is gone (``kill -9`` leaves pool workers orphaned)."""
+    while True:
+        time.sleep(0.2)
+        if os.getppid() != parent_pid:
+            os._exit(3)  # a running trial leaves only its metrics.jsonl.tmp-<pid>, removed on resume
+
+
 def _worker_init(threads: int) -> None:
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="watch-parent").start()
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch
 

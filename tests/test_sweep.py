@@ -1,0 +1,247 @@
+"""sweep.py: a tiny real sweep, kill -9 mid-trial and resume, manifest checks, file safety."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from globalbatch.sweep import (
+    SweepConfig,
+    analyze_sweep,
+    atomic_write_json,
+    load_sweep,
+    parse_list,
+    parse_task_args,
+    read_jsonl,
+    run_sweep,
+    run_trial,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A model of a few thousand parameters on 100 KB of source: a trial takes well under a second.
+TINY = dict(n_layer=1, d_model=16, n_head=2, seq_len=16, max_corpus_bytes=100_000)
+
+
+def tiny_config(**kw) -> SweepConfig:
+    base = dict(task="tinygpt", task_overrides=TINY, batches=[4, 8], lrs=[1e-3, 3e-3], budget=6000,
+                max_val_samples=16, eval_every=2000)
+    base.update(kw)
+    return SweepConfig(**base)
+
+
+TIMING_KEYS = {"units_per_s", "train_time_s"}
+
+
+def numeric_records(trial_dir: Path) -> list[dict]:
+    """The step/eval records without timing fields (the reproducible part of a trial)."""
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_jsonl(trial_dir / "metrics.jsonl")
+            if r["kind"] != "header"]
+
+
+# --- config and parsing ------------------------------------------------------------
+
+
+def test_config_errors_name_field_and_value():
+    with pytest.raises(ValueError, match=r"batches: \[4, 4\]"):
+        tiny_config(batches=[4, 4])
+    with pytest.raises(ValueError, match="lrs"):
+        tiny_config(lrs=[-1.0])
+    with pytest.raises(ValueError, match="budget: 0"):
+        tiny_config(budget=0)
+    with pytest.raises(ValueError, match="micro_batch: 3"):
+        tiny_config(micro_batch=3)
+    with pytest.raises(ValueError, match="optimizer: 'lamb'"):
+        tiny_config(optimizer="lamb")
+    assert tiny_config(batches=[4, 48], micro_batch=16).micro_batch_for(48) == 16
+    assert tiny_config(batches=[4, 24]).micro_batch_for(24) == 8  # gcd(24, 16)
+    assert tiny_config().micro_batch_for(4) == 4
+
+
+def test_parse_helpers():
+    assert parse_list("16,32, 1K", "--batches", int) == [16, 32, 1000]
+    assert parse_list("3e-4,1e-3", "--lrs") == [3e-4, 1e-3]
+    with pytest.raises(ValueError, match="--lrs: 'fast'"):
+        parse_list("1e-3,fast", "--lrs")
+    assert parse_task_args(["d_model=64", "corpus_dir=/x"]) == {"d_model": 64, "corpus_dir": "/x"}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_task_args(["d_model"])
+
+
+def test_read_jsonl_drops_a_torn_last_line_and_atomic_write_leaves_no_tmp(tmp_path):
+    p = tmp_path / "m.jsonl"
+    p.write_text('{"a": 1}\n{"a": 2}\n{"a": 3')  # the third write was cut by a kill
+    assert read_jsonl(p) == [{"a": 1}, {"a": 2}]
+    atomic_write_json(tmp_path / "s.json", {"x": 1})
+    assert json.loads((tmp_path / "s.json").read_text()) == {"x": 1}
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["m.jsonl", "s.json"]
+
+
+# --- a real sweep -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference_sweep(tmp_path_factory):
+    """An uninterrupted tiny sweep, in-process, 1 thread (the kill test compares against it)."""
+    out = tmp_path_factory.mktemp("ref")
+    t0 = time.time()
+    res = run_sweep(tiny_config(), out, workers=1, threads=1, progress=False)
+    return out, res, time.time() - t0
+
+
+def test_sweep_records_every_step_and_eval(reference_sweep):
+    out, res, _ = reference_sweep
+    assert sorted(res.ran) == sorted(["b4_lr0.001", "b4_lr0.003", "b8_lr0.001", "b8_lr0.003"])
+    data = load_sweep(out)
+    assert not data.missing and data.unit == "token"
+    for name, recs in data.trials.items():
+        header, steps = recs[0], [r for r in recs if r["kind"] == "step"]
+        assert header["kind"] == "header" and header["grid"]["budget"] == 6000
+        s = data.summaries[name]
+        assert s["completed"] and s["steps"] == len(steps) == steps[-1]["step"]
+        # Stops at the first step at or past the budget; consumed increases by each step's tokens.
+        assert steps[-1]["consumed"] >= 6000 > steps[-2]["consumed"]
+        assert all(b["consumed"] - a["consumed"] == b["batch_units"] for a, b in zip(steps, steps[1:]))
+        for key in ("loss", "grad_norm", "lr", "units_per_s", "skipped_total"):
+            assert all(key in r for r in steps)
+        # Validation at 0, at every 2,000 tokens, and at the end.
+        evals = [r["consumed"] for r in recs if "val_loss" in r]
+        assert evals[0] == 0 and len(evals) == 1 + 3 and all(math.isfinite(r["val_loss"]) for r in recs if "val_loss" in r)
+        # Token-indexed warmup: the LR after 5% of the budget is the peak LR.
+        assert steps[-1]["lr"] == pytest.approx(s["lr"])
+        assert s["units_per_s"] > 0 and s["core_s_per_unit"] > 0
+
+
+def test_same_data_order_for_every_trial(reference_sweep):
+    """At equal batch, trials with different LRs see identical tokens per step (same order)."""
+    out, _, _ = reference_sweep
+    data = load_sweep(out)
+    units = {n: [r["batch_units"] for r in recs if r["kind"] == "step"] for n, recs in data.trials.items()}
+    assert units["b4_lr0.001"] == units["b4_lr0.003"]
+    # Batch 8's first step holds exactly batch 4's first two steps' samples.
+    assert units["b8_lr0.001"][0] == units["b4_lr0.001"][0] + units["b4_lr0.001"][1]
+
+
+def test_rerun_skips_finished_trials_and_changed_grid_is_an_error(reference_sweep):
+    out, _, _ = reference_sweep
+    again = run_sweep(tiny_config(), out, workers=1, threads=1, progress=False)
+    assert again.ran == [] and len(again.skipped) == 4
+    with pytest.raises(ValueError, match=r"different grid \(lrs: \[0.001, 0.003\] -> \[0.001, 0.01\]\)"):
+        run_sweep(tiny_config(lrs=[1e-3, 1e-2]), out, workers=1, progress=False)
+
+
+def test_analyze_sweep_gives_points_and_recommendation(reference_sweep):
+    out, _, _ = reference_sweep
+    data, analysis = analyze_sweep(out, n_targets=2)
+    primary = analysis.targets[0]
+    assert {p.batch_size for p in primary.points} == set(data.batch_units().values())
+    assert analysis.recommendation is not None and "recommend batch" in analysis.recommendation.text()
+
+
+_KILL_SCRIPT = """
+import sys, json
+from globalbatch.sweep import SweepConfig, run_sweep
+cfg = SweepConfig(**json.loads(sys.argv[2]))
+run_sweep(cfg, sys.argv[1], workers=2, threads=1, progress=False)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in state
+
+
+def test_sigkill_mid_trial_then_resume_equals_uninterrupted(tmp_path, reference_sweep):
+    ref_out, _, _ = reference_sweep
+    out = tmp_path / "sweep"
+    cfg = json.dumps(asdict(tiny_config()))
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(out), cfg], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # Kill -9 the sweep process once one trial is finished and another is mid-way.
+    deadline = time.time() + 60
+    killed_during = None
+    while time.time() < deadline and proc.poll() is None:
+        trials = out / "trials"
+        done = list(trials.glob("*/summary.json")) if trials.exists() else []
+        running = []
+        for tmp in trials.glob("*/metrics.jsonl.tmp-*") if trials.exists() else []:
+            try:
+                n_steps = sum(1 for r in read_jsonl(tmp) if r.get("kind") == "step")
+            except (OSError, ValueError):
+                continue
+            if n_steps >= 3 and not (tmp.parent / "summary.json").exists():
+                running.append(tmp.parent.name)
+        if done and running:
+            proc.send_signal(signal.SIGKILL)
+            killed_during = running
+            break
+        time.sleep(0.01)
+    proc.wait(timeout=30)
+    assert killed_during, f"never caught a trial mid-way: {proc.stdout.read().decode()[-2000:]}"
+
+    # Orphaned workers notice their parent is gone and stop at their next step.
+    starts = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "start"]
+    deadline = time.time() + 20
+    while any(_alive(e["pid"]) for e in starts) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(e["pid"]) for e in starts), "a worker outlived the killed sweep"
+
+    # Nothing corrupt: every finished file parses, every done marker has its full metrics.
+    finished_before = {}
+    for summary in out.glob("trials/*/summary.json"):
+        s = json.loads(summary.read_text())
+        recs = read_jsonl(summary.parent / "metrics.jsonl")
+        assert recs[-1]["consumed"] >= 6000 and s["steps"] == recs[-1]["step"]
+        finished_before[summary.parent.name] = s["finished_at"]
+    assert finished_before and not set(killed_during) & set(finished_before)
+
+    # Resume (in-process: no second start-up of torch in spawned workers; same 1 thread per trial).
+    resumed = run_sweep(tiny_config(), out, workers=1, threads=1, progress=False)
+    assert set(resumed.skipped) == set(finished_before) and set(killed_during) <= set(resumed.ran)
+
+    events = read_jsonl(out / "events.jsonl")
+    done_counts = {}
+    for e in events:
+        if e["event"] == "done":
+            done_counts[e["trial"]] = done_counts.get(e["trial"], 0) + 1
+    assert done_counts == {n: 1 for n in ("b4_lr0.001", "b4_lr0.003", "b8_lr0.001", "b8_lr0.003")}
+    for name, finished_at in finished_before.items():  # finished results were not redone
+        assert json.loads((out / "trials" / name / "summary.json").read_text())["finished_at"] == finished_at
+    assert not list(out.glob("trials/*/metrics.jsonl.tmp-*"))
+    # Identical to the uninterrupted sweep, step by step.
+    for name in done_counts:
+        assert numeric_records(out / "trials" / name) == numeric_records(ref_out / "trials" / name), name
+
+
+def test_ray_backend_runs_or_names_the_extra(tmp_path):
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match=r"pip install 'globalbatch\[ray\]'"):
+            run_sweep(tiny_config(batches=[4], lrs=[1e-3]), tmp_path, backend="ray", progress=False)
+        return
+    res = run_sweep(tiny_config(batches=[4], lrs=[1e-3]), tmp_path, backend="ray", workers=1, threads=1, progress=False)
+    assert res.ran == ["b4_lr0.001"] and load_sweep(tmp_path).summaries["b4_lr0.001"]["completed"]
+
+
+def test_run_trial_removes_stale_tmp_of_dead_writers(tmp_path):
+    cfg = tiny_config(batches=[4], lrs=[1e-3], budget=200)
+    d = tmp_path / "trials" / "b4_lr0.001"
+    d.mkdir(parents=True)
+    stale = d / "metrics.jsonl.tmp-999999999"
+    stale.write_text('{"kind": "header"}\n{"kind": "st')
+    summary = run_trial(asdict(cfg), {"batch": 4, "lr": 1e-3}, str(tmp_path), threads=1)
+    assert summary["completed"] and not stale.exists()
