@@ -401,3 +401,73 @@ def test_ddp_and_accumulation_exact_plumbing_and_agreement():
     # The accumulation (micro) and DDP (rank) estimates agree within their intervals.
     assert micro["low"] <= rank["high"] and rank["low"] <= micro["high"]
     assert micro["low"] <= truth <= micro["high"]
+
+
+# ---------------------------------------------------------------------------
+# globalbatch noise
+# ---------------------------------------------------------------------------
+
+TINY = ["--task-arg", "d_model=16", "--task-arg", "n_layer=1", "--task-arg", "n_head=2",
+        "--task-arg", "seq_len=16", "--task-arg", "max_corpus_bytes=200000"]
+
+
+def _cli(args, capsys):
+    from globalbatch.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+def test_cli_help_names_the_flags(capsys):
+    code, out, _ = _cli(["noise", "--help"], capsys)
+    assert code == 0
+    for flag in ("--task", "--micro-batch", "--grad-accum", "--steps", "--lr", "--out", "--tensorboard",
+                 "--adam-variant", "--half-life-windows", "--log-every"):
+        assert flag in out
+
+
+def test_cli_runs_tinygpt_and_writes_csv(tmp_path, capsys):
+    out_dir = tmp_path / "noise"
+    code, out, err = _cli(["noise", *TINY, "--micro-batch", "4", "--grad-accum", "3", "--steps", "6",
+                           "--log-every", "3", "--out", str(out_dir)], capsys)
+    assert code == 0, err
+    import csv
+
+    rows = list(csv.DictReader(open(out_dir / "noise.csv")))
+    assert [int(r["step"]) for r in rows] == [3, 6]
+    for r in rows:
+        assert float(r["b_simple_micro_token"]) > 0 and float(r["lr"]) == pytest.approx(1e-3)
+        assert int(r["batch_samples"]) == 12
+        # the sample-unit estimate of a token-mean loss: about tokens-per-sample times smaller
+        assert float(r["b_simple_micro_sample"]) < float(r["b_simple_micro_token"])
+    assert "B_simple (micro-batches, per token):" in out and "B_simple (micro-batches, per sample):" in out
+    assert not list(out_dir.glob(".*tmp*"))  # atomic writes leave no temporary files
+
+
+def test_cli_one_micro_batch_is_a_clear_error(tmp_path, capsys):
+    code, _, err = _cli(["noise", *TINY, "--grad-accum", "1", "--steps", "2", "--out", str(tmp_path)], capsys)
+    assert code == 2
+    assert "needs at least two batch sizes: use grad_accum_steps ≥ 2 or dp_world_size ≥ 2" in err
+    assert err.count("\n") == 1
+
+
+def test_cli_tensorboard_missing_names_the_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import now fails
+    code, _, err = _cli(["noise", *TINY, "--grad-accum", "2", "--steps", "1", "--out", str(tmp_path),
+                         "--tensorboard"], capsys)
+    assert code == 2
+    assert "globalbatch[tensorboard]" in err
+
+
+def test_cli_tensorboard_writes_scalars(tmp_path, capsys):
+    code, _, err = _cli(["noise", *TINY, "--grad-accum", "2", "--steps", "3", "--log-every", "3",
+                         "--out", str(tmp_path), "--tensorboard"], capsys)
+    assert code == 0, err
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert "noise/micro/b_simple_tokens" in tags and "train/lr" in tags

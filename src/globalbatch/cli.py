@@ -121,6 +121,71 @@ def plan_cmd(
         console.print("[dim]priors are scaling-law predictions, not measurements: measure with `globalbatch sweep`/`noise`.[/dim]")
 
 
+@app.command("noise")
+def noise_cmd(
+    task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt, mnist or package.module:function."),
+    micro_batch: int = typer.Option(8, "--micro-batch", help="Samples (sequences) per forward/backward per rank."),
+    grad_accum: int = typer.Option(4, "--grad-accum", help="Micro-batches per step; on one process ≥ 2 (they are the small batches)."),
+    steps: int = typer.Option(50, "--steps", help="Optimizer steps (windows) to train and measure."),
+    lr: float = typer.Option(1e-3, "--lr", help="Constant learning rate (B_simple depends on it; it is logged)."),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw or sgd."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the model init and the data order."),
+    log_every: int = typer.Option(5, "--log-every", help="Steps between estimates (rows of the curve)."),
+    half_life_windows: float = typer.Option(10.0, "--half-life-windows", help="EMA half-life in windows of the global batch (forgetting is per unit)."),
+    adam_variant: bool = typer.Option(False, "--adam-variant", help="Also report the Adam-preconditioned variant g/(√v̂+eps)."),
+    out: str = typer.Option("runs/noise", "--out", help="Directory for noise.csv (and tb/ with --tensorboard)."),
+    tensorboard: bool = typer.Option(False, "--tensorboard", help="Also write TensorBoard scalars (pip install 'globalbatch[tensorboard]')."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default cuda when available)."),
+    task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
+) -> None:
+    """Measure the gradient noise scale B_simple (McCandlish et al. 2018) over a short training run."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from .noise import NoiseRunConfig, format_estimate, measure_noise
+    from .sweep import parse_task_args
+
+    cfg = NoiseRunConfig(task=task, task_overrides=parse_task_args(task_arg), micro_batch=micro_batch,
+                         grad_accum_steps=grad_accum, steps=steps, lr=lr, optimizer=optimizer, seed=seed,
+                         log_every=log_every, half_life_windows=half_life_windows, adam_variant=adam_variant,
+                         device=device)
+    console = Console(width=max(Console().width, 110))
+    console.print(f"noise: {task}, {micro_batch} samples × {grad_accum} accum per rank, {steps} steps, lr {lr:g} "
+                  f"({optimizer}); EMA half-life {half_life_windows:g} windows")
+
+    def show(row: dict) -> None:
+        keys = [k[len("b_simple_"):] for k in row if k.startswith("b_simple_")]
+        parts = [f"{k}={row['b_simple_' + k]:,.4g} [{row['low_' + k]:,.4g}, {row['high_' + k]:,.4g}]" for k in keys]
+        console.print(f"step {row['step']:>5}  loss {row['loss']:.4f}  " + "  ".join(parts), markup=False,
+                      highlight=False)
+
+    try:
+        result = measure_noise(cfg, out_dir=out, tensorboard=tensorboard, on_row=show)
+    except ImportError as exc:
+        raise ValueError(f"--tensorboard: {exc}") from exc
+    if not result.rows:
+        return  # not rank 0
+    table = Table(title=f"B_simple curve ({result.unit}-mean loss; interval {next(iter(result.final.values())).confidence:.0%} Fieller)")
+    keys = [k[len("b_simple_"):] for k in result.rows[0] if k.startswith("b_simple_")]
+    for col in ["step", "loss", "lr", "batch"] + keys:
+        table.add_column(col, justify="right")
+    for row in result.rows:
+        cells = [str(row["step"]), f"{row['loss']:.4f}", f"{row['lr']:.3g}",
+                 f"{row['batch_units']:,} {result.unit}s"]
+        cells += [f"{row['b_simple_' + k]:,.4g} [{row['low_' + k]:,.4g}–{row['high_' + k]:,.4g}]" for k in keys]
+        table.add_row(*[Text(c) for c in cells])  # Text: "[...]" is not rich markup
+    console.print(table)
+    for key, est in result.final.items():
+        source, unit = key.split("/")
+        label = {"micro": "micro-batches", "rank": "DP ranks", "micro_adam": "micro-batches, Adam-preconditioned VARIANT",
+                 "rank_adam": "DP ranks, Adam-preconditioned VARIANT"}[source]
+        console.print(f"B_simple ({label}, per {unit}): {format_estimate(est)}; lr {est.lr:g}, "
+                      f"batch {est.big_count:,.0f} {unit}s, {est.windows} windows", markup=False, highlight=False)
+    if result.csv_path:
+        console.print(f"wrote {result.csv_path}" + (f" and {out}/tb" if tensorboard else ""))
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Console-script entry point with one-line errors and exit code 2."""
     command = typer.main.get_command(app)
