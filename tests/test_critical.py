@@ -151,7 +151,7 @@ def synthetic_curves(rng, *, batches=(16, 32, 64, 128, 256, 512), lrs=(3e-4, 1e-
 def test_analyze_recovers_b_crit_and_best_lr_from_curves():
     rng = np.random.default_rng(0)
     curves = synthetic_curves(rng)
-    res = analyze(curves, n_targets=3, halflife_steps=4.0)
+    res = analyze(curves, n_targets=3)
     assert len(res.targets) == 3
     primary = res.targets[0]
     # Every batch reaches the primary target (that is how it is chosen), with LR 1e-3.

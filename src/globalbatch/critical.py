@@ -43,6 +43,7 @@ __all__ = [
     "fit_hyperbola",
     "zhang_cbs",
     "default_targets",
+    "smoothing_halflife",
     "points_for_target",
     "recommend",
     "analyze",
@@ -126,16 +127,9 @@ def ema_smooth(values: np.ndarray, halflife_steps: float) -> tuple[np.ndarray, n
     return out, lag
 
 
-def steps_to_target(curve: Curve, target: float, *, halflife_steps: float = 8.0) -> Optional[tuple[float, float]]:
-    """Steps and examples the trial needed to bring its smoothed loss to ``target``.
-
-    The first crossing of the lag-corrected EMA (see :func:`ema_smooth`) is linearly
-    interpolated between steps, so the result is fractional. Returns ``(steps,
-    examples)`` or None if the smoothed loss never reaches ``target``.
-    """
+def _crossing(curve: Curve, target: float, halflife_steps: float) -> Optional[tuple[float, float]]:
+    """First crossing of ``target`` by the lag-corrected EMA, interpolated; ``(steps, examples)`` or None."""
     n = curve.loss.size
-    if n == 0:
-        return None
     smooth, lag = ema_smooth(curve.loss, halflife_steps)
     step = np.arange(1, n + 1, dtype=float) - lag  # the step each smoothed value describes
     below = np.flatnonzero(np.isfinite(smooth) & (smooth <= target))
@@ -150,9 +144,50 @@ def steps_to_target(curve: Curve, target: float, *, halflife_steps: float = 8.0)
         s = step[i - 1] + frac * (step[i] - step[i - 1])
     # Examples at fractional step s, interpolated on the recorded cumulative examples
     # (exact E = B·S when every step carries B examples; honest when counts vary).
-    steps_axis = np.arange(1, n + 1, dtype=float)
-    e = float(np.interp(s, np.concatenate([[0.0], steps_axis]), np.concatenate([[0.0], curve.examples])))
+    steps_axis = np.arange(0, n + 1, dtype=float)
+    e = float(np.interp(s, steps_axis, np.concatenate([[0.0], curve.examples])))
     return float(s), e
+
+
+def steps_to_target(
+    curve: Curve,
+    target: float,
+    *,
+    ema_fraction: float = 0.05,
+    halflife_steps: Optional[float] = None,
+) -> Optional[tuple[float, float]]:
+    """Steps and examples the trial needed to bring its smoothed loss to ``target``.
+
+    The first crossing of the lag-corrected EMA (see :func:`ema_smooth`) is linearly
+    interpolated between steps, so the result is fractional. Returns ``(steps,
+    examples)`` or None if the smoothed loss never reaches ``target``.
+
+    Smoothing: by default the EMA half-life is ``ema_fraction`` × the steps to the
+    target (found by fixed-point iteration from a 1-step half-life). Any smoother of a
+    convex loss curve reads it late by ~½·|L''/L'|·(window)² steps; with a window
+    proportional to S that error is the same *fraction* of S at every batch, which
+    rescales S_min but leaves B_crit unchanged. A fixed ``halflife_steps`` instead
+    biases B_crit low (the large batches, with few steps, have the most curvature per
+    step): measured on synthetic curves with B_crit = 1,600, half-life 8 steps gave
+    1,390 while ``ema_fraction`` 0.02–0.1 gave 1,598–1,629 (docs/critical.md).
+    """
+    if curve.loss.size == 0:
+        return None
+    if halflife_steps is not None:
+        return _crossing(curve, target, halflife_steps)
+    if not 0 < ema_fraction < 1:
+        raise ValueError(f"ema_fraction: {ema_fraction}: must be in (0, 1), e.g. 0.05")
+    r = _crossing(curve, target, 1.0)
+    for _ in range(3):
+        if r is None:
+            return None
+        r_next = _crossing(curve, target, max(0.5, ema_fraction * r[0]))
+        if r_next is None:  # heavier smoothing no longer reaches a target at the edge: keep the last
+            return r
+        if abs(r_next[0] - r[0]) <= 1e-3 * r[0]:
+            return r_next
+        r = r_next
+    return r
 
 
 # ---------------------------------------------------------------------------
@@ -348,7 +383,13 @@ class Analysis:
     targets: list[TargetResult]
     primary_target: float
     recommendation: Optional[Recommendation]
-    halflife_steps: float
+    ema_fraction: float
+    """EMA half-life as a fraction of each trial's steps to the target (the default smoothing)."""
+    halflife_steps: Optional[float] = None
+    """A fixed EMA half-life in steps, when one was asked for instead."""
+
+    def halflife_for(self, n_steps: int) -> float:
+        return smoothing_halflife(n_steps, ema_fraction=self.ema_fraction, halflife_steps=self.halflife_steps)
 
     def to_dict(self) -> dict:
         """JSON-ready dict (the summary a report or a script reads)."""
@@ -364,7 +405,9 @@ def _throughput(curves: Sequence[Curve]) -> dict[float, tuple[Optional[float], O
     return out
 
 
-def points_for_target(curves: Sequence[Curve], target: float, *, halflife_steps: float = 8.0) -> TargetResult:
+def points_for_target(
+    curves: Sequence[Curve], target: float, *, ema_fraction: float = 0.05, halflife_steps: Optional[float] = None
+) -> TargetResult:
     """For each batch size, the fastest LR's steps and examples to ``target``, and the fit."""
     tput = _throughput(curves)
     points: list[BatchPoint] = []
@@ -374,7 +417,7 @@ def points_for_target(curves: Sequence[Curve], target: float, *, halflife_steps:
         for c in curves:
             if c.batch_size != b:
                 continue
-            r = steps_to_target(c, target, halflife_steps=halflife_steps)
+            r = steps_to_target(c, target, ema_fraction=ema_fraction, halflife_steps=halflife_steps)
             if r is not None and (best is None or r[0] < best[0]):
                 best = (r[0], r[1], c.lr)
         if best is None:
@@ -404,7 +447,14 @@ def points_for_target(curves: Sequence[Curve], target: float, *, halflife_steps:
     return result
 
 
-def default_targets(curves: Sequence[Curve], *, n_targets: int = 4, halflife_steps: float = 8.0) -> list[float]:
+def smoothing_halflife(n_steps: int, *, ema_fraction: float = 0.05, halflife_steps: Optional[float] = None) -> float:
+    """Half-life (steps) used to smooth a whole curve of ``n_steps`` for display and targets."""
+    return halflife_steps if halflife_steps is not None else max(0.5, ema_fraction * n_steps)
+
+
+def default_targets(
+    curves: Sequence[Curve], *, n_targets: int = 4, ema_fraction: float = 0.05, halflife_steps: Optional[float] = None
+) -> list[float]:
     """Loss targets, tightest first: the best smoothed loss that every batch reaches, then looser ones.
 
     The tightest is max over batches of (min over that batch's trials of its lowest
@@ -416,7 +466,7 @@ def default_targets(curves: Sequence[Curve], *, n_targets: int = 4, halflife_ste
     per_batch: dict[float, float] = {}
     starts = []
     for c in curves:
-        sm, _ = ema_smooth(c.loss, halflife_steps)
+        sm, _ = ema_smooth(c.loss, smoothing_halflife(c.loss.size, ema_fraction=ema_fraction, halflife_steps=halflife_steps))
         finite = sm[np.isfinite(sm)]
         if finite.size == 0:
             continue
@@ -528,7 +578,8 @@ def analyze(
     *,
     targets: Optional[Sequence[float]] = None,
     n_targets: int = 4,
-    halflife_steps: float = 8.0,
+    ema_fraction: float = 0.05,
+    halflife_steps: Optional[float] = None,
     objective: str = "time",
     tolerance: float = 0.05,
     unit: str = "example",
@@ -539,11 +590,11 @@ def analyze(
     if not curves:
         raise ValueError("curves: empty; nothing to analyze")
     if targets is None:
-        targets = default_targets(curves, n_targets=n_targets, halflife_steps=halflife_steps)
+        targets = default_targets(curves, n_targets=n_targets, ema_fraction=ema_fraction, halflife_steps=halflife_steps)
     targets = [float(t) for t in targets]
     if not targets:
         raise ValueError("targets: empty")
-    results = [points_for_target(curves, t, halflife_steps=halflife_steps) for t in targets]
+    results = [points_for_target(curves, t, ema_fraction=ema_fraction, halflife_steps=halflife_steps) for t in targets]
     rec = None
     primary = results[0]
     if primary.points:
@@ -552,4 +603,5 @@ def analyze(
                             unit=unit, label=label)
         except ValueError:  # no throughput recorded: the fit stands, no recommendation
             rec = None
-    return Analysis(unit=unit, targets=results, primary_target=targets[0], recommendation=rec, halflife_steps=halflife_steps)
+    return Analysis(unit=unit, targets=results, primary_target=targets[0], recommendation=rec,
+                    ema_fraction=ema_fraction, halflife_steps=halflife_steps)

@@ -94,7 +94,7 @@ def plot_loss_vs_tokens(data: SweepData, analysis: Analysis, path: Path) -> str:
         if not steps:
             continue
         x = np.array([r["consumed"] for r in steps], dtype=float)
-        y, _ = ema_smooth(np.array([r["loss"] for r in steps], dtype=float), analysis.halflife_steps)
+        y, _ = ema_smooth(np.array([r["loss"] for r in steps], dtype=float), analysis.halflife_for(len(steps)))
         is_best = best.get(units[b]) == lr
         ax.plot(x, y, color=colors[b], lw=2.0 if is_best else 0.8, alpha=1.0 if is_best else 0.35,
                 label=f"batch {b}, lr {lr:g}" if is_best else None)
@@ -310,7 +310,8 @@ def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, 
     grid = (f"task <code>{html.escape(cfg.task)}</code> {html.escape(json.dumps(cfg.task_overrides))}; batches "
             f"{cfg.batches} samples; lrs {cfg.lrs}; budget {cfg.budget:,} {u}s per trial; seed {cfg.seed}; "
             f"optimizer {cfg.optimizer}; LR warmup {cfg.warmup_fraction:.0%} then {cfg.lr_shape}; "
-            f"EMA half-life {analysis.halflife_steps:g} steps (lag-corrected)")
+            + (f"EMA half-life {analysis.halflife_steps:g} steps" if analysis.halflife_steps is not None
+               else f"EMA half-life {analysis.ema_fraction:g} × each trial's steps to the target") + " (lag-corrected)")
     css = ("body{font-family:sans-serif;max-width:1200px;margin:2em auto;color:#222}"
            "table{border-collapse:collapse;margin:1em 0;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
            "th{background:#f3f3f3}figure{margin:1.5em 0}img{max-width:100%;border:1px solid #ddd}"
@@ -334,6 +335,15 @@ ideal E_min/B by 20% (Zhang et al. 2024) = 0.2·B_crit. The two definitions diff
 {''.join(imgs)}
 <h2>Trials</h2>
 {_table_html([h.replace('unit', u) for h in TRIAL_HEADER], _trial_rows(data))}
+<p id="img-check" class="foot">images rendered: checking…</p>
+<script>
+// Self-check for headless browsers: count the embedded plots the browser actually decoded.
+window.addEventListener("load", function () {{
+  var imgs = document.querySelectorAll("figure img"), ok = 0;
+  imgs.forEach(function (im) {{ if (im.complete && im.naturalWidth > 0) ok++; }});
+  document.getElementById("img-check").textContent = "images rendered: " + ok + " of " + imgs.length;
+}});
+</script>
 <p class="foot">Generated {time.strftime('%Y-%m-%d %H:%M:%S')} by globalbatch from {html.escape(data.out_dir)}.
 Throughput is measured inside each trial (evaluation excluded) and shares the machine with concurrent trials.</p>
 </body></html>
@@ -346,7 +356,8 @@ def write_report(
     *,
     targets: Optional[Sequence[float]] = None,
     n_targets: int = 4,
-    halflife_steps: float = 8.0,
+    ema_fraction: float = 0.05,
+    halflife_steps: Optional[float] = None,
     objective: str = "time",
     tolerance: float = 0.05,
 ) -> ReportResult:
@@ -355,7 +366,8 @@ def write_report(
     Args:
         out_dir: where to write; default ``run_dir/report``.
     """
-    data, analysis = analyze_sweep(run_dir, targets=targets, n_targets=n_targets, halflife_steps=halflife_steps,
+    data, analysis = analyze_sweep(run_dir, targets=targets, n_targets=n_targets, ema_fraction=ema_fraction,
+                                   halflife_steps=halflife_steps,
                                    objective=objective, tolerance=tolerance)
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)

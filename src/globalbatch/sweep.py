@@ -799,7 +799,8 @@ def analyze_sweep(
     *,
     targets: Optional[Sequence[float]] = None,
     n_targets: int = 4,
-    halflife_steps: float = 8.0,
+    ema_fraction: float = 0.05,
+    halflife_steps: Optional[float] = None,
     objective: str = "time",
     tolerance: float = 0.05,
 ):
@@ -811,7 +812,7 @@ def analyze_sweep(
     if not curves:
         raise ValueError(f"run_dir: {data.out_dir!r}: no finished trial yet ({len(data.missing)} pending)")
     analysis = analyze(
-        curves, targets=targets, n_targets=n_targets, halflife_steps=halflife_steps,
+        curves, targets=targets, n_targets=n_targets, ema_fraction=ema_fraction, halflife_steps=halflife_steps,
         objective=objective, tolerance=tolerance, unit=data.unit, label=data.label,
     )
     return data, analysis

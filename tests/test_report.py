@@ -1,0 +1,170 @@
+"""report.py on a synthetic sweep directory with a known critical batch; HTML checked by parsing and in Chromium."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from globalbatch.sweep import SweepConfig, atomic_write_json, load_sweep
+from globalbatch.report import write_report
+
+TOKENS_PER_SAMPLE = 20
+B_CRIT_TOKENS = 1600.0  # = 80 samples × 20 tokens
+
+
+def write_synthetic_sweep(out: Path, *, with_noise_scale: bool = True, seed: int = 0) -> SweepConfig:
+    """A sweep directory in sweep.py's format whose best-LR curves follow the hyperbola exactly.
+
+    Loss = 2 + 3/(1 + s/τ), τ = 10·(1 + B_crit/B)·slowdown(lr) with B in tokens: steps to any
+    target ℓ are τ·(3/(ℓ − 2) − 1), so B_crit = 1,600 tokens at every target. Throughput
+    grows as √B, so wall-clock to target ∝ (1 + B/B_crit)/√B is lowest at B = B_crit.
+    """
+    rng = np.random.default_rng(seed)
+    cfg = SweepConfig(task="tinygpt", batches=[16, 32, 64, 128, 256, 512], lrs=[1e-3, 3e-3], budget=400_000)
+    atomic_write_json(out / "manifest.json", cfg.manifest())
+    slow = {1e-3: 1.0, 3e-3: 1.3}
+    for t in cfg.trials():
+        b_tok = t.batch * TOKENS_PER_SAMPLE
+        n = cfg.budget // b_tok
+        s = np.arange(1, n + 1)
+        tau = 10.0 * (1.0 + B_CRIT_TOKENS / b_tok) * slow[t.lr]
+        loss = 2.0 + 3.0 / (1.0 + s / tau) + rng.normal(0.0, 0.03 / math.sqrt(t.batch), n)
+        rate = 2000.0 * math.sqrt(b_tok)
+        recs = [{"kind": "header", "trial": t.name, "batch": t.batch, "lr": t.lr, "unit": "token"},
+                {"kind": "eval", "step": 0, "consumed": 0, "val_loss": 5.0}]
+        for i in range(n):
+            r = {"kind": "step", "step": i + 1, "consumed": int((i + 1) * b_tok), "batch": t.batch, "batch_units": b_tok,
+                 "loss": float(loss[i]), "grad_norm": 1.0, "lr": t.lr, "skipped": False, "skipped_total": 0,
+                 "units_per_s": rate, "train_time_s": (i + 1) * b_tok / rate}
+            if (i + 1) % max(1, n // 4) == 0:
+                r["val_loss"] = float(loss[i] + 0.05)
+            if with_noise_scale and (i + 1) % 5 == 0:
+                r["b_simple"] = 400.0 * (1 + (i + 1) * b_tok / 1e5)
+            recs.append(r)
+        d = out / "trials" / t.name
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        atomic_write_json(d / "summary.json", {
+            "completed": True, "trial": t.name, "batch": t.batch, "lr": t.lr, "unit": "token", "steps": n,
+            "consumed": n * b_tok, "mean_batch_units": float(b_tok), "units_per_s": rate, "core_s_per_unit": 1 / rate,
+            "skipped_windows": 0, "final_val_loss": float(loss[-1]), "train_time_s": n * b_tok / rate, "micro_batch": 16,
+        })
+    return cfg
+
+
+class _Images(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.srcs: list[str] = []
+        self.external: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "img":
+            self.srcs.append(a.get("src", ""))
+        for key in ("src", "href"):
+            if a.get(key, "").startswith(("http:", "https:", "//", "file:")):
+                self.external.append(a[key])
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep")
+    write_synthetic_sweep(out)
+    return write_report(out, n_targets=3)
+
+
+def test_report_recovers_known_b_crit_end_to_end(report):
+    for t in report.analysis.targets:
+        assert t.fit is not None
+        assert t.fit.b_crit == pytest.approx(B_CRIT_TOKENS, rel=0.05)
+    rec = report.analysis.recommendation
+    # time ∝ (1 + B/1600)/√B is flat near B_crit: 1,280 and 2,560 tokens are within 5% of each other;
+    # the tie goes to the one that needs fewer tokens.
+    assert rec is not None and rec.batch_size == 64 * TOKENS_PER_SAMPLE
+    assert "batch 64 (≈1,280 tokens)" in rec.text()
+
+
+def test_report_files_and_html_embed_every_plot(report):
+    names = [Path(p).name for p in report.plots]
+    assert names == ["loss_vs_tokens.png", "steps_vs_examples.png", "batch_tradeoff.png", "noise_scale.png"]
+    page = Path(report.html).read_text()
+    parser = _Images()
+    parser.feed(page)
+    assert parser.external == []  # self-contained: no network, no sibling files
+    assert len(parser.srcs) == len(report.plots)
+    import matplotlib.image as mpimg
+
+    for src, path in zip(parser.srcs, report.plots):
+        assert src.startswith("data:image/png;base64,")
+        raw = base64.b64decode(src.split(",", 1)[1], validate=True)
+        assert raw == Path(path).read_bytes()
+        img = mpimg.imread(io.BytesIO(raw), format="png")
+        assert img.shape[0] > 200 and img.shape[1] > 400 and img.std() > 0.05  # decodes and is not blank
+    assert "Recommended batch" in page and "B_crit ± SE (McCandlish)" in page and "CBS 20%" in page
+    analysis = json.loads(Path(report.analysis_json).read_text())
+    assert analysis["analysis"]["targets"][0]["fit"]["b_crit"] == pytest.approx(report.analysis.targets[0].fit.b_crit)
+
+
+def test_no_noise_plot_without_b_simple_and_partial_sweep_is_reported(tmp_path):
+    write_synthetic_sweep(tmp_path, with_noise_scale=False)
+    shutil.rmtree(tmp_path / "trials" / "b512_lr0.003")  # an unfinished trial
+    res = write_report(tmp_path, tmp_path / "r")
+    assert [Path(p).name for p in res.plots] == ["loss_vs_tokens.png", "steps_vs_examples.png", "batch_tradeoff.png"]
+    assert load_sweep(tmp_path).missing == ["b512_lr0.003"]
+    assert "1 trial(s) not finished: b512_lr0.003" in Path(res.html).read_text()
+
+
+def test_report_of_a_non_sweep_dir_names_it(tmp_path):
+    with pytest.raises(ValueError, match="no manifest.json"):
+        write_report(tmp_path)
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome", "chromium-headless-shell"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def test_html_renders_in_headless_chromium(report, tmp_path):
+    """The browser decodes every embedded plot (the page's own check) and the screenshot is not blank.
+
+    Needs Chromium (``apt-get install -y chromium``). Missing Chromium fails the test;
+    set GLOBALBATCH_SKIP_BROWSER=1 to skip it explicitly.
+    """
+    browser = _chromium()
+    if browser is None:
+        if os.environ.get("GLOBALBATCH_SKIP_BROWSER") == "1":
+            pytest.skip("GLOBALBATCH_SKIP_BROWSER=1: Chromium check skipped on request")
+        pytest.fail("Chromium not found: apt-get install -y chromium (or set GLOBALBATCH_SKIP_BROWSER=1)")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--no-first-run", "--hide-scrollbars",
+             f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000"]
+    url = Path(report.html).resolve().as_uri()
+    dom = subprocess.run([browser, *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    n = len(report.plots)
+    assert f"images rendered: {n} of {n}" in dom.stdout, re.findall(r"images rendered[^<]*", dom.stdout)
+    shot = tmp_path / "shot.png"
+    run = subprocess.run([browser, *flags, "--window-size=1280,4000", f"--screenshot={shot}", url],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and shot.is_file(), run.stderr[-2000:]
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(shot)[..., :3]
+    # Plot colours (viridis lines, orange/green series) cover a visible share of the page.
+    colourful = (img.max(axis=2) - img.min(axis=2)) > 0.25
+    assert colourful.mean() > 0.002, colourful.mean()
