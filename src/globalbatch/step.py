@@ -259,6 +259,7 @@ class StepDriver:
         self.consecutive_skips = 0
         self.global_batch = self.schedule.batch_at(0)
         self.batch_lr_mult = 1.0
+        self.last_micro_samples = config.micro_batch
 
         self._reset_window()
         self._t_last: Optional[float] = None
@@ -341,6 +342,7 @@ class StepDriver:
                        dtype=torch.float64, device=loss_d.device),
         ])
         self._acc = micro_stats if self._acc is None else self._acc.add_(micro_stats)
+        self.last_micro_samples = self.config.micro_batch if samples is None else int(samples)  # for callbacks
         if self.scaler is not None:
             self.scaler.scale(loss_sum).backward()
         else:
