@@ -182,7 +182,7 @@ def test_sigkill_mid_trial_then_resume_equals_uninterrupted(tmp_path, reference_
                 n_steps = sum(1 for r in read_jsonl(tmp) if r.get("kind") == "step")
             except (OSError, ValueError):
                 continue
-            if n_steps >= 3 and not (tmp.parent / "summary.json").exists():
+            if 3 <= n_steps <= 20 and not (tmp.parent / "summary.json").exists():  # a trial has 50-100 steps
                 running.append(tmp.parent.name)
         if done and running:
             proc.send_signal(signal.SIGKILL)
@@ -206,11 +206,13 @@ def test_sigkill_mid_trial_then_resume_equals_uninterrupted(tmp_path, reference_
         recs = read_jsonl(summary.parent / "metrics.jsonl")
         assert recs[-1]["consumed"] >= 6000 and s["steps"] == recs[-1]["step"]
         finished_before[summary.parent.name] = s["finished_at"]
-    assert finished_before and not set(killed_during) & set(finished_before)
+    # Whatever raced past the kill, at least one trial was cut mid-way and has no result.
+    interrupted = {d.name for d in (out / "trials").iterdir() if not (d / "summary.json").exists()}
+    assert finished_before and interrupted & set(killed_during)
 
     # Resume (in-process: no second start-up of torch in spawned workers; same 1 thread per trial).
     resumed = run_sweep(tiny_config(), out, workers=1, threads=1, progress=False)
-    assert set(resumed.skipped) == set(finished_before) and set(killed_during) <= set(resumed.ran)
+    assert set(resumed.skipped) == set(finished_before) and interrupted <= set(resumed.ran)
 
     events = read_jsonl(out / "events.jsonl")
     done_counts = {}
