@@ -1,0 +1,474 @@
+"""The branch test: measure the critical batch directly from checkpoints of one small-batch run.
+
+Merrill et al. 2025, "Critical Batch Size Revisited: A Simple Empirical Approach to
+Large-Batch Language Model Training" (AI2, arXiv 2505.23971), §3: from a checkpoint of a
+run at a small batch B, branch short runs at k·B with the learning rate scaled by √k
+(Adam; × k for SGD), train every branch on the same number of tokens, and compare the
+smoothed losses. The critical batch at that checkpoint is the largest k·B whose loss
+stays within a tolerance (they used 0.01) of the k = 1 branch. They found it far above
+the gradient noise scale for Adam, and growing from near 0 to a plateau during training.
+
+Here every branch point (``branch_at``, units trained by the base run) gets ``seeds``
+branches per k. Seed s fixes the order of the data the branch sees after the
+checkpoint, the same for every k: over the same token window, the k-branch and the
+1-branch consume exactly the same samples, k at a time. The loss compared is the
+validation loss at the end of the window (``metric="val"``, a fixed set) or the
+token-weighted mean training loss over the last quarter of the window
+(``metric="train"``, a smoothed loss on data that is identical across k).
+
+The decision is a statistical test, not a threshold on one number. For each k > 1, with
+d = L_k − L_1 over seeds, H0: E[d] ≤ tolerance against H1: E[d] > tolerance (k is worse
+than the small batch by more than the tolerance), one-sided at ``alpha``. ``paired``
+(default) uses the per-seed differences (a paired t-test, valid because each seed's
+branches saw the same data); ``welch`` the unpaired Welch t-test. k passes when H0 is
+not rejected; the critical k is the largest k such that every k' ≤ k passes.
+Caveat (documented in docs/critical.md): with few seeds the test has little power, so
+a pass means "not shown worse", not "shown equal".
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from globalbatch.sweep import _evaluate, _json_default, atomic_write_json, _build_optimizer
+
+__all__ = ["BranchConfig", "KVerdict", "Verdicts", "PointResult", "BranchResult", "branch_verdicts", "run_branch_test", "load_branch_results"]
+
+METRICS = ("val", "train")
+TESTS = ("paired", "welch")
+MANIFEST_VERSION = 1
+
+
+@dataclass(kw_only=True)
+class BranchConfig:
+    """One base run and its branches; everything here is in ``manifest.json``."""
+
+    task: str = "tinygpt"
+    task_overrides: dict[str, Any] = field(default_factory=dict)
+    base_batch: int = 16
+    """Global batch of the base run, in samples (sequences) per step."""
+    ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    """Batch multipliers; must include 1 (the reference branch)."""
+    lr: float = 1e-3
+    """Peak LR of the base run at ``base_batch``; a k-branch uses lr·√k (adamw) or lr·k (sgd)."""
+    optimizer: str = "adamw"
+    branch_at: list[int]
+    """Units (tokens or samples) the base run has trained at each branch point."""
+    window: int
+    """Units every branch trains after its branch point."""
+    seeds: int = 3
+    """Branches per (point, k), each with its own data order; at least 2 for the test."""
+    seed: int = 0
+    """Seed of the model initialisation and the base run's data order."""
+    micro_batch: Optional[int] = None
+    """Samples per forward/backward; None: min(batch, 16)."""
+    base_warmup_fraction: float = 0.05
+    """The base run warms its LR up linearly over this fraction of the last branch point."""
+    tolerance: float = 0.01
+    """Loss (per unit) a k-branch may lose against k = 1 before it counts as worse (Merrill: 0.01)."""
+    alpha: float = 0.05
+    metric: str = "val"
+    test: str = "paired"
+    max_val_samples: int = 256
+    max_grad_norm: Optional[float] = 1.0
+
+    def __post_init__(self) -> None:
+        self.ks = sorted(int(k) for k in self.ks)
+        self.branch_at = sorted(int(x) for x in self.branch_at)
+        if 1 not in self.ks or any(k < 1 for k in self.ks) or len(set(self.ks)) != len(self.ks):
+            raise ValueError(f"ks: {self.ks}: must be distinct integers >= 1 and include 1 (the reference branch)")
+        if len(self.ks) < 2:
+            raise ValueError(f"ks: {self.ks}: need at least one k > 1 to compare with k = 1")
+        if self.base_batch < 1:
+            raise ValueError(f"base_batch: {self.base_batch}: must be >= 1")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr: {self.lr}: must be a finite number > 0")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer: {self.optimizer!r}: allowed adamw (LR × √k) or sgd (LR × k)")
+        if not self.branch_at or self.branch_at[0] < 1:
+            raise ValueError(f"branch_at: {self.branch_at}: need at least one branch point >= 1 unit")
+        if self.window < 1:
+            raise ValueError(f"window: {self.window}: must be >= 1 unit")
+        if self.seeds < 2:
+            raise ValueError(f"seeds: {self.seeds}: the test needs at least 2 seeds per k")
+        if not self.tolerance >= 0:
+            raise ValueError(f"tolerance: {self.tolerance}: must be >= 0")
+        if not 0 < self.alpha < 1:
+            raise ValueError(f"alpha: {self.alpha}: must be in (0, 1)")
+        if self.metric not in METRICS:
+            raise ValueError(f"metric: {self.metric!r}: allowed {', '.join(METRICS)}")
+        if self.test not in TESTS:
+            raise ValueError(f"test: {self.test!r}: allowed {', '.join(TESTS)}")
+
+    def lr_for(self, k: int) -> float:
+        """The branch LR: √k scaling for Adam-type optimizers, linear for SGD."""
+        from globalbatch.plan import scale_lr
+
+        return float(scale_lr(self.lr, self.base_batch, k * self.base_batch, "sqrt" if self.optimizer == "adamw" else "linear"))
+
+    def micro_batch_for(self, batch: int) -> int:
+        m = self.micro_batch if self.micro_batch is not None else 16
+        return batch if batch <= m else math.gcd(batch, m)
+
+    def manifest(self) -> dict[str, Any]:
+        d = asdict(self)
+        # The decision settings do not change any run: they may differ on a rerun.
+        for key in ("tolerance", "alpha", "metric", "test"):
+            d.pop(key)
+        return {"version": MANIFEST_VERSION, "branch": d}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BranchConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# ---------------------------------------------------------------------------
+# The statistics (pure)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class KVerdict:
+    k: int
+    mean: float
+    std: float
+    n: int
+    diff: float
+    """mean(L_k) − mean(L_1)."""
+    upper: float
+    """One-sided (1 − alpha) upper confidence bound of E[L_k − L_1]."""
+    t: float
+    p_value: float
+    """One-sided p-value of H0: E[L_k − L_1] ≤ tolerance."""
+    worse: bool
+    """H0 rejected at alpha: k is worse than k = 1 by more than the tolerance."""
+    status: str
+    """``reference`` (k = 1), ``worse``, ``within tolerance`` (upper bound ≤ tolerance: shown
+    not worse) or ``inconclusive`` (neither shown worse nor shown within tolerance)."""
+
+
+@dataclass(kw_only=True)
+class Verdicts:
+    per_k: list[KVerdict]
+    critical_k: int
+    """Largest k such that no k' ≤ k is significantly worse (the branch test's answer)."""
+    critical_k_shown: int
+    """Largest k such that every k' ≤ k is *shown* within tolerance (conservative; 1 if none)."""
+
+
+def branch_verdicts(
+    losses: dict[int, Sequence[float]], *, tolerance: float = 0.01, alpha: float = 0.05, test: str = "paired"
+) -> Verdicts:
+    """Per-k one-sided t-tests against k = 1 and the critical k.
+
+    Args:
+        losses: k → final losses, one per seed (index i = seed i for every k when paired).
+        tolerance: allowed loss increase over k = 1.
+        alpha: significance level of each one-sided test.
+        test: ``"paired"`` (per-seed differences, df = n − 1) or ``"welch"`` (unequal
+            variances, Welch–Satterthwaite df).
+    """
+    from scipy import stats
+
+    if 1 not in losses:
+        raise ValueError(f"losses: keys {sorted(losses)}: must include k = 1")
+    if test not in TESTS:
+        raise ValueError(f"test: {test!r}: allowed {', '.join(TESTS)}")
+    ref = np.asarray(losses[1], dtype=float)
+    out = []
+    for k in sorted(losses):
+        x = np.asarray(losses[k], dtype=float)
+        if x.size < 2 or ref.size < 2:
+            raise ValueError(f"losses[{k}]: {x.size} values: the test needs at least 2 seeds")
+        diff = float(x.mean() - ref.mean())
+        if k == 1:
+            out.append(KVerdict(k=1, mean=float(x.mean()), std=float(x.std(ddof=1)), n=x.size, diff=0.0, upper=0.0,
+                                t=math.nan, p_value=math.nan, worse=False, status="reference"))
+            continue
+        if test == "paired":
+            if x.size != ref.size:
+                raise ValueError(f"losses[{k}]: {x.size} values vs {ref.size} at k = 1: a paired test needs equal seeds")
+            d = x - ref
+            se = float(d.std(ddof=1) / math.sqrt(d.size))
+            df = d.size - 1
+        else:
+            vx, vr = x.var(ddof=1) / x.size, ref.var(ddof=1) / ref.size
+            se = float(math.sqrt(vx + vr))
+            df = (vx + vr) ** 2 / (vx ** 2 / (x.size - 1) + vr ** 2 / (ref.size - 1)) if se > 0 else 1.0
+        if se == 0.0:  # no spread at all: the sign decides
+            t = math.inf if diff > tolerance else -math.inf
+            p = 0.0 if diff > tolerance else 1.0
+            upper = diff
+        else:
+            t = (diff - tolerance) / se
+            p = float(stats.t.sf(t, df))
+            upper = diff + float(stats.t.ppf(1.0 - alpha, df)) * se
+        worse = bool(p < alpha)
+        status = "worse" if worse else ("within tolerance" if upper <= tolerance else "inconclusive")
+        out.append(KVerdict(k=k, mean=float(x.mean()), std=float(x.std(ddof=1)), n=x.size, diff=diff, upper=upper,
+                            t=float(t), p_value=p, worse=worse, status=status))
+    critical = shown = 1
+    for v in out:
+        if v.worse:
+            break
+        critical = v.k
+    for v in out:
+        if v.status not in ("reference", "within tolerance"):
+            break
+        shown = v.k
+    return Verdicts(per_k=out, critical_k=critical, critical_k_shown=shown)
+
+
+# ---------------------------------------------------------------------------
+# Running the base run and the branches
+# ---------------------------------------------------------------------------
+
+
+def _train(task, model, opt, driver, order, batch: int, micro: int, until_units: int, tail_from: Optional[int] = None,
+           on_step=None) -> tuple[float, float]:
+    """Train until ``driver.trained_units >= until_units``; returns (token-weighted tail loss, seconds)."""
+    import torch  # noqa: F401
+
+    tail_loss = tail_units = 0.0
+    t0 = time.perf_counter()
+    while driver.trained_units < until_units:
+        idx = list(itertools.islice(order, batch))
+        micros = [task.collate(idx[i:i + micro]) for i in range(0, batch, micro)]
+        res = driver.run_window(micros, task.loss_sum, samples_per_micro=[len(idx[i:i + micro]) for i in range(0, batch, micro)])
+        if tail_from is not None and driver.trained_units > tail_from and not res.skipped:
+            tail_loss += res.loss_per_unit * res.global_units
+            tail_units += res.global_units
+        if on_step is not None:
+            on_step(driver.trained_units)
+    return (tail_loss / tail_units if tail_units else math.nan), time.perf_counter() - t0
+
+
+@dataclass(kw_only=True)
+class PointResult:
+    branch_at: int
+    verdicts: list[KVerdict]
+    critical_k: int
+    """Largest k not significantly worse than k = 1 (every smaller k too)."""
+    critical_k_shown: int
+    """Largest k *shown* within tolerance (every smaller k too); ≤ critical_k."""
+    critical_batch: int
+    """critical_k × base_batch, in samples per step."""
+    critical_batch_units: float
+    """The same in units (tokens) per step, from the measured mean units per sample."""
+
+
+@dataclass(kw_only=True)
+class BranchResult:
+    out_dir: str
+    config: BranchConfig
+    unit: str
+    points: list[PointResult]
+    branches: list[dict]
+    compute_s: float
+    """Training seconds of the base run and every branch (evaluation excluded), summed."""
+    wall_s: float
+    """Wall-clock of this call (0 work when everything was already done)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def text(self) -> str:
+        c = self.config
+        lines = [f"branch test: base batch {c.base_batch}, lr {c.lr:g} ({c.optimizer}: LR × {'√k' if c.optimizer == 'adamw' else 'k'}), "
+                 f"window {c.window:,} {self.unit}s, {c.seeds} seeds, {c.test} one-sided t-test, alpha {c.alpha}, "
+                 f"tolerance {c.tolerance} on the {'validation' if c.metric == 'val' else 'training (last quarter)'} loss"]
+        for p in self.points:
+            lines.append(f"at {p.branch_at:,} {self.unit}s: critical k = {p.critical_k} → batch {p.critical_batch} "
+                         f"(≈{p.critical_batch_units:,.0f} {self.unit}s); shown within tolerance up to k = {p.critical_k_shown}")
+            for v in p.verdicts:
+                if v.k == 1:
+                    lines.append(f"  k=1: loss {v.mean:.4f} ± {v.std:.4f} (reference)")
+                else:
+                    lines.append(f"  k={v.k}: loss {v.mean:.4f} ± {v.std:.4f}, diff {v.diff:+.4f} "
+                                 f"(upper {1 - c.alpha:.0%} bound {v.upper:+.4f}), p = {v.p_value:.3g} → {v.status}")
+        lines.append(f"compute: {self.compute_s:,.1f} s of training")
+        return "\n".join(lines)
+
+
+def _branch_name(point: int, k: int, seed: int) -> str:
+    return f"p{point}_k{k}_s{seed}"
+
+
+def _check_manifest(out: Path, config: BranchConfig) -> None:
+    path = out / "manifest.json"
+    want = json.loads(json.dumps(config.manifest(), default=_json_default))
+    if path.is_file():
+        have = json.loads(path.read_text())
+        if have != want:
+            g_have, g_want = have.get("branch", {}), want["branch"]
+            diffs = [f"{k}: {g_have.get(k)!r} -> {g_want.get(k)!r}" for k in sorted(set(g_have) | set(g_want))
+                     if g_have.get(k) != g_want.get(k)]
+            raise ValueError(f"out: {str(out)!r}: holds a branch test with different settings ({'; '.join(diffs)}); "
+                             "use another --out")
+        return
+    atomic_write_json(path, want)
+
+
+def run_branch_test(config: BranchConfig, out_dir: str | os.PathLike, *, threads: Optional[int] = None,
+                    progress: bool = True) -> BranchResult:
+    """Run the base run (checkpointing at every branch point) and every branch; resumable.
+
+    Finished branches (``branches/<name>.json``) and base checkpoints are reused on a
+    rerun into the same ``out_dir``; changed run settings are an error.
+    """
+    import torch
+
+    from globalbatch.step import StepConfig, StepDriver, load_checkpoint, save_checkpoint
+    from globalbatch.schedule import TokenLRSchedule
+    from globalbatch.tasks import load_task
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _check_manifest(out, config)
+    if threads is not None:
+        torch.set_num_threads(int(threads))
+    t_wall = time.time()
+    task = load_task(config.task, **config.task_overrides)
+    unit = task.unit
+    micro0 = config.micro_batch_for(config.base_batch)
+
+    def fresh(batch: int, lr: float, lr_schedule=None):
+        model = task.build_model(config.seed)
+        model.train()
+        opt = _build_optimizer(config.optimizer, model.parameters(), lr, 0.0)
+        driver = StepDriver(model, opt, StepConfig(micro_batch=config.micro_batch_for(batch), global_batch=batch,
+                                                   max_grad_norm=config.max_grad_norm), lr_schedule=lr_schedule)
+        return model, opt, driver
+
+    n_total = len(config.branch_at) * len(config.ks) * config.seeds
+    bar = _bar(progress, n_total + 1)
+
+    # 1. The base run, checkpointing at every branch point (one run; resumed from its last checkpoint).
+    ckpt_dir = out / "base"
+    base_meta_path = ckpt_dir / "base.json"
+    base_meta = (json.loads(base_meta_path.read_text()) if base_meta_path.is_file()
+                 else {"train_s": 0.0, "units_per_sample": None, "unit": unit})
+    missing_ckpts = [p for p in config.branch_at if not (ckpt_dir / f"ckpt_{p}.pt").is_file()]
+    if missing_ckpts:
+        warm = int(config.base_warmup_fraction * config.branch_at[-1])
+        sched = TokenLRSchedule(peak_lr=config.lr, total=config.branch_at[-1], warmup=warm, shape="constant", unit=unit)
+        model, opt, driver = fresh(config.base_batch, config.lr, sched)
+        order = task.sample_order(config.seed)
+        done = [p for p in config.branch_at if p not in missing_ckpts]
+        if done:  # resume the base run from its latest checkpoint
+            extra = load_checkpoint(ckpt_dir / f"ckpt_{done[-1]}.pt", model, opt, driver)
+            for _ in range(int(extra["samples_drawn"])):
+                next(order)
+        for p in config.branch_at:
+            if p in done:
+                continue
+            _, secs = _train(task, model, opt, driver, order, config.base_batch, micro0, p)
+            base_meta["train_s"] += secs
+            base_meta["units_per_sample"] = driver.trained_units / max(driver.trained_samples, 1)
+            save_checkpoint(ckpt_dir / f"ckpt_{p}.pt", model, opt, driver,
+                            extra={"samples_drawn": driver.consumed_samples, "trained_units": driver.trained_units})
+            atomic_write_json(base_meta_path, base_meta)
+    bar.advance()
+
+    # 2. The branches.
+    branches: list[dict] = []
+    for p in config.branch_at:
+        for k in config.ks:
+            for s in range(config.seeds):
+                name = _branch_name(p, k, s)
+                path = out / "branches" / f"{name}.json"
+                if path.is_file():
+                    branches.append(json.loads(path.read_text()))
+                    bar.advance()
+                    continue
+                batch = k * config.base_batch
+                lr_k = config.lr_for(k)
+                model, opt, driver = fresh(batch, lr_k)
+                state = torch.load(ckpt_dir / f"ckpt_{p}.pt", map_location="cpu", weights_only=True)
+                model.load_state_dict(state["model"])
+                opt.load_state_dict(state["optimizer"])  # Adam moments continue; the LR is set next
+                for g in opt.param_groups:
+                    g["lr"] = lr_k
+                start_units = 0
+                # Same order for every k at this seed: k-branches consume the 1-branch's samples k at a time.
+                order = task.sample_order(config.seed + 1 + 1000 * (config.branch_at.index(p)) + s)
+                tail_from = start_units + int(0.75 * config.window)
+                tail, secs = _train(task, model, opt, driver, order, batch, config.micro_batch_for(batch),
+                                    config.window, tail_from=tail_from)
+                val = _evaluate(task, model, max(16, config.micro_batch_for(batch)), config.max_val_samples)
+                rec = {"name": name, "branch_at": p, "k": k, "seed": s, "batch": batch, "lr": lr_k,
+                       "units": driver.trained_units, "samples": driver.trained_samples, "steps": driver.optimizer_steps,
+                       "skipped": driver.skipped_windows, "val_loss": val, "train_tail_loss": tail, "train_s": secs}
+                atomic_write_json(path, rec)
+                branches.append(rec)
+                bar.advance()
+    bar.stop()
+    return _summarise(out, config, unit, branches, base_meta, time.time() - t_wall)
+
+
+def _summarise(out: Path, config: BranchConfig, unit: str, branches: list[dict], base_meta: dict, wall: float) -> BranchResult:
+    key = "val_loss" if config.metric == "val" else "train_tail_loss"
+    points = []
+    ups = base_meta.get("units_per_sample") or 1.0
+    for p in config.branch_at:
+        losses = {}
+        for k in config.ks:
+            rows = sorted((b for b in branches if b["branch_at"] == p and b["k"] == k), key=lambda b: b["seed"])
+            losses[k] = [b[key] for b in rows]
+        v = branch_verdicts(losses, tolerance=config.tolerance, alpha=config.alpha, test=config.test)
+        kc = v.critical_k
+        points.append(PointResult(branch_at=p, verdicts=v.per_k, critical_k=kc, critical_k_shown=v.critical_k_shown,
+                                  critical_batch=kc * config.base_batch,
+                                  critical_batch_units=kc * config.base_batch * ups))
+    compute = float(base_meta.get("train_s", 0.0)) + sum(float(b["train_s"]) for b in branches)
+    result = BranchResult(out_dir=str(out), config=config, unit=unit, points=points, branches=branches,
+                          compute_s=compute, wall_s=wall)
+    atomic_write_json(out / "result.json", result.to_dict())
+    return result
+
+
+def load_branch_results(out_dir: str | os.PathLike, **decision: Any) -> BranchResult:
+    """Re-decide a finished branch test (e.g. another ``tolerance``/``alpha``/``test``) without training."""
+    out = Path(out_dir)
+    path = out / "manifest.json"
+    if not path.is_file():
+        raise ValueError(f"out: {str(out)!r}: no manifest.json (not a branch-test directory)")
+    cfg = BranchConfig.from_dict({**json.loads(path.read_text())["branch"], **decision})
+    branches = [json.loads(f.read_text()) for f in sorted((out / "branches").glob("*.json"))]
+    base_meta = json.loads((out / "base" / "base.json").read_text())
+    return _summarise(out, cfg, base_meta.get("unit", "unit"), branches, base_meta, 0.0)
+
+
+class _NoBar:
+    def advance(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class _Bar:
+    def __init__(self, total: int) -> None:
+        from rich.progress import Progress
+
+        self.p = Progress(transient=False)
+        self.id = self.p.add_task("branch test (base run + branches)", total=total)
+        self.p.start()
+
+    def advance(self) -> None:
+        self.p.advance(self.id)
+
+    def stop(self) -> None:
+        self.p.stop()
+
+
+def _bar(enabled: bool, total: int):
+    return _Bar(total) if enabled else _NoBar()
