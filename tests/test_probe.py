@@ -1,0 +1,481 @@
+"""Tests for globalbatch.probe: exact search, trial counts, OOM handling, picks, memory hygiene, CLI."""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import globalbatch.probe as probe_module
+from globalbatch.probe import (
+    MemoryModel,
+    ProbeConfig,
+    TrialConfig,
+    TrialResult,
+    TrainStepRunner,
+    choose_fastest,
+    fit_memory_model,
+    is_oom_error,
+    probe,
+    probe_micro_batch,
+)
+
+CUDA_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB total capacity)"
+
+
+class FakeOOM:
+    """run_trial that raises a CUDA-style OOM above ``threshold`` and records what it ran."""
+
+    def __init__(self, threshold: int) -> None:
+        self.threshold = threshold
+        self.ran: list[int] = []
+
+    def __call__(self, size: int) -> TrialResult:
+        self.ran.append(size)
+        if size > self.threshold:
+            raise RuntimeError(CUDA_OOM)
+        return TrialResult(micro_batch=size, step_time_s=0.01 + 0.001 * size)
+
+
+class FakeAllocator:
+    """Peak memory ``a + b·size``; the probe (``memory_limit_bytes``) or the fake itself enforces the budget."""
+
+    def __init__(self, a: int, b: int, budget: int, *, raise_oom: bool = False) -> None:
+        self.a, self.b, self.budget, self.raise_oom = a, b, budget, raise_oom
+        self.ran: list[int] = []
+
+    def __call__(self, size: int) -> TrialResult:
+        self.ran.append(size)
+        peak = self.a + self.b * size
+        if self.raise_oom:
+            if peak > self.budget:
+                raise torch.cuda.OutOfMemoryError(CUDA_OOM)
+            return TrialResult(micro_batch=size, peak_memory_bytes=peak, step_time_s=0.01,
+                               capacity_bytes=self.budget)
+        return TrialResult(micro_batch=size, peak_memory_bytes=peak, step_time_s=0.01)
+
+
+def linear_case(threshold: int) -> tuple[int, int, int]:
+    """(a, b, budget) with ⌊(budget − a)/b⌋ = threshold: 1.5 GiB fixed, 3 MiB per sample."""
+    a, b = 1_610_612_736, 3 * 2**20
+    return a, b, a + b * threshold + b // 2
+
+
+@pytest.fixture
+def releases(monkeypatch):
+    """Count release_memory() calls (and skip its full gc.collect, which dominates fake-trial tests)."""
+    calls = []
+    monkeypatch.setattr(probe_module, "release_memory", lambda: calls.append(1))
+    return calls
+
+
+def check_ran_and_exact(result, ran: list[int], threshold: int, cap: int) -> None:
+    assert result.largest_fit == min(threshold, cap)
+    assert [t.micro_batch for t in result.trials] == ran  # every reported trial is one that ran, in order
+    assert len(set(ran)) == len(ran)  # no size is run twice
+    for t in result.trials:
+        assert t.fits == (t.micro_batch <= threshold)
+    assert result.largest_fit in ran
+
+
+# ---------------------------------------------------------------------------
+# Search: exactness and trial counts
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threshold", [37, 100, 1000, 5000, 6000])
+def test_oom_threshold_exact_within_bisection_bound(threshold, releases):
+    runner = FakeOOM(threshold)
+    result = probe_micro_batch(runner, max_micro_batch=8192)
+    check_ran_and_exact(result, runner.ran, threshold, 8192)
+    assert len(releases) == sum(t.oom for t in result.trials)  # memory released after every OOM
+    assert len(runner.ran) <= 2 * math.ceil(math.log2(threshold)) + 1
+    # Exact count: ⌊log2 T⌋ + 2 trials to bracket, ⌊log2 T⌋ to bisect: 37 → 12, 1000 → 20, 6000 → 26.
+    assert len(runner.ran) == 2 * math.floor(math.log2(threshold)) + 2
+    assert result.limited_by == "memory"
+
+
+@pytest.mark.parametrize("threshold", [37, 100, 1000, 5000, 6000])
+def test_linear_memory_with_budget_needs_log_plus_three(threshold):
+    a, b, budget = linear_case(threshold)
+    runner = FakeAllocator(a, b, budget)
+    result = probe_micro_batch(runner, max_micro_batch=8192, memory_limit_bytes=budget)
+    check_ran_and_exact(result, runner.ran, threshold, 8192)
+    assert len(runner.ran) <= math.ceil(math.log2(threshold)) + 3
+    # Doubling up to 2^⌊log2 T⌋, then the predicted T and T + 1; the overshoot is skipped.
+    assert runner.ran[-2:] == [threshold, threshold + 1]
+    assert result.memory_model is not None
+    assert result.memory_model.bytes_per_sample == pytest.approx(b)
+    assert result.prediction_misses == 0
+
+
+@pytest.mark.parametrize("threshold", [37, 100, 1000, 5000, 6000])
+def test_linear_memory_raising_oom_uses_reported_capacity(threshold, releases):
+    a, b, budget = linear_case(threshold)
+    runner = FakeAllocator(a, b, budget, raise_oom=True)
+    result = probe_micro_batch(runner, max_micro_batch=8192)
+    check_ran_and_exact(result, runner.ran, threshold, 8192)
+    assert len(runner.ran) <= math.ceil(math.log2(threshold)) + 3
+    assert "CUDA out of memory" in result.trials[-1].note
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(threshold=st.integers(1, 20_000), cap=st.integers(1, 9000))
+def test_search_is_exact_for_any_threshold_and_cap(threshold, cap, releases):
+    runner = FakeOOM(threshold)
+    result = probe_micro_batch(runner, max_micro_batch=cap)
+    check_ran_and_exact(result, runner.ran, threshold, cap)
+    answer = min(threshold, cap)
+    if threshold < cap:
+        assert len(runner.ran) <= 2 * math.floor(math.log2(answer)) + 2
+    else:
+        assert result.limited_by == "max_micro_batch"
+
+
+@settings(max_examples=100, deadline=None)
+@given(threshold=st.integers(2, 20_000), curvature=st.floats(0.0, 2e-3))
+def test_nonlinear_memory_still_exact_and_bounded(threshold, curvature):
+    """Peak a + b·s + c·s² (convex): the line mispredicts; verification and the miss limit keep it exact."""
+    a, b = 1000.0, 100.0
+
+    def peak(s: int) -> float:
+        return a + b * s + curvature * b * s * s
+
+    budget = peak(threshold) + 1e-6 * b
+    ran: list[int] = []
+
+    def run(s: int) -> TrialResult:
+        ran.append(s)
+        return TrialResult(micro_batch=s, peak_memory_bytes=int(round(peak(s))), step_time_s=0.01)
+
+    result = probe_micro_batch(run, max_micro_batch=40_000, memory_limit_bytes=int(budget))
+    fits = [s for s in ran if peak(s) <= int(budget) + 0.5]
+    assert result.largest_fit == max(fits)
+    assert result.largest_fit + 1 in ran or result.largest_fit == 40_000
+    # Never worse than bisection plus one wasted trial per allowed miss.
+    k = math.floor(math.log2(result.largest_fit))
+    assert len(ran) <= 2 * k + 2 + 2 * 2
+
+
+def test_plain_bisection_when_model_disabled():
+    a, b, budget = linear_case(100)
+    runner = FakeAllocator(a, b, budget)
+    result = probe_micro_batch(runner, memory_limit_bytes=budget, use_memory_model=False, max_micro_batch=8192)
+    check_ran_and_exact(result, runner.ran, 100, 8192)
+    assert len(runner.ran) == 2 * 6 + 2  # 1..64, 128 fails, 6 bisection steps
+
+
+def test_start_micro_batch_and_first_size_failing(releases):
+    runner = FakeOOM(5)
+    result = probe_micro_batch(runner, start_micro_batch=16, max_micro_batch=64)
+    assert runner.ran[0] == 16 and result.largest_fit == 5
+    with pytest.raises(RuntimeError, match="micro_batch 1 does not fit"):
+        probe_micro_batch(FakeOOM(0), max_micro_batch=64)
+
+
+def test_max_micro_batch_limits_the_search(releases):
+    runner = FakeOOM(10_000)
+    result = probe_micro_batch(runner, max_micro_batch=96)
+    assert result.largest_fit == 96 and result.limited_by == "max_micro_batch"
+    assert runner.ran == [1, 2, 4, 8, 16, 32, 64, 96]
+
+
+def test_non_oom_error_is_raised_not_retried():
+    ran = []
+
+    def run(size):
+        ran.append(size)
+        if size == 8:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return TrialResult(micro_batch=size)
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        probe_micro_batch(run, max_micro_batch=64)
+    assert ran == [1, 2, 4, 8]
+
+
+def test_memory_limit_needs_measured_peaks():
+    with pytest.raises(ValueError, match="memory_limit_bytes 100 needs trials that measure peak_memory_bytes"):
+        probe_micro_batch(FakeOOM(10), memory_limit_bytes=100)
+
+
+@pytest.mark.parametrize(
+    "exc, expected",
+    [
+        (torch.cuda.OutOfMemoryError(CUDA_OOM), True),
+        (RuntimeError(CUDA_OOM), True),
+        (RuntimeError("CUDA error: out of memory"), True),
+        (RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
+                      "you tried to allocate 1099511627776 bytes. Error code 12 (Cannot allocate memory)"), True),
+        (RuntimeError("MPS backend out of memory (MPS allocated: 1.00 GB)"), True),
+        (MemoryError(), True),
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)"), False),
+        (RuntimeError("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED"), False),
+        (ValueError("out of memory"), False),
+    ],
+)
+def test_is_oom_error(exc, expected):
+    assert is_oom_error(exc) is expected
+
+
+def test_config_errors_name_field_and_value():
+    with pytest.raises(ValueError, match="max_micro_batch 0 is not allowed"):
+        ProbeConfig(max_micro_batch=0)
+    with pytest.raises(ValueError, match="tolerance 1.5 is not allowed"):
+        ProbeConfig(tolerance=1.5)
+    with pytest.raises(ValueError, match="start_micro_batch 128 is above max_micro_batch 64"):
+        ProbeConfig(start_micro_batch=128, max_micro_batch=64)
+    with pytest.raises(ValueError, match="steps_per_trial 0 is not allowed"):
+        TrialConfig(steps_per_trial=0)
+    with pytest.raises(ValueError, match="cpu_memory 'vms' is not allowed"):
+        TrialConfig(cpu_memory="vms")
+    with pytest.raises(ValueError, match="global batch 10 is not divisible by micro_batch 1 × dp 4 = 4"):
+        probe_micro_batch(FakeOOM(10), global_batch=10, dp_world_size=4)
+
+
+def test_fit_memory_model_uses_the_largest_sizes():
+    trials = [TrialResult(micro_batch=s, peak_memory_bytes=p) for s, p in
+              [(1, 5_000), (2, 5_000), (32, 1000 + 32 * 100), (64, 1000 + 64 * 100), (90, 1000 + 90 * 100)]]
+    model = fit_memory_model(trials)
+    assert model.sizes == (32, 64, 90)
+    assert model.intercept_bytes == pytest.approx(1000) and model.bytes_per_sample == pytest.approx(100)
+    assert model.largest_fitting(1000 + 100 * 77 + 50) == 77
+    assert fit_memory_model(trials[:1]) is None
+    assert MemoryModel(intercept_bytes=0, bytes_per_sample=0, sizes=(1, 2)).largest_fitting(10) is None
+
+
+# ---------------------------------------------------------------------------
+# Throughput-optimal choice on synthetic timing curves
+# ---------------------------------------------------------------------------
+
+
+def timed(curve, sizes, tokens_per_sample=None):
+    return [TrialResult(micro_batch=s, step_time_s=curve(s),
+                        tokens_per_step=None if tokens_per_sample is None else s * tokens_per_sample)
+            for s in sizes]
+
+
+POW2 = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def test_fastest_saturating_curve():
+    # step = 10 ms + 1 ms·s → samples/s = 1000·s/(10 + s): 90.9 @1 … 909 @100 … 962 @256 (best).
+    # 95 % of 962.4 = 914.3; s = 128 gives 927.5 (in), s = 64 gives 864.9 (out) → 128.
+    trials = timed(lambda s: 0.010 + 0.001 * s, POW2)
+    assert choose_fastest(trials, 0.05) == 128
+    # 10 %: 866.2 → 64 is still out (864.9), 128 in.  20 %: 769.9 → 64 in, 32 (761.9) out.
+    assert choose_fastest(trials, 0.10) == 128
+    assert choose_fastest(trials, 0.20) == 64
+    assert choose_fastest(trials, 0.0) == 256
+
+
+def test_fastest_peaked_curve_is_not_the_largest():
+    # Throughput peaks at 32 (cache-resident), then drops: per-sample cost 1 ms up to 32, 1.5 ms beyond.
+    trials = timed(lambda s: 0.002 + (0.001 if s <= 32 else 0.0015) * s, POW2, tokens_per_sample=128)
+    # tok/s: 16 → 113,778; 32 → 120,471 (best); 64 → 84,211; 95 % of best = 114,447 → 32.
+    assert choose_fastest(trials, 0.05) == 32
+    assert choose_fastest(trials, 0.06) == 16  # 113,778 ≥ 0.94·120,471 = 113,243
+
+
+def test_fastest_flat_curve_picks_the_smallest_and_ignores_failures():
+    trials = timed(lambda s: 0.001 * s, POW2)
+    trials.append(TrialResult(micro_batch=512, oom=True, note="out of memory"))
+    assert choose_fastest(trials, 0.05) == 1
+    assert choose_fastest([TrialResult(micro_batch=4, oom=True)], 0.05) is None
+
+
+def test_fastest_through_the_probe_uses_measured_sizes_only(releases):
+    def run(s):
+        if s > 300:
+            raise RuntimeError(CUDA_OOM)
+        return TrialResult(micro_batch=s, step_time_s=0.002 + (0.001 if s <= 32 else 0.0015) * s,
+                           tokens_per_step=128 * s)
+
+    result = probe_micro_batch(run, max_micro_batch=1024)
+    assert result.largest_fit == 300 and result.fastest == 32
+    assert result.fastest in [t.micro_batch for t in result.trials]
+
+
+# ---------------------------------------------------------------------------
+# Keeping the global batch
+# ---------------------------------------------------------------------------
+
+
+def test_global_batch_divides(releases):
+    result = probe_micro_batch(FakeOOM(10_000), global_batch=256, dp_world_size=2)
+    assert result.largest_fit == 128 and result.limited_by == "max_micro_batch"
+    largest = result.choices[0]
+    assert largest.role == "largest" and largest.geometry.grad_accum_steps == 1
+    assert largest.usable.micro_batch == 128
+
+
+def test_global_batch_not_divisible_suggests_a_verified_divisor(releases):
+    runner = FakeOOM(100)
+    result = probe_micro_batch(runner, global_batch=240, dp_world_size=1)
+    assert result.largest_fit == 100
+    largest, fastest = result.choices
+    assert largest.geometry is None
+    assert largest.suggested_micro_batch == 80 and largest.suggested_geometry.grad_accum_steps == 3
+    assert "global batch 240 is not divisible by micro_batch 100 × dp 1 = 100" in largest.error
+    assert "largest fitting micro-batch that divides 240 / dp 1 = 240 is 80 (accum 3)" in largest.error
+    assert 80 in runner.ran  # the suggestion was run to verify it fits
+    assert fastest.usable is not None and 240 % fastest.usable.micro_batch == 0
+
+
+# ---------------------------------------------------------------------------
+# Real training steps on CPU
+# ---------------------------------------------------------------------------
+
+
+class TinyMLP(nn.Module):
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, width), nn.GELU(), nn.Linear(width, 32))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def live_tensors() -> tuple[int, int]:
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on torch's lazy deprecated modules warns
+        warnings.simplefilter("ignore")
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    return len(tensors), sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def test_real_probe_on_cpu_restores_model_and_memory():
+    torch.manual_seed(0)
+    model = TinyMLP()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng_before = torch.get_rng_state()
+    oom_above = 12
+
+    def make_batch(s):
+        return torch.randn(s, 32)
+
+    def loss_fn(m, x):
+        out = m(x)
+        if x.shape[0] > oom_above:  # a real allocation is pinned by the traceback, then "the allocator fails"
+            _pinned = torch.empty(x.shape[0], 4096)  # noqa: F841
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+        return out.square().mean()
+
+    baseline = live_tensors()
+    result = probe(model, make_batch, loss_fn, max_micro_batch=64, steps_per_trial=1, warmup_steps=2)
+    assert sum(t.oom for t in result.trials) >= 2  # the OOM path ran (and released) more than once
+    assert result.largest_fit == oom_above
+    assert all(t.peak_memory_bytes > 0 for t in result.trials if t.fits)
+    assert all(p.grad is None for p in model.parameters())
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed == []  # the trial steps' updates were undone
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    del result
+    assert live_tensors() == baseline  # no leaked tensors, grads or optimizer state
+
+
+def test_real_probe_tensor_peak_counts_weights_grads_and_adam_state():
+    model = TinyMLP(width=256)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    runner = TrainStepRunner(model, lambda s: torch.randn(s, 32), lambda m, x: m(x).square().mean(),
+                             config=TrialConfig(steps_per_trial=1, warmup_steps=2))
+    small, large = runner(4), runner(512)
+    # params + grads + two AdamW moments are live together in the second warm-up step.
+    assert small.peak_memory_bytes >= 4 * param_bytes
+    # The hidden activations alone are 512·256·4 bytes (GELU input and output: twice that).
+    assert large.peak_memory_bytes - small.peak_memory_bytes >= 508 * 256 * 4
+    assert small.step_time_s > 0 and small.tokens_per_step is None
+
+
+def test_real_probe_with_memory_limit_brackets_and_keeps_global_batch():
+    model = TinyMLP(width=128)
+    runner_probe = TrainStepRunner(model, lambda s: torch.randn(s, 32), lambda m, x: m(x).square().mean(),
+                                   config=TrialConfig(steps_per_trial=1, warmup_steps=2))
+    p64 = runner_probe(64).peak_memory_bytes
+    limit = p64 + (p64 - runner_probe(32).peak_memory_bytes) // 2  # between 64 and 96 samples
+    result = probe(model, lambda s: torch.randn(s, 32), lambda m, x: m(x).square().mean(),
+                   memory_limit_bytes=limit, global_batch=1024, steps_per_trial=1)
+    fits = [t for t in result.trials if t.fits]
+    assert all(t.peak_memory_bytes <= limit for t in fits)
+    assert all(t.peak_memory_bytes > limit for t in result.trials if t.oom)
+    assert result.largest_fit + 1 in [t.micro_batch for t in result.trials if t.oom]
+    assert 64 <= result.largest_fit < 128
+    largest = result.choices[0]
+    assert largest.usable is not None and 1024 % largest.usable.micro_batch == 0
+    assert largest.usable.micro_batch in [t.micro_batch for t in fits]
+
+
+def test_rss_mode_reports_a_process_peak():
+    runner = TrainStepRunner(TinyMLP(), lambda s: torch.randn(s, 32), lambda m, x: m(x).square().mean(),
+                             config=TrialConfig(steps_per_trial=1, cpu_memory="rss"))
+    t = runner(8)
+    assert t.fits and t.peak_memory_bytes > 10 * 2**20  # a Python process with torch is tens of MiB
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------
+
+
+def run_cli(capsys, *argv):
+    from globalbatch.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    out = capsys.readouterr()
+    return exit_info.value.code, out.out, out.err
+
+
+def test_cli_help_lists_the_flags(capsys):
+    code, out, _ = run_cli(capsys, "probe", "--help")
+    assert code == 0
+    for flag in ("--task", "--global-batch", "--dp", "--memory-limit", "--max-micro-batch",
+                 "--steps-per-trial", "--tolerance", "--json"):
+        assert flag in out
+
+
+def test_cli_bad_memory_limit_is_one_line_exit_2(capsys):
+    code, out, err = run_cli(capsys, "probe", "--memory-limit", "lots")
+    assert code == 2
+    assert err.strip().startswith("error: --memory-limit 'lots' is not a quantity")
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_tinygpt_json(capsys):
+    code, out, _ = run_cli(capsys, "probe", "--task", "tinygpt", "--global-batch", "12", "--memory-limit", "40MiB",
+                           "--steps-per-trial", "1", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert report["task"] == "tinygpt"
+    sizes = {t["micro_batch"]: t for t in report["trials"]}
+    assert sizes[report["largest_fit"]]["oom"] is False
+    assert report["limited_by"] == "max_micro_batch" or sizes[report["largest_fit"] + 1]["oom"] is True
+    assert all(t["peak_memory_bytes"] <= 40 * 2**20 for t in report["trials"] if not t["oom"])
+    assert all(t["tokens_per_s"] > 0 for t in report["trials"] if not t["oom"])
+    largest = report["choices"][0]
+    usable = largest["geometry"] or largest["suggested_geometry"]
+    assert usable["global_batch"] == 12 and usable["micro_batch"] * usable["grad_accum_steps"] == 12
+
+
+# ---------------------------------------------------------------------------
+# Distributed: 2 gloo ranks agree on every trial
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.dist
+def test_dist_probe_ranks_agree():
+    from pathlib import Path
+
+    from conftest import run_torchrun
+
+    proc = run_torchrun(Path(__file__).parent / "dist" / "probe_agree.py")
+    for name in ("oom_min", "oom_min_timing", "budget_min", "fatal", "real", "real_min_rank", "real_geometry"):
+        assert f"CHECK {name} ok" in proc.stdout, proc.stdout + proc.stderr
