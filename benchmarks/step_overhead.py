@@ -1,14 +1,19 @@
 """Step time of the StepDriver against a hand-written exact accumulation loop, same run.
 
 Both loops do the same math on the tinygpt task: backward on each micro-batch's summed
-loss, divide the accumulated gradients by the window's token count, clip once, step
-AdamW. The driver adds its bookkeeping: the count/flag vector, the finiteness check, the
-single host read per step, LR-schedule updates and counters. Two identical model copies
-see identical pre-collated windows; the two loops alternate (ABAB…, order swapped every
-pair) so machine load drifts hit both. Prints the median step times and their ratio.
+loss, multiply the accumulated gradients by 1/count, clip once, step AdamW. The driver
+adds its bookkeeping: the count/loss accumulators, the finiteness check, the single
+host read per step, the LR-schedule update and counters.
 
-    python benchmarks/step_overhead.py            # ~1 min on 2 CPU cores
-    python benchmarks/step_overhead.py --pairs 60 --micro-batch 8
+Three identical model copies see identical pre-collated windows: the driver, the hand
+loop, and a second hand loop as an A/A control (its ratio to the first shows the noise
+floor of the measurement). Within every window the three run in a seeded random order,
+so load drifts and cache effects hit all of them. Reported: median step times, the
+median of the per-window ratios with a bootstrap 95 % interval, for wall-clock and for
+process CPU time (less hurt by other processes on a shared machine).
+
+    python benchmarks/step_overhead.py                 # ~1-2 min on 2 CPU cores
+    python benchmarks/step_overhead.py --pairs 200 --threads 1
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+import random
 import statistics
 import time
 
@@ -41,16 +47,24 @@ def hand_written_step(model, optimizer, params, micro_batches, loss_sum_fn, max_
     optimizer.step()
 
 
+def paired_ratio(a: list[float], b: list[float], rng: random.Random, reps: int = 2000) -> tuple[float, float, float]:
+    """Median of a_i / b_i with a bootstrap 95 % interval."""
+    ratios = [x / y for x, y in zip(a, b)]
+    boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(reps))
+    return statistics.median(ratios), boot[int(0.025 * reps)], boot[int(0.975 * reps)]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pairs", type=int, default=40, help="timed (driver, hand) step pairs")
-    ap.add_argument("--warmup", type=int, default=4, help="untimed pairs first")
+    ap.add_argument("--pairs", type=int, default=60, help="timed windows (each runs driver, hand, hand-control)")
+    ap.add_argument("--warmup", type=int, default=4, help="untimed windows first")
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -58,56 +72,55 @@ def main(argv=None) -> None:
     task = load_task("tinygpt", n_layer=args.n_layer, d_model=args.d_model, seq_len=args.seq_len,
                      max_corpus_bytes=1_000_000)
     base = task.build_model(0)
-    m_drv, m_hand = copy.deepcopy(base), copy.deepcopy(base)
-    opt_drv = torch.optim.AdamW(m_drv.parameters(), lr=1e-3, weight_decay=0.1)
-    opt_hand = torch.optim.AdamW(m_hand.parameters(), lr=1e-3, weight_decay=0.1)
+    models = {k: copy.deepcopy(base) for k in ("driver", "hand", "control")}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for k, m in models.items()}
     clip = 1.0
-    driver = StepDriver(m_drv, opt_drv, StepConfig(micro_batch=args.micro_batch, global_batch=args.global_batch,
-                                                   max_grad_norm=clip),
+    driver = StepDriver(models["driver"], opts["driver"],
+                        StepConfig(micro_batch=args.micro_batch, global_batch=args.global_batch, max_grad_norm=clip),
                         lr_schedule=TokenLRSchedule(peak_lr=1e-3, total=10**9, shape="constant"))
-    params_hand = [p for p in m_hand.parameters() if p.requires_grad]
+    params = {k: [p for p in m.parameters() if p.requires_grad] for k, m in models.items()}
 
-    n_windows = args.pairs + args.warmup
     order = task.sample_order(0)
     windows = []
-    for _ in range(n_windows):  # collate up front: time the step mechanism, not the data
+    for _ in range(args.pairs + args.warmup):  # collate up front: time the step mechanism, not the data
         idx = list(itertools.islice(order, args.global_batch))
         windows.append([task.collate(idx[i:i + args.micro_batch]) for i in range(0, len(idx), args.micro_batch)])
 
-    def run_driver(w):
-        t = time.perf_counter()
-        driver.run_window(w, task.loss_sum)
-        return time.perf_counter() - t
-
-    def run_hand(w):
-        t = time.perf_counter()
-        hand_written_step(m_hand, opt_hand, params_hand, w, task.loss_sum, clip)
-        return time.perf_counter() - t
-
-    t_drv, t_hand = [], []
+    runners = {
+        "driver": lambda w: driver.run_window(w, task.loss_sum),
+        "hand": lambda w: hand_written_step(models["hand"], opts["hand"], params["hand"], w, task.loss_sum, clip),
+        "control": lambda w: hand_written_step(models["control"], opts["control"], params["control"], w,
+                                               task.loss_sum, clip),
+    }
+    wall = {k: [] for k in runners}
+    cpu = {k: [] for k in runners}
+    rng = random.Random(args.seed)
     for i, w in enumerate(windows):
-        if i % 2 == 0:
-            a, b = run_driver(w), run_hand(w)
-        else:
-            b, a = run_hand(w), run_driver(w)
-        if i >= args.warmup:
-            t_drv.append(a)
-            t_hand.append(b)
+        keys = list(runners)
+        rng.shuffle(keys)
+        for k in keys:
+            w0, c0 = time.perf_counter(), time.process_time()
+            runners[k](w)
+            if i >= args.warmup:
+                wall[k].append(time.perf_counter() - w0)
+                cpu[k].append(time.process_time() - c0)
 
-    # same data, same math: the two models must still agree (float32, different op order)
-    with torch.no_grad():
-        max_diff = max(float((p - q).abs().max()) for p, q in zip(m_drv.parameters(), m_hand.parameters()))
-    med_d, med_h = statistics.median(t_drv), statistics.median(t_hand)
-    paired = statistics.median(a / b for a, b in zip(t_drv, t_hand))
-    q = lambda xs: statistics.quantiles(xs, n=4)  # noqa: E731
+    with torch.no_grad():  # same data, same math: the three models must agree
+        max_diff = max(float((p - q).abs().max()) for p, q in zip(models["driver"].parameters(),
+                                                                   models["hand"].parameters()))
     print(f"tinygpt n_layer {args.n_layer} d_model {args.d_model} seq_len {args.seq_len}; global {args.global_batch} "
-          f"= {args.global_batch // args.micro_batch} accum × {args.micro_batch} seq; {args.pairs} timed pairs; "
+          f"= {args.global_batch // args.micro_batch} accum × {args.micro_batch} seq; {args.pairs} timed windows; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"driver      median {med_d * 1e3:8.2f} ms/step  (IQR {q(t_drv)[0] * 1e3:.2f}–{q(t_drv)[2] * 1e3:.2f})")
-    print(f"hand loop   median {med_h * 1e3:8.2f} ms/step  (IQR {q(t_hand)[0] * 1e3:.2f}–{q(t_hand)[2] * 1e3:.2f})")
-    print(f"ratio driver/hand: {med_d / med_h:.3f} (ratio of medians), {paired:.3f} (median of paired ratios); "
-          f"target <= 1.02")
-    print(f"max |param difference| after {n_windows} steps: {max_diff:.2e}")
+    for k in runners:
+        print(f"{k:8s} median {statistics.median(wall[k]) * 1e3:8.2f} ms/step wall, "
+              f"{statistics.median(cpu[k]) * 1e3:8.2f} ms/step CPU")
+    boot = random.Random(args.seed + 1)
+    for label, times in (("wall", wall), ("CPU", cpu)):
+        r, lo, hi = paired_ratio(times["driver"], times["hand"], boot)
+        c, clo, chi = paired_ratio(times["control"], times["hand"], boot)
+        print(f"ratio driver/hand ({label}): {r:.3f} [95% CI {lo:.3f}–{hi:.3f}]   "
+              f"A/A control hand2/hand: {c:.3f} [{clo:.3f}–{chi:.3f}]   target <= 1.02")
+    print(f"max |param difference| driver vs hand after {len(windows)} steps: {max_diff:.2e}")
 
 
 if __name__ == "__main__":

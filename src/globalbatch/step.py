@@ -20,13 +20,14 @@ Per window the driver
 1. runs micro-steps 0..M−2 without gradient sync (DDP ``no_sync`` around forward
    *and* backward, FSDP2 ``set_requires_gradient_sync(False)``) and syncs on the last;
 2. back-propagates the summed loss, so ``.grad`` accumulates Σ ∇loss_sum;
-3. all-reduces once a float64 vector ``[count, non-finite losses, loss sum, samples]``
+3. all-reduces once a float64 vector ``[count, loss sum, samples]`` (a non-finite
+   loss anywhere makes the global sum non-finite: it is the flag)
    over the DP group (kept on the device), then multiplies the gradients by
    ``dp_world_size / global_count`` with one ``torch._foreach_mul_`` (DDP/FSDP2
    averaged over ranks, which the factor undoes) — the gradient of the global
    token-mean loss;
 4. unscales (GradScaler), calls ``on_window_end`` callbacks, clips once;
-5. reads **one** small tensor to the host (``[count, bad, loss, samples, grad_norm]``):
+5. reads **one** small tensor to the host (``[count, loss, samples, grad_norm]``):
    the skip decision needs it, exactly as ``GradScaler.step`` does. This is the only
    host sync per step; the reported numbers ride along with it;
 6. on a non-finite loss or gradient on any rank (or an empty window), skips the step on
@@ -282,7 +283,9 @@ class StepDriver:
 
     def _reset_window(self) -> None:
         self._micro_index = 0
-        self._acc: Optional[torch.Tensor] = None  # float64 [units, non-finite losses, loss sum, samples]
+        self._acc_units: Optional[torch.Tensor] = None  # float64 0-d, this rank's loss-bearing units
+        self._acc_loss: Optional[torch.Tensor] = None  # float64 0-d, this rank's summed loss (non-finite if any term is)
+        self._samples_local = 0  # host int
         self._last_synced = False
         self._in_micro = False
         self._sync_now = True
@@ -334,15 +337,17 @@ class StepDriver:
             self._begin_window()
         loss_d = loss_sum.detach()
         count_t = count.detach() if isinstance(count, torch.Tensor) else torch.tensor(count, device=loss_d.device)
-        micro_stats = torch.stack([
-            count_t.to(torch.float64),
-            (~torch.isfinite(loss_d)).to(torch.float64),
-            loss_d.to(torch.float64),
-            torch.full((), float(self.config.micro_batch if samples is None else samples),
-                       dtype=torch.float64, device=loss_d.device),
-        ])
-        self._acc = micro_stats if self._acc is None else self._acc.add_(micro_stats)
+        # Two tiny device adds per micro-batch. A non-finite term makes the float sum
+        # non-finite (NaN propagates, inf + finite = inf, inf - inf = NaN), so the summed
+        # loss doubles as the non-finite flag.
+        if self._acc_units is None:
+            self._acc_units = count_t.to(torch.float64, copy=True)
+            self._acc_loss = loss_d.to(torch.float64, copy=True)
+        else:
+            self._acc_units.add_(count_t)
+            self._acc_loss.add_(loss_d)
         self.last_micro_samples = self.config.micro_batch if samples is None else int(samples)  # for callbacks
+        self._samples_local += self.last_micro_samples
         if self.scaler is not None:
             self.scaler.scale(loss_sum).backward()
         else:
@@ -354,50 +359,51 @@ class StepDriver:
 
     # ------------------------------------------------------------------ step
 
-    def _grads(self) -> list[torch.Tensor]:
-        grads = []
-        for p in self._params:
-            g = p.grad
-            if g is not None:
-                grads.append(getattr(g, "_local_tensor", g))  # FSDP2: scale the local shard
-        return grads
+    def _params_with_grad(self) -> list[nn.Parameter]:
+        return [p for p in self._params if p.grad is not None]
+
+    def _local_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        if self.parallel == "fsdp2":  # DTensor gradients: scale the local shard in place
+            return [getattr(p.grad, "_local_tensor", p.grad) for p in params]
+        return [p.grad for p in params]
 
     def step(self) -> StepResult:
         """Finish the window: sync counts, normalize, unscale, clip, then step or skip."""
-        if self._micro_index == 0 or self._acc is None:
+        if self._micro_index == 0 or self._acc_units is None:
             raise RuntimeError("step() called with no micro-batch since the last step; call backward() first")
         if not self._last_synced:
             raise RuntimeError(
                 "the last micro-batch ran without gradient sync; open it with micro_step(last=True)"
             )
-        local_stats = self._acc
-        stats = local_stats.clone()
+        local_count = self._acc_units
+        samples_t = torch.full((), float(self._samples_local), dtype=torch.float64, device=local_count.device)
+        stats = torch.stack([local_count, self._acc_loss, samples_t])  # [units, loss sum, samples]
         if self.dp_world_size > 1:
-            dist.all_reduce(stats, group=self.dp_group)  # one collective for counts and flags, on the device
+            dist.all_reduce(stats, group=self.dp_group)  # one collective for count, loss (= flag), samples
         global_count = stats[0]
 
         # DDP/FSDP2 averaged Σ∇loss_sum over ranks; × W / N gives ∇(global loss sum / N).
         factor = self.dp_world_size / global_count.clamp(min=1.0)
-        grads = self._grads()
-        if grads:
-            torch._foreach_mul_(grads, factor)
+        params = self._params_with_grad()
+        if params:
+            torch._foreach_mul_(self._local_grads(params), factor)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         for cb in self._cb_window:
-            cb(self, global_count, local_stats[0])
+            cb(self, global_count, local_count)
 
-        grad_norm = self._clip()
+        grad_norm = self._clip(params)
         packed = torch.cat([stats, grad_norm.detach().reshape(1).to(device=stats.device, dtype=torch.float64)])
         # HOST SYNC (the only one per step): the skip decision needs these numbers.
-        units_f, bad_f, loss_f, samples_f, norm_f = packed.tolist()
+        units_f, loss_f, samples_f, norm_f = packed.tolist()
         units, samples = int(round(units_f)), int(round(samples_f))
 
         self.windows += 1
         self.consumed_units += units
         self.consumed_samples += samples
         reasons = []
-        if bad_f > 0:
-            reasons.append(f"non-finite loss in {int(bad_f)} micro-batch(es)")
+        if not math.isfinite(loss_f):
+            reasons.append("non-finite loss")
         if not math.isfinite(norm_f):
             reasons.append("non-finite gradient")
         if units == 0:
@@ -439,8 +445,7 @@ class StepDriver:
             )
         return result
 
-    def _clip(self) -> torch.Tensor:
-        params = [p for p in self._params if p.grad is not None]
+    def _clip(self, params: list[nn.Parameter]) -> torch.Tensor:
         if not params:
             return torch.zeros((), dtype=torch.float64)
         max_norm = self.config.max_grad_norm
