@@ -25,6 +25,15 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL_GPT = dict(n_layer=2, n_head=2, d_model=32, seq_len=48, max_corpus_bytes=200_000)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These models are tiny: one thread is as fast, and it does not stall when other jobs hold the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def gpt() -> Task:
     return load_task("tinygpt", **SMALL_GPT)
