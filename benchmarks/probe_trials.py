@@ -1,6 +1,7 @@
 """Trials taken and size returned by micro-batch finders, with a simulated OOM above a threshold T.
 
     .venv/bin/python benchmarks/probe_trials.py [T ...]
+    .venv/bin/python benchmarks/probe_trials.py --curves     # the memory line on curved / noisy peaks
 
 Every finder runs against the same oracle: a trial at size s fails (out of memory) iff s > T.
 A finder's result is marked
@@ -29,6 +30,8 @@ memory linear in the size (1.5 GiB + 3 MiB·s) and the budget known (``memory_li
 from __future__ import annotations
 
 import math
+import random
+import statistics
 import sys
 from dataclasses import dataclass
 
@@ -172,6 +175,50 @@ def main(thresholds: tuple[int, ...]) -> None:
         print(f"| {t} | {2 * math.ceil(math.log2(t)) + 1} | " + " | ".join(cells) + " |")
 
 
+def curves(samples: int = 300, seed: int = 1) -> None:
+    """Mean trials (and worst excess over bisection's 2⌊log2 T⌋ + 2) when peak memory is not a line.
+
+    Peak(s) = a + b·s·(1 + c·s) (convex) or a + b·s / √(1 + c·s) (concave), each trial's peak
+    multiplied by (1 + noise·U(−1, 1)); the budget is peak(T) for T uniform in [2, 30000]; cap 40000.
+    """
+    probe_module.release_memory = lambda: None
+    a, b = 1000.0, 100.0
+    shapes = {
+        "linear": lambda c: (lambda s: a + b * s),
+        "convex": lambda c: (lambda s: a + b * s * (1 + c * s)),
+        "concave": lambda c: (lambda s: a + b * s / math.sqrt(1 + c * s)),
+    }
+    variants = [("bisection only", False, 0), ("line, 1 miss", True, 1), ("line, 2 misses (default)", True, 2)]
+    print(f"Mean trials / worst excess over 2⌊log2 T⌋ + 2, {samples} thresholds T ∈ [2, 30000] each.")
+    print()
+    print("| peak memory | c | noise | " + " | ".join(v[0] for v in variants) + " |")
+    print("|---|---:|---:|" + "---:|" * len(variants))
+    for shape, c in [("linear", 0.0), ("convex", 1e-5), ("convex", 1e-3), ("concave", 1e-5), ("concave", 1e-3)]:
+        for noise in (0.0, 0.002):
+            cells = []
+            for _, use_model, misses in variants:
+                rng = random.Random(seed)
+                counts, worst = [], -99
+                for _ in range(samples):
+                    threshold = rng.randint(2, 30_000)
+                    peak = shapes[shape](c)
+                    ran: list[int] = []
+
+                    def run(size: int) -> TrialResult:
+                        ran.append(size)
+                        return TrialResult(micro_batch=size,
+                                           peak_memory_bytes=int(peak(size) * (1 + noise * rng.uniform(-1, 1))))
+
+                    result = probe_micro_batch(run, max_micro_batch=40_000, memory_limit_bytes=int(peak(threshold)),
+                                               use_memory_model=use_model, max_prediction_misses=misses)
+                    counts.append(len(ran))
+                    worst = max(worst, len(ran) - (2 * math.floor(math.log2(result.largest_fit)) + 2))
+                cells.append(f"{statistics.mean(counts):.1f} / {worst:+d}")
+            print(f"| {shape} | {c:g} | {noise:g} | " + " | ".join(cells) + " |")
+
+
 if __name__ == "__main__":
-    args = tuple(int(a) for a in sys.argv[1:]) or DEFAULT_THRESHOLDS
-    main(args)
+    if sys.argv[1:] == ["--curves"]:
+        curves()
+    else:
+        main(tuple(int(a) for a in sys.argv[1:]) or DEFAULT_THRESHOLDS)

@@ -237,7 +237,7 @@ def test_config_errors_name_field_and_value():
         TrialConfig(steps_per_trial=0)
     with pytest.raises(ValueError, match="cpu_memory 'vms' is not allowed"):
         TrialConfig(cpu_memory="vms")
-    with pytest.raises(ValueError, match="global batch 10 is not divisible by micro_batch 1 × dp 4 = 4"):
+    with pytest.raises(ValueError, match="global_batch 10 is not allowed with dp 4; allowed: a positive multiple of 4"):
         probe_micro_batch(FakeOOM(10), global_batch=10, dp_world_size=4)
 
 
@@ -328,6 +328,29 @@ def test_global_batch_not_divisible_suggests_a_verified_divisor(releases):
     assert "largest fitting micro-batch that divides 240 / dp 1 = 240 is 80 (accum 3)" in largest.error
     assert 80 in runner.ran  # the suggestion was run to verify it fits
     assert fastest.usable is not None and 240 % fastest.usable.micro_batch == 0
+
+
+def test_table_and_json_report(releases):
+    from rich.console import Console
+
+    from globalbatch.probe import probe_table
+
+    def run(s):
+        if s > 40:
+            raise RuntimeError(CUDA_OOM)
+        return TrialResult(micro_batch=s, peak_memory_bytes=1000 + 100 * s, step_time_s=0.001 * s + 0.004,
+                           tokens_per_step=64 * s)
+
+    result = probe_micro_batch(run, global_batch=96, max_micro_batch=64)
+    console = Console(record=True, width=200)
+    console.print(probe_table(result, title="t"))
+    text = console.export_text()
+    rows = {line.split("│")[1].strip(): line for line in text.splitlines() if line.startswith("│")}
+    assert set(rows) == {str(t.micro_batch) for t in result.trials}
+    assert "largest" in rows["40"] and "CUDA out of memory" in rows["41"]
+    report = json.loads(json.dumps(result.to_dict()))
+    assert report["largest_fit"] == 40 and report["choices"][0]["suggested_micro_batch"] == 32
+    assert report["trials"][0]["tokens_per_s"] == pytest.approx(64 / 0.005)
 
 
 # ---------------------------------------------------------------------------
@@ -447,6 +470,12 @@ def test_cli_bad_memory_limit_is_one_line_exit_2(capsys):
     assert code == 2
     assert err.strip().startswith("error: --memory-limit 'lots' is not a quantity")
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_missing_cuda_is_one_line_exit_2(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a GPU machine
+    code, _, err = run_cli(capsys, "probe", "--task", "tinygpt", "--device", "cuda")
+    assert code == 2 and err.strip() == "error: device 'cuda' is not available here; allowed: cpu"
 
 
 def test_cli_tinygpt_json(capsys):

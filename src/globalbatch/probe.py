@@ -104,6 +104,11 @@ _OOM_MESSAGES = (
 _FITS, _OOM, _FAILED = 0.0, 1.0, 2.0
 
 
+def _over_budget(peak: int, limit: int) -> str:
+    """``peak 1,026.26 MiB > limit 1,024.00 MiB``: one unit, enough digits to see the difference."""
+    return f"peak {peak / 2**20:,.2f} MiB > limit {limit / 2**20:,.2f} MiB"
+
+
 def format_bytes(num_bytes: Optional[float]) -> str:
     """``1610612736`` → ``'1.50 GiB'``; None → ``'-'``."""
     if num_bytes is None:
@@ -479,7 +484,7 @@ class _Search:
             if result.peak_memory_bytes > limit:
                 result = dataclasses.replace(
                     result, oom=True, step_time_s=None,
-                    note=f"peak {format_bytes(result.peak_memory_bytes)} > limit {format_bytes(limit)}")
+                    note=_over_budget(result.peak_memory_bytes, limit))
         result = _agree(result, size, _OOM if result.oom else _FITS)
         self.trials.append(result)
         self.by_size[size] = result
@@ -644,7 +649,12 @@ def probe_micro_batch(
         RuntimeError: even ``start_micro_batch`` (and every size below it) runs out of memory.
     """
     if global_batch is not None:
-        solve_geometry(global_batch=global_batch, micro_batch=1, dp_world_size=dp_world_size)  # divisible by dp?
+        if isinstance(dp_world_size, bool) or not isinstance(dp_world_size, int) or dp_world_size < 1:
+            raise ValueError(f"dp_world_size {dp_world_size!r} is not allowed; allowed: an int ≥ 1")
+        if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch % dp_world_size \
+                or global_batch < 1:
+            raise ValueError(f"global_batch {global_batch!r} is not allowed with dp {dp_world_size}; "
+                             f"allowed: a positive multiple of {dp_world_size}")
         if max_micro_batch is None:
             max_micro_batch = global_batch // dp_world_size
     config = ProbeConfig(
@@ -866,7 +876,7 @@ class TrainStepRunner:
             if cfg.memory_limit_bytes is not None and peak > cfg.memory_limit_bytes:
                 return TrialResult(micro_batch=micro_batch, oom=True, peak_memory_bytes=peak,
                                    tokens_per_step=tokens, capacity_bytes=capacity,
-                                   note=f"peak {format_bytes(peak)} > limit {format_bytes(cfg.memory_limit_bytes)}")
+                                   note=_over_budget(peak, cfg.memory_limit_bytes))
             # -- timed steps: the median step, robust to a stall of a shared CPU ----------
             step_times_s = []
             if cuda:
@@ -989,6 +999,8 @@ def probe_task(
         torch_device = torch.device(device)
     except RuntimeError as exc:
         raise ValueError(f"device {device!r} is not a device; allowed: cpu, cuda, cuda:N ({exc})") from None
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} is not available here; allowed: cpu")
     model = task.build_model(seed).to(torch_device)
     cap = max_micro_batch or (global_batch // dp_world_size if global_batch else DEFAULT_MAX_MICRO_BATCH)
     pool = list(islice(task.sample_order(seed), min(int(cap), task.num_train_samples)))

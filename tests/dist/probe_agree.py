@@ -94,7 +94,7 @@ def main() -> None:
     width = 64 if rank == 0 else 256
     model = nn.Sequential(nn.LazyLinear(32), nn.GELU(), nn.Linear(32, 1))
     model(torch.zeros(1, width))  # materialise the lazy layer with this rank's width
-    rank1_alone = 256 * 4 * 120  # bytes of rank 1's input at 120 samples, the scale of the limit below
+    rank1_alone = 256 * 4 * 40  # bytes of rank 1's input at 40 samples, the scale of the limit below
 
     def make_batch(size: int) -> torch.Tensor:
         return torch.randn(size, width)
