@@ -319,15 +319,20 @@ def test_batch_schedule_switches_at_threshold_and_rescales_lr(caplog):
     assert "global batch 2 -> 4 at" in caplog.text and "lr 0.01 -> 0.0141 (sqrt)" in caplog.text
 
 
-def test_token_lr_schedule_applied_at_position_after_step():
+@pytest.mark.parametrize("global_batch", [2, 4, 8])
+def test_token_lr_schedule_applied_at_position_after_step(global_batch):
+    """Whatever the batch, each step's LR is lr_at(tokens trained after it): the warmup is the same curve."""
     model = sc.build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sched = TokenLRSchedule(peak_lr=1e-3, warmup=500, total=2000, shape="linear")
-    drv = StepDriver(model, opt, StepConfig(micro_batch=2, global_batch=4), lr_schedule=sched)
-    seqs = sc.make_sequences(16, seed=9)
-    for w in sc.chunks(seqs, 4):
+    sched = TokenLRSchedule(peak_lr=1e-3, warmup=1000, total=2000, shape="linear")
+    drv = StepDriver(model, opt, StepConfig(micro_batch=2, global_batch=global_batch), lr_schedule=sched)
+    seqs = sc.make_sequences(32, seed=9)
+    seen = []
+    for w in sc.chunks(seqs, global_batch):
         res = drv.run_window(sc.micro_batches(w, 2), sc.loss_fn)
         assert res.lr == pytest.approx(sched.lr_at(drv.trained_units), rel=1e-15)
+        seen.append(res.lr)
+    assert 0 < seen[0] < 1e-3 and seen == sorted(seen)  # inside the warmup: rising, never zero
 
 
 @pytest.mark.dist
