@@ -303,6 +303,23 @@ def test_mean_loss_loop_gives_the_same_numbers_as_sum_loss(mlp_problem):
     assert b.g_sq == pytest.approx(a.g_sq, rel=1e-4)
 
 
+def test_micro_after_one_declared_last_drops_the_window(mlp_problem, caplog):
+    x, y, model, _, _ = mlp_problem
+    model = copy.deepcopy(model)
+    mon = NoiseScaleMonitor(model, unit="sample", config=NoiseConfig(half_life=math.inf))
+    for window, last_flags in enumerate(([False, True], [True, False])):  # second window: "last" too early
+        for is_last in last_flags:
+            nc.loss_sum(model, x[:8], y[:8])[0].backward()
+            mon.micro_backward(8, is_last=is_last)
+        for p in model.parameters():
+            p.grad /= 16
+        mon.window_end()
+        model.zero_grad(set_to_none=True)
+    e = mon.estimate()
+    assert (e.windows, e.skipped_windows) == (1, 1)
+    assert "not measured" in caplog.text
+
+
 def test_adam_variant_within_10_percent_of_preconditioned_truth(mlp_problem):
     x, y, model, _, _ = mlp_problem
     model = copy.deepcopy(model)
@@ -344,6 +361,8 @@ def test_step_driver_callback_matches_plain_loop_and_unscales(mlp_problem):
                     driver.backward(*nc.loss_sum(m, x[idx], y[idx]))
             driver.step()
         got = mon.estimate()
+        if scaler is not None:  # really scaled: grads were 4096× until unscaled; norms 4096²× before ÷S²
+            assert driver.scaler is scaler and scaler.get_scale() == 2.0**12
         assert got.tr_sigma == pytest.approx(want.tr_sigma, rel=1e-4)
         assert got.g_sq == pytest.approx(want.g_sq, rel=1e-4)
         assert got.lr == 0.0 and got.big_count == 32

@@ -290,27 +290,26 @@ class NoiseScaleEstimator:
     def update_window(self, stats: WindowStats, *, lr: Any = None, decay: torch.Tensor | None = None) -> None:
         """Fold in one window's estimates. Non-finite windows are skipped (counted), on the device."""
         s = self.state
-        t = stats.tr_sigma.to(device=s.device, dtype=torch.float64).reshape(())
-        g = stats.g_sq.to(device=s.device, dtype=torch.float64).reshape(())
+        tg = torch.stack([stats.tr_sigma.reshape(()), stats.g_sq.reshape(())]).to(device=s.device,
+                                                                                  dtype=torch.float64)
         big = stats.big_count.to(device=s.device, dtype=torch.float64).reshape(())
         d = self.decay_for(big) if decay is None else decay.to(device=s.device, dtype=torch.float64)
-        finite = torch.isfinite(t) & torch.isfinite(g)
-        one = torch.ones((), dtype=torch.float64, device=s.device)
-        d = torch.where(finite, d, one)
-        # Weight of the new window: 1 − d (≈ B/half_life·ln2: proportional to its units); 1 for a plain mean.
-        w = torch.where(finite, torch.where(d < 1, 1 - d, one), torch.zeros_like(d))
-        t = torch.where(finite, t, torch.zeros_like(t))
-        g = torch.where(finite, g, torch.zeros_like(g))
-        new = torch.stack([
-            d * s[_W] + w, d * d * s[_Q] + w * w,
-            d * s[_ST] + w * t, d * s[_SG] + w * g,
-            d * s[_MTT] + w * t * t, d * s[_MGG] + w * g * g, d * s[_MTG] + w * t * g,
-            s[_N] + finite.to(torch.float64), s[_SKIP] + (~finite).to(torch.float64),
-            torch.where(finite, big, s[_BIG]),
-            s[_LR] if lr is None else _as_tensor(lr, s.device).reshape(()),
-            s[_B0],
-        ])
-        s.copy_(new)
+        finite = torch.isfinite(tg).all()
+        fin = finite.to(torch.float64)
+        tg = torch.nan_to_num(tg, nan=0.0, posinf=0.0, neginf=0.0) * fin
+        d = torch.where(finite, d, 1.0)
+        # Weight of the new window: 1 − d (≈ B·ln2/half_life: proportional to its units); 1 for a plain mean.
+        w = torch.where(d < 1, 1 - d, 1.0) * fin
+        t, g = tg[0], tg[1]
+        # [W, Q, ΣT, ΣG, ΣT², ΣG², ΣTG] ← decay · old + weight · new
+        dec = torch.stack([d, d * d, d, d, d, d, d])
+        new = torch.stack([w, w * w, w * t, w * g, w * t * t, w * g * g, w * t * g])
+        s[:_N].mul_(dec).add_(new)
+        s[_N] += fin
+        s[_SKIP] += 1.0 - fin
+        s[_BIG] = torch.where(finite, big, s[_BIG])
+        if lr is not None:
+            s[_LR] = _as_tensor(lr, s.device).reshape(())
 
     # -- read-out (one host sync) ----------------------------------------------------------
 
@@ -494,6 +493,8 @@ class NoiseScaleMonitor:
         self._reset_window()
         self._pending: tuple | None = None
         self._snap: dict[int, torch.Tensor] = {}       # persistent snapshot buffers, one per parameter
+        self._snap_list: tuple[tuple[int, ...], list[torch.Tensor]] = ((), [])
+        self._checked_sharding = False
         self._precond: list[torch.Tensor] | None = None
         self._precond_ready = False
 
@@ -535,17 +536,18 @@ class NoiseScaleMonitor:
         self._hook_rank_adam: list[torch.Tensor] = []
         self._hook_fired = False
         self._synced_micro = -1                        # micro index whose backward ran the DDP sync
+        self._after_last = False                       # a micro declared last skipped the snapshot copy
+        self._poisoned = False                         # a micro came after that: this window is unusable
         self._precond_ready = False
 
     def _active(self) -> list[int]:
-        out = []
-        for i, p in enumerate(self._params):
-            g = p.grad
-            if g is not None:
-                if hasattr(g, "_local_tensor"):
-                    raise ValueError("model: FSDP2 (sharded) gradients: the noise monitor supports plain and DDP "
-                                     "models only; a local norm would be a shard norm")
-                out.append(i)
+        """Indices of the parameters that hold a gradient now."""
+        out = [i for i, p in enumerate(self._params) if p.grad is not None]
+        if out and not self._checked_sharding:
+            if hasattr(self._params[out[0]].grad, "_local_tensor"):
+                raise ValueError("model: FSDP2 (sharded) gradients: the noise monitor supports plain and DDP "
+                                 "models only; a local norm would be a shard norm")
+            self._checked_sharding = True
         return out
 
     def _ensure_precond(self) -> bool:
@@ -608,6 +610,14 @@ class NoiseScaleMonitor:
         if self._synced_micro >= 0:
             raise ValueError(f"micro_backward: micro-batch {self._micro_index} follows a DDP gradient sync in "
                              f"micro-batch {self._synced_micro}: run all but the last under model.no_sync()")
+        if self._after_last:  # told "last" before, so a_old was not kept: Δ is unknown, drop the window
+            if not self._poisoned:
+                import logging
+
+                logging.getLogger(__name__).warning(
+                    "noise: micro-batch %d came after one declared last; this window is not measured",
+                    self._micro_index)
+            self._poisoned = True
         if self._hook_fired:
             # DDP synced in this backward: .grad is already reduced; the hook measured the local Δ.
             sq = torch.stack(self._hook_micro).sum() if self._hook_micro else None
@@ -615,6 +625,7 @@ class NoiseScaleMonitor:
             self._synced_micro = self._micro_index
         else:
             sq, sq_adam = self._micro_delta(active, copy=is_last is not True)
+            self._after_last = is_last is True
         if "micro" in self.sources:
             if sq is None:
                 raise RuntimeError("no micro-batch norm was recorded (the DDP comm hook did not run)")
@@ -659,6 +670,9 @@ class NoiseScaleMonitor:
     def _snap_buffers(self, active: list[int], *, zero: bool) -> list[torch.Tensor]:
         """The persistent snapshot buffers of ``active`` (allocated once; a parameter whose
         gradient appears mid-window gets a zero a_old when ``zero``)."""
+        key = tuple(active)
+        if self._snap_list[0] == key:  # the usual case: same parameters as last time, buffers exist
+            return self._snap_list[1]
         out = []
         for i in active:
             buf = self._snap.get(i)
@@ -667,6 +681,7 @@ class NoiseScaleMonitor:
                 buf = torch.zeros_like(g) if zero else torch.empty_like(g)
                 self._snap[i] = buf
             out.append(buf)
+        self._snap_list = (key, out)
         return out
 
     def _hook_bucket(self, bucket: Any) -> None:
@@ -723,6 +738,8 @@ class NoiseScaleMonitor:
             big_sq = {k: v / m2 for k, v in big_sq.items()}
         inv_s2 = torch.ones((), dtype=torch.float64, device=dev) if loss_scale is None else \
             1.0 / _as_tensor(loss_scale, dev).reshape(()) ** 2
+        if self._poisoned:
+            inv_s2 = inv_s2 * math.nan  # non-finite: every estimator skips this window (on the device)
         w_tok = torch.stack(self._micro_weight)
         local_count = torch.stack(self._local_count).sum()
         local_mult = torch.stack(self._local_mult).sum()
@@ -784,9 +801,18 @@ class NoiseScaleMonitor:
     # -- step-driver callbacks ---------------------------------------------------------------------
 
     def on_micro_backward(self, driver: Any, micro_index: int, local_count: Any) -> None:
-        """:class:`~globalbatch.step.StepDriver` callback (samples: ``driver.config.micro_batch``)."""
+        """:class:`~globalbatch.step.StepDriver` callback (samples: ``driver.config.micro_batch``).
+
+        The planned ``driver.geometry.grad_accum_steps`` tells which micro-batch is the last,
+        which saves the snapshot copy there (a window longer than planned is dropped, with a
+        warning; a shorter one only costs the copy)."""
+        if micro_index == 0:
+            geometry = getattr(driver, "geometry", None)
+            self._planned_accum = getattr(geometry, "grad_accum_steps", None)
         samples = getattr(getattr(driver, "config", None), "micro_batch", None)
-        self.micro_backward(local_count, samples=samples)
+        planned = getattr(self, "_planned_accum", None)
+        self.micro_backward(local_count, samples=samples,
+                            is_last=(micro_index == planned - 1) if planned else None)
 
     def on_window_end(self, driver: Any, global_count: Any, local_window_count: Any) -> None:
         """:class:`~globalbatch.step.StepDriver` callback: after sync, normalization, unscale."""

@@ -1,0 +1,284 @@
+"""Overhead of the online noise-scale monitor on the tinygpt example, and a per-example baseline.
+
+One run measures, on the same batches:
+
+1. Accumulation path (one process): step time of StepDriver training with and without
+   NoiseScaleMonitor (micro source: one snapshot copy + difference norms per micro-batch).
+2. DDP path (torchrun, 2 gloo ranks, launched from this script): the same with the DDP
+   comm hook (micro + rank sources) against plain DDP.
+3. Per-example estimator (B_small = 1 sample, brute force with torch.func vmap(grad))
+   on the same windows: its time per window, and the error of both estimators against
+   the truth at fixed parameters (per-example gradients of a fixed pool of full-length
+   samples, windows drawn from the pool with replacement).
+
+Timing: baseline (A) and monitored (B) models train the same batches, interleaved
+ABBA step by step so that machine load hits both alike; the ratio is the median of the
+per-step ratios B/A. Usage::
+
+    python benchmarks/noise_overhead.py              # ~3-5 min on 2 CPU cores
+    python benchmarks/noise_overhead.py --quick      # fewer steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from globalbatch.noise import NoiseConfig, NoiseScaleEstimator, NoiseScaleMonitor
+from globalbatch.step import StepConfig, StepDriver
+from globalbatch.tasks import load_task
+
+MICRO, ACCUM = 8, 4
+
+
+def _windows(task, n_windows: int, per_rank: int, seed: int, rank: int = 0, world: int = 1):
+    order = task.sample_order(seed)
+    out = []
+    for _ in range(n_windows):
+        micros = []
+        for _ in range(ACCUM):
+            draw = [next(order) for _ in range(per_rank * world)]
+            micros.append(task.collate(draw[rank * per_rank:(rank + 1) * per_rank]))
+        out.append(micros)
+    return out
+
+
+def _train_window(driver, task, model, micros) -> float:
+    t0 = time.perf_counter()
+    for i, batch in enumerate(micros):
+        with driver.micro_step(last=i == len(micros) - 1):
+            driver.backward(*task.loss_sum(model, batch))
+    driver.step()  # contains the step's one host sync, so the timing is complete
+    return time.perf_counter() - t0
+
+
+def ab_timing(task, make_model, windows, *, warmup: int, monitor_kwargs: dict) -> dict:
+    """Median per-step ratio monitored/baseline, interleaved ABBA on the same batches."""
+    drivers = []
+    for monitored in (False, True):
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        cbs = [NoiseScaleMonitor(model, optimizer=opt, unit=task.unit, **monitor_kwargs)] if monitored else []
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        drivers.append((StepDriver(model, opt, StepConfig(micro_batch=MICRO, global_batch=MICRO * ACCUM * world),
+                                   callbacks=cbs), model, cbs))
+    times = {False: [], True: []}
+    for step, micros in enumerate(windows):
+        order = (False, True) if step % 2 == 0 else (True, False)
+        for monitored in order:
+            driver, model, _ = drivers[monitored]
+            dt = _train_window(driver, task, model, micros)
+            if step >= warmup:
+                times[monitored].append(dt)
+    ratios = [b / a for a, b in zip(times[False], times[True])]
+    q = statistics.quantiles(ratios, n=4)
+    mon = drivers[True][2][0]
+    est = mon.estimate()
+    return {"base_s": statistics.median(times[False]), "monitored_s": statistics.median(times[True]),
+            "ratio_median": statistics.median(ratios), "ratio_of_means": sum(times[True]) / sum(times[False]),
+            "ratio_iqr": [q[0], q[2]],
+            "steps": len(ratios), "b_simple_tokens": est.b_simple, "estimate_flags": list(est.flags),
+            "trained_model": drivers[True][1]}
+
+
+# ---------------------------------------------------------------------------
+# Per-example gradients (the brute-force estimator and the truth)
+# ---------------------------------------------------------------------------
+
+
+def per_example_sq_and_sum(task, model, batch, chunk: int = 8):
+    """Per-sample token-mean gradients: their squared norms (n,) and their sum (flat float64)."""
+    from torch.func import functional_call, grad, vmap
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p, ids, labels):
+        out = functional_call(model, p, (ids[None],))
+        loss, count = task.loss_sum(_Wrap(out), {"input_ids": ids[None], "labels": labels[None]})
+        return loss / count
+
+    g = vmap(grad(one), in_dims=(None, 0, 0))
+    sqs, total = [], None
+    for s in range(0, batch["input_ids"].shape[0], chunk):
+        grads = g(params, batch["input_ids"][s:s + chunk], batch["labels"][s:s + chunk])
+        flat = torch.cat([grads[k].reshape(grads[k].shape[0], -1) for k in params], 1).double()
+        sqs.append(flat.square().sum(1))
+        part = flat.sum(0)
+        total = part if total is None else total + part
+    return torch.cat(sqs), total
+
+
+class _Wrap(torch.nn.Module):
+    """Lets task.loss_sum(model, batch) run on precomputed logits."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = logits
+
+    def forward(self, _ids):
+        return self.logits
+
+
+def full_length_pool(task, size: int, seed: int) -> list[int]:
+    """Training indices whose document fills the context: every sample has seq_len loss tokens."""
+    order = task.sample_order(seed)
+    pool = []
+    while len(pool) < size:
+        i = next(order)
+        if int(task.train_lengths[i]) == task.seq_len + 1:
+            pool.append(i)
+    return pool
+
+
+def accuracy_vs_truth(task, model, n_windows: int, pool_size: int, seed: int) -> dict:
+    """B_simple in samples at fixed parameters: micro-source vs per-example, both against the truth."""
+    model = copy.deepcopy(model).eval()  # no dropout in TinyGPT; eval() only for clarity
+    pool = full_length_pool(task, pool_size, seed)
+    t0 = time.perf_counter()
+    sq_sum, g_sum = 0.0, None
+    for s in range(0, len(pool), 32):
+        sq, tot = per_example_sq_and_sum(task, model, task.collate(pool[s:s + 32]))
+        sq_sum += float(sq.sum())
+        g_sum = tot if g_sum is None else g_sum + tot
+    g_sq_true = float((g_sum / len(pool)).square().sum())
+    tr_true = sq_sum / len(pool) - g_sq_true
+    truth = tr_true / g_sq_true
+    truth_s = time.perf_counter() - t0
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    mon_model = copy.deepcopy(model)
+    mon = NoiseScaleMonitor(mon_model, unit="sample", config=NoiseConfig(half_life=math.inf))
+    pe = NoiseScaleEstimator(unit="sample", half_life=math.inf)
+    t_step, t_pe = [], []
+    for _ in range(n_windows):
+        micros = [task.collate([pool[int(j)] for j in torch.randint(0, len(pool), (MICRO,), generator=gen)])
+                  for _ in range(ACCUM)]
+        t0 = time.perf_counter()
+        for i, batch in enumerate(micros):
+            loss, count = task.loss_sum(mon_model, batch)
+            (loss * MICRO / count).backward()  # every sample has seq_len tokens: Δ.grad = MICRO·(sample mean)
+            mon.micro_backward(MICRO, is_last=i == ACCUM - 1)
+        for p in mon_model.parameters():
+            p.grad /= MICRO * ACCUM
+        mon.window_end()
+        mon_model.zero_grad(set_to_none=True)
+        t_step.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        sqs, total = [], None
+        for batch in micros:
+            sq, tot = per_example_sq_and_sum(task, model, batch)
+            sqs.append(sq)
+            total = tot if total is None else total + tot
+        sq_all = torch.cat(sqs)
+        pe.update(sq_all, torch.ones_like(sq_all), (total / len(sq_all)).square().sum())
+        t_pe.append(time.perf_counter() - t0)
+    out = {"truth_b_simple_samples": truth, "truth_tr_sigma": tr_true, "truth_g_sq": g_sq_true,
+           "truth_pool": len(pool), "truth_s": truth_s, "windows": n_windows}
+    for name, e, t in (("micro", mon.estimate(), t_step), ("per_example", pe.estimate(), t_pe)):
+        out[name] = {"b_simple_samples": e.b_simple, "stderr": e.stderr, "low": e.low, "high": e.high,
+                     "rel_error": e.b_simple / truth - 1, "z": (e.b_simple - truth) / e.stderr,
+                     "window_s": statistics.median(t), "flags": list(e.flags)}
+    return out
+
+
+# ---------------------------------------------------------------------------
+# DDP worker (torchrun)
+# ---------------------------------------------------------------------------
+
+
+def ddp_worker(args) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    task = load_task("tinygpt", **json.loads(args.task_overrides))
+    windows = _windows(task, args.steps + args.warmup, MICRO, args.seed, rank, world)
+    res = ab_timing(task, lambda: DDP(task.build_model(args.seed)), windows, warmup=args.warmup,
+                    monitor_kwargs={"config": NoiseConfig(sources=("micro", "rank"))})
+    res.pop("trained_model")
+    if rank == 0:
+        print("DDP_RESULT " + json.dumps(res), flush=True)
+    dist.destroy_process_group()
+
+
+def run_ddp(args) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+           "--ddp-worker", "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
+           "--task-overrides", args.task_overrides]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    for line in proc.stdout.splitlines():
+        if line.startswith("DDP_RESULT "):
+            return json.loads(line[len("DDP_RESULT "):])
+    raise RuntimeError(f"DDP worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per arm (after warm-up)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--accuracy-windows", type=int, default=30)
+    ap.add_argument("--pool", type=int, default=256, help="full-length samples defining the truth")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of the single-process runs")
+    ap.add_argument("--task-overrides", default="{}", help='JSON, e.g. {"d_model": 64}')
+    ap.add_argument("--quick", action="store_true", help="10 steps, 10 accuracy windows, pool 128")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--skip-ddp", action="store_true")
+    args = ap.parse_args()
+    if args.ddp_worker:
+        return ddp_worker(args)
+    if args.quick:
+        args.steps, args.accuracy_windows, args.pool = 10, 10, 128
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message=".*batching rule.*")  # vmap SDPA fallback: part of its cost
+    task = load_task("tinygpt", **json.loads(args.task_overrides))
+    n_params = sum(p.numel() for p in task.build_model(args.seed).parameters())
+    print(f"tinygpt: {n_params:,} parameters, micro {MICRO} × accum {ACCUM}, seq_len {task.seq_len}, "
+          f"{args.threads} thread(s), torch {torch.__version__}")
+
+    windows = _windows(task, args.steps + args.warmup, MICRO, args.seed)
+    acc = ab_timing(task, lambda: task.build_model(args.seed), windows, warmup=args.warmup, monitor_kwargs={})
+    model = acc.pop("trained_model")
+    print(f"accumulation path: base {acc['base_s'] * 1e3:.1f} ms/step, with monitor {acc['monitored_s'] * 1e3:.1f} "
+          f"ms/step, ratio {acc['ratio_median']:.3f} (median of per-step ratios, IQR {acc['ratio_iqr'][0]:.3f}–"
+          f"{acc['ratio_iqr'][1]:.3f}; ratio of means {acc['ratio_of_means']:.3f}, {acc['steps']} steps)")
+
+    ddp = None
+    if not args.skip_ddp:
+        ddp = run_ddp(args)
+        print(f"DDP path (torchrun 2 ranks, gloo, 1 thread each): base {ddp['base_s'] * 1e3:.1f} ms/step, with "
+              f"monitor {ddp['monitored_s'] * 1e3:.1f} ms/step, ratio {ddp['ratio_median']:.3f} (IQR "
+              f"{ddp['ratio_iqr'][0]:.3f}–{ddp['ratio_iqr'][1]:.3f}; ratio of means {ddp['ratio_of_means']:.3f}, "
+              f"{ddp['steps']} steps)")
+
+    accu = accuracy_vs_truth(task, model, args.accuracy_windows, args.pool, args.seed)
+    m, pe = accu["micro"], accu["per_example"]
+    print(f"truth at fixed parameters (after the timed steps): B_simple = {accu['truth_b_simple_samples']:.4g} "
+          f"samples (pool of {accu['truth_pool']} full-length samples, {accu['truth_s']:.1f} s)")
+    print(f"  micro-batch source ({accu['windows']} windows, k={ACCUM}): {m['b_simple_samples']:.4g} ± "
+          f"{m['stderr']:.2g}, error {m['rel_error']:+.1%} ({m['z']:+.1f} SE), {m['window_s'] * 1e3:.1f} ms/window "
+          f"(fwd+bwd+monitor)")
+    print(f"  per-example (vmap grad, k={MICRO * ACCUM}): {pe['b_simple_samples']:.4g} ± {pe['stderr']:.2g}, "
+          f"error {pe['rel_error']:+.1%} ({pe['z']:+.1f} SE), {pe['window_s'] * 1e3:.1f} ms/window "
+          f"({pe['window_s'] / m['window_s']:.2f}× the monitored window)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"accumulation": acc, "ddp": ddp, "accuracy": accu}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
