@@ -123,3 +123,18 @@ def test_tiny_branch_run_resume_and_redecide(tmp_path):
         f.unlink()
     redone = run_branch_test(cfg, tmp_path, threads=1, progress=False)
     assert {b["name"]: b["val_loss"] for b in redone.branches} == {b["name"]: b["val_loss"] for b in res.branches}
+
+
+def test_cli_branch(tmp_path, capsys):
+    from globalbatch.cli import main
+
+    args = ["branch", *[f"--task-arg={k}={v}" for k, v in TINY.items()], "--base-batch", "4", "--ks", "1,2", "--lr", "3e-3",
+            "--warmup-tokens", "600", "--window-tokens", "400", "--seeds", "2", "--threads", "1", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    out = capsys.readouterr()
+    assert exc.value.code == 0, out.err
+    assert "critical k = " in out.out and (tmp_path / "result.json").is_file()
+    with pytest.raises(SystemExit) as exc:
+        main(["branch", "--ks", "2,4", "--out", str(tmp_path / "x")])
+    assert exc.value.code == 2 and "ks: [2, 4]: must be distinct integers >= 1 and include 1" in capsys.readouterr().err

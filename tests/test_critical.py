@@ -151,8 +151,8 @@ def synthetic_curves(rng, *, batches=(16, 32, 64, 128, 256, 512), lrs=(3e-4, 1e-
 def test_analyze_recovers_b_crit_and_best_lr_from_curves():
     rng = np.random.default_rng(0)
     curves = synthetic_curves(rng)
-    res = analyze(curves, n_targets=3)
-    assert len(res.targets) == 3
+    res = analyze(curves, n_targets=3, n_tighter=2)
+    assert len(res.targets) == 5
     primary = res.targets[0]
     # Every batch reaches the primary target (that is how it is chosen), with LR 1e-3.
     assert not primary.unreached and len(primary.points) == 6
@@ -170,11 +170,15 @@ def test_analyze_recovers_b_crit_and_best_lr_from_curves():
 
 def test_default_targets_tightest_is_reached_by_every_batch():
     curves = synthetic_curves(np.random.default_rng(1), batches=(16, 64, 256))
-    targets = default_targets(curves, n_targets=4)
-    assert targets == sorted(targets)
-    assert not points_for_target(curves, targets[0]).unreached
-    # A target below what the largest batch reaches leaves it unreached.
-    assert 256 in points_for_target(curves, targets[0] - 0.05).unreached
+    targets = default_targets(curves, n_targets=4, n_tighter=2, min_points=2)
+    primary, others = targets[0], targets[1:]
+    assert len(others) == 3 + 2 and others == sorted(others)
+    assert not points_for_target(curves, primary).unreached
+    tighter = [t for t in others if t < primary]
+    assert len(tighter) == 2
+    for t in tighter:  # the largest batch misses them; at least min_points=2 batches reach them
+        res = points_for_target(curves, t)
+        assert 256 in res.unreached and len(res.points) >= 2
 
 
 # --- the recommendation ---------------------------------------------------------

@@ -247,3 +247,37 @@ def test_run_trial_removes_stale_tmp_of_dead_writers(tmp_path):
     stale.write_text('{"kind": "header"}\n{"kind": "st')
     summary = run_trial(asdict(cfg), {"batch": 4, "lr": 1e-3}, str(tmp_path), threads=1)
     assert summary["completed"] and not stale.exists()
+
+
+# --- the CLI ------------------------------------------------------------------------------
+
+
+def _cli(argv, capsys):
+    from globalbatch.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+TINY_ARGS = [f"--task-arg={k}={v}" for k, v in TINY.items()]
+
+
+def test_cli_sweep_then_report(tmp_path, capsys):
+    code, out, err = _cli(["sweep", *TINY_ARGS, "--batches", "4,8,16", "--lrs", "1e-3,3e-3", "--tokens", "2K",
+                           "--workers", "1", "--threads", "1", "--eval-every", "1K", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert "recommend batch" in out and "critical batch per target" in out and "6 trial(s) run" in err
+    code, out, err = _cli(["report", str(tmp_path), "--objective", "cost"], capsys)
+    assert code == 0, err
+    assert (tmp_path / "report" / "report.html").is_file() and "objective: cost to target" in out
+
+
+def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
+    code, _, err = _cli(["sweep", "--batches", "4,x", "--out", str(tmp_path)], capsys)
+    assert code == 2 and err.strip() == "error: --batches: 'x': not a whole number (list like 16,32,64)"
+    code, _, err = _cli(["sweep", *TINY_ARGS, "--batches", "4", "--backend", "slurm", "--out", str(tmp_path)], capsys)
+    assert code == 2 and "backend: 'slurm': allowed local, ray" in err
+    code, _, err = _cli(["report", str(tmp_path / "nope")], capsys)
+    assert code == 2 and "no manifest.json" in err

@@ -457,9 +457,10 @@ class _NoBar:
 
 class _Bar:
     def __init__(self, total: int) -> None:
+        from rich.console import Console
         from rich.progress import Progress
 
-        self.p = Progress(transient=False)
+        self.p = Progress(transient=False, console=Console(stderr=True))
         self.id = self.p.add_task("branch test (base run + branches)", total=total)
         self.p.start()
 

@@ -163,7 +163,8 @@ def steps_to_target(
     examples)`` or None if the smoothed loss never reaches ``target``.
 
     Smoothing: by default the EMA half-life is ``ema_fraction`` × the steps to the
-    target (found by fixed-point iteration from a 1-step half-life). Any smoother of a
+    target (found by fixed-point iteration, starting from ``ema_fraction`` × all the
+    trial's steps so that noise dips of the raw loss do not count as crossings). Any smoother of a
     convex loss curve reads it late by ~½·|L''/L'|·(window)² steps; with a window
     proportional to S that error is the same *fraction* of S at every batch, which
     rescales S_min but leaves B_crit unchanged. A fixed ``halflife_steps`` instead
@@ -177,8 +178,13 @@ def steps_to_target(
         return _crossing(curve, target, halflife_steps)
     if not 0 < ema_fraction < 1:
         raise ValueError(f"ema_fraction: {ema_fraction}: must be in (0, 1), e.g. 0.05")
-    r = _crossing(curve, target, 1.0)
-    for _ in range(3):
+    # Start from the heaviest smoothing this fraction allows (of the whole trial) so that a
+    # noise dip of the raw loss cannot set the first crossing; then shrink to frac × S.
+    # A trial whose heavily smoothed loss never reaches the target did not reach it: a
+    # lighter smoothing would only let single noisy steps dip below (measured: a batch-4
+    # trial "reached" a loss 0.17 below its smoothed minimum at step 215 of 1,621).
+    r = _crossing(curve, target, max(0.5, ema_fraction * curve.loss.size))
+    for _ in range(4):
         if r is None:
             return None
         r_next = _crossing(curve, target, max(0.5, ema_fraction * r[0]))
@@ -233,7 +239,8 @@ class HyperbolaFit:
         from scipy import stats
 
         q = float(stats.t.ppf(0.5 + level / 2.0, max(self.dof, 1)))
-        return self.b_crit * math.exp(-q * self.se_log_b_crit), self.b_crit * math.exp(q * self.se_log_b_crit)
+        half = min(q * self.se_log_b_crit, 700.0)  # exp(700) ~ 1e304: an unbounded interval, not an overflow
+        return self.b_crit * math.exp(-half), self.b_crit * math.exp(half)
 
     @property
     def extrapolated(self) -> bool:
@@ -453,16 +460,29 @@ def smoothing_halflife(n_steps: int, *, ema_fraction: float = 0.05, halflife_ste
 
 
 def default_targets(
-    curves: Sequence[Curve], *, n_targets: int = 4, ema_fraction: float = 0.05, halflife_steps: Optional[float] = None
+    curves: Sequence[Curve],
+    *,
+    n_targets: int = 4,
+    n_tighter: int = 2,
+    min_points: int = 4,
+    ema_fraction: float = 0.05,
+    halflife_steps: Optional[float] = None,
 ) -> list[float]:
-    """Loss targets, tightest first: the best smoothed loss that every batch reaches, then looser ones.
+    """Loss targets; the first is the primary one (the recommendation's).
 
-    The tightest is max over batches of (min over that batch's trials of its lowest
-    smoothed loss): every batch size reaches it with its best LR. The others are spaced
-    up to a quarter of the way back to the initial smoothed loss.
+    * primary: the best smoothed loss that *every* batch reaches — max over batches of
+      (min over that batch's trials of its lowest smoothed loss). In a fixed-token sweep
+      it is set by the batch that learns least per token (usually the largest).
+    * ``n_targets − 1`` looser targets, up to a quarter of the way back to the initial loss;
+    * ``n_tighter`` tighter targets, down to the best loss that ``min_points`` batches
+      reach (enough for a fit): the batches that miss them count as "not reached".
+
+    Returns the primary target, then the others from tightest to loosest.
     """
     if n_targets < 1:
         raise ValueError(f"n_targets: {n_targets}: must be >= 1")
+    if n_tighter < 0:
+        raise ValueError(f"n_tighter: {n_tighter}: must be >= 0")
     per_batch: dict[float, float] = {}
     starts = []
     for c in curves:
@@ -474,13 +494,19 @@ def default_targets(
         starts.append(float(finite[0]))
     if not per_batch:
         raise ValueError("curves: no finite loss in any trial")
-    tight = max(per_batch.values())
+
+    def nudge(x: float) -> float:  # up by a hair, so the batch that defines a target registers a crossing
+        return x + 1e-9 * max(1.0, abs(x))
+
+    best = sorted(per_batch.values())
+    primary = nudge(best[-1])
     start = float(np.median(starts))
-    # Nudge the tightest target up by a hair so the batch that defines it registers a crossing.
-    tight += 1e-9 * max(1.0, abs(tight))
-    if n_targets == 1 or start <= tight:
-        return [tight]
-    return [float(tight + f * (start - tight)) for f in np.linspace(0.0, 0.25, n_targets)]
+    looser = [] if start <= primary else [float(primary + f * (start - primary)) for f in np.linspace(0.0, 0.25, n_targets)[1:]]
+    tighter: list[float] = []
+    floor = nudge(best[min(min_points, len(best)) - 1])
+    if n_tighter and floor < primary:
+        tighter = [float(primary - f * (primary - floor)) for f in np.linspace(0.0, 1.0, n_tighter + 1)[1:]]
+    return [primary] + sorted(tighter + looser)
 
 
 def recommend(
@@ -578,6 +604,7 @@ def analyze(
     *,
     targets: Optional[Sequence[float]] = None,
     n_targets: int = 4,
+    n_tighter: int = 2,
     ema_fraction: float = 0.05,
     halflife_steps: Optional[float] = None,
     objective: str = "time",
@@ -585,12 +612,13 @@ def analyze(
     unit: str = "example",
     label: Optional[Callable[[float], str]] = None,
 ) -> Analysis:
-    """Fits at every target and the recommendation at the primary (first, tightest) target."""
+    """Fits at every target and the recommendation at the primary (first) target (see :func:`default_targets`)."""
     curves = list(curves)
     if not curves:
         raise ValueError("curves: empty; nothing to analyze")
     if targets is None:
-        targets = default_targets(curves, n_targets=n_targets, ema_fraction=ema_fraction, halflife_steps=halflife_steps)
+        targets = default_targets(curves, n_targets=n_targets, n_tighter=n_tighter, ema_fraction=ema_fraction,
+                                  halflife_steps=halflife_steps)
     targets = [float(t) for t in targets]
     if not targets:
         raise ValueError("targets: empty")

@@ -356,6 +356,7 @@ def write_report(
     *,
     targets: Optional[Sequence[float]] = None,
     n_targets: int = 4,
+    n_tighter: int = 2,
     ema_fraction: float = 0.05,
     halflife_steps: Optional[float] = None,
     objective: str = "time",
@@ -366,7 +367,7 @@ def write_report(
     Args:
         out_dir: where to write; default ``run_dir/report``.
     """
-    data, analysis = analyze_sweep(run_dir, targets=targets, n_targets=n_targets, ema_fraction=ema_fraction,
+    data, analysis = analyze_sweep(run_dir, targets=targets, n_targets=n_targets, n_tighter=n_tighter, ema_fraction=ema_fraction,
                                    halflife_steps=halflife_steps,
                                    objective=objective, tolerance=tolerance)
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"

@@ -502,11 +502,12 @@ class _Progress:
     def __enter__(self) -> "_Progress":
         if not self.enabled or not self.pending:
             return self
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self._progress = Progress(
             TextColumn("{task.description:>16}"), BarColumn(), MofNCompleteColumn(), TextColumn(self.unit + "s"),
-            TimeElapsedColumn(), transient=False,
+            TimeElapsedColumn(), transient=False, console=Console(stderr=True),
         )
         self._ids = {t.name: self._progress.add_task(t.name, total=self.budget) for t in self.pending}
         self._progress.start()
@@ -799,6 +800,7 @@ def analyze_sweep(
     *,
     targets: Optional[Sequence[float]] = None,
     n_targets: int = 4,
+    n_tighter: int = 2,
     ema_fraction: float = 0.05,
     halflife_steps: Optional[float] = None,
     objective: str = "time",
@@ -812,7 +814,7 @@ def analyze_sweep(
     if not curves:
         raise ValueError(f"run_dir: {data.out_dir!r}: no finished trial yet ({len(data.missing)} pending)")
     analysis = analyze(
-        curves, targets=targets, n_targets=n_targets, ema_fraction=ema_fraction, halflife_steps=halflife_steps,
+        curves, targets=targets, n_targets=n_targets, n_tighter=n_tighter, ema_fraction=ema_fraction, halflife_steps=halflife_steps,
         objective=objective, tolerance=tolerance, unit=data.unit, label=data.label,
     )
     return data, analysis
@@ -852,3 +854,18 @@ def parse_task_args(pairs: Sequence[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key.strip()] = value
     return out
+
+
+def demo_config() -> SweepConfig:
+    """The ``globalbatch demo`` sweep: a 2-layer, width-64 tinygpt, 5 batches × 3 LRs, 300K tokens each.
+
+    Sized for ≤ 5 minutes on 2 CPU cores (docs/sweep.md has the measured time).
+    """
+    return SweepConfig(
+        task="tinygpt",
+        task_overrides={"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 64, "max_corpus_bytes": 2_000_000},
+        batches=[4, 8, 16, 32, 64],
+        lrs=[1e-3, 3e-3, 1e-2],
+        budget=300_000,
+        max_val_samples=128,
+    )
