@@ -186,6 +186,127 @@ def noise_cmd(
         console.print(f"wrote {result.csv_path}" + (f" and {out}/tb" if tensorboard else ""))
 
 
+@app.command("sweep")
+def sweep_cmd(
+    task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt, mnist or package.module:function."),
+    batches: str = typer.Option("16,32,64,128,256", "--batches", help="Global batch sizes in samples (sequences) per step, comma-separated."),
+    lrs: str = typer.Option("3e-4,1e-3,3e-3", "--lrs", help="Peak learning rates, comma-separated; every batch runs every LR."),
+    tokens: str = typer.Option("2M", "--tokens", help="Budget per trial in the task's unit (tokens; samples for a sample task), e.g. 2M."),
+    out: str = typer.Option("runs/sweep", "--out", help="Output directory; rerunning resumes it (the grid must match)."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Trials at once (default: min(trials, cores)); threads = cores ÷ workers."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads per trial (default cores ÷ workers); keep it when resuming."),
+    backend: str = typer.Option("local", "--backend", help="local (spawned processes) or ray (Ray Tune; pip install 'globalbatch[ray]')."),
+    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address (with --backend ray)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the model init and of the shared data order."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per forward/backward (default min(batch, 16))."),
+    eval_every: Optional[str] = typer.Option(None, "--eval-every", help="Units between validation evaluations (default budget ÷ 8)."),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw or sgd."),
+    task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
+) -> None:
+    """Train every batch × LR on the same data order and token budget, then fit the critical batch."""
+    from rich.console import Console
+
+    from .plan import parse_count
+    from .report import analysis_table
+    from .sweep import SweepConfig, analyze_sweep, parse_list, parse_task_args, run_sweep
+
+    cfg = SweepConfig(task=task, task_overrides=parse_task_args(task_arg), batches=parse_list(batches, "--batches", int),
+                      lrs=parse_list(lrs, "--lrs"), budget=parse_count(tokens, "--tokens"), seed=seed, micro_batch=micro_batch,
+                      eval_every=None if eval_every is None else parse_count(eval_every, "--eval-every"), optimizer=optimizer)
+    console = Console(stderr=True)
+    result = run_sweep(cfg, out, workers=workers, threads=threads, backend=backend, address=address)
+    console.print(f"sweep {out}: {len(result.ran)} trial(s) run, {len(result.skipped)} already finished, "
+                  f"{result.wall_time_s:,.1f} s ({result.workers} worker(s) × {result.threads_per_worker} thread(s))")
+    data, analysis = analyze_sweep(out)
+    Console().print(analysis_table(data, analysis))
+    if analysis.recommendation is not None:
+        typer.echo(analysis.recommendation.text())
+    typer.echo(f"report: globalbatch report {out}")
+
+
+@app.command("report")
+def report_cmd(
+    run_dir: str = typer.Argument(..., help="A sweep output directory (with manifest.json)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Where to write plots and report.html (default RUN_DIR/report)."),
+    targets: Optional[str] = typer.Option(None, "--targets", help="Loss targets, comma-separated; the first is primary (default: automatic)."),
+    objective: str = typer.Option("time", "--objective", help="time (wall-clock to target) or cost (units to target)."),
+    tolerance: float = typer.Option(0.05, "--tolerance", help="Batches within this fraction of the best count as ties; the most data-efficient wins."),
+    ema_fraction: float = typer.Option(0.05, "--ema-fraction", help="EMA half-life of the training loss as a fraction of each trial's steps to the target (lag-corrected)."),
+    halflife_steps: Optional[float] = typer.Option(None, "--halflife-steps", help="A fixed EMA half-life in steps instead (biases B_crit low; see docs/critical.md)."),
+) -> None:
+    """Write PNG plots and a self-contained HTML report of a sweep, with the recommended batch."""
+    from rich.console import Console
+
+    from .report import analysis_table, write_report
+    from .sweep import parse_list
+
+    res = write_report(run_dir, out, targets=None if targets is None else parse_list(targets, "--targets"),
+                       objective=objective, tolerance=tolerance, ema_fraction=ema_fraction, halflife_steps=halflife_steps)
+    Console().print(analysis_table(res.data, res.analysis))
+    if res.analysis.recommendation is not None:
+        typer.echo(res.analysis.recommendation.text())
+    typer.echo(f"wrote {res.html} and {len(res.plots)} plot(s)")
+
+
+@app.command("branch")
+def branch_cmd(
+    task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt, mnist or package.module:function."),
+    base_batch: int = typer.Option(16, "--base-batch", help="Batch of the base run, in samples (sequences) per step."),
+    ks: str = typer.Option("1,2,4,8", "--ks", help="Batch multipliers to branch at, comma-separated; must include 1."),
+    lr: float = typer.Option(1e-3, "--lr", help="LR of the base run; a k-branch uses lr·√k (adamw) or lr·k (sgd)."),
+    warmup_tokens: str = typer.Option("200K", "--warmup-tokens", help="Units the base run trains before branching; a comma list branches at several points."),
+    window_tokens: str = typer.Option("100K", "--window-tokens", help="Units every branch trains."),
+    seeds: int = typer.Option(3, "--seeds", help="Branches per k, each with its own data order (>= 2)."),
+    tolerance: float = typer.Option(0.01, "--tolerance", help="Loss increase over k=1 that still counts as equal (Merrill et al.: 0.01)."),
+    alpha: float = typer.Option(0.05, "--alpha", help="Level of the one-sided t-test per k."),
+    metric: str = typer.Option("val", "--metric", help="val (validation loss at the end of the window) or train (last quarter's training loss)."),
+    test: str = typer.Option("paired", "--test", help="paired (per-seed differences) or welch."),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw (LR × √k) or sgd (LR × k)."),
+    out: str = typer.Option("runs/branch", "--out", help="Output directory; rerunning reuses finished branches."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the model init and the base run's data order."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per forward/backward (default min(batch, 16))."),
+    task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
+) -> None:
+    """Merrill et al. 2025 branch test: the largest k whose k× batch branches are not worse than k = 1."""
+    from .branch import BranchConfig, run_branch_test
+    from .plan import parse_count
+    from .sweep import parse_list, parse_task_args
+
+    cfg = BranchConfig(task=task, task_overrides=parse_task_args(task_arg), base_batch=base_batch, ks=parse_list(ks, "--ks", int),
+                       lr=lr, optimizer=optimizer, branch_at=parse_list(warmup_tokens, "--warmup-tokens", int),
+                       window=parse_count(window_tokens, "--window-tokens"), seeds=seeds, seed=seed, micro_batch=micro_batch,
+                       tolerance=tolerance, alpha=alpha, metric=metric, test=test)
+    result = run_branch_test(cfg, out, threads=threads)
+    typer.echo(result.text())
+    typer.echo(f"wrote {out}/result.json")
+
+
+@app.command("demo")
+def demo_cmd(
+    out: str = typer.Option("demo_out", "--out", help="Output directory of the demo sweep and its report."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Trials at once (default: min(trials, cores))."),
+) -> None:
+    """A quick sweep of a small tinygpt (a few minutes on 2 CPU cores), then the HTML report."""
+    import time
+
+    from rich.console import Console
+
+    from .report import analysis_table, write_report
+    from .sweep import demo_config, run_sweep
+
+    t0 = time.time()
+    cfg = demo_config()
+    console = Console(stderr=True)
+    console.print(f"demo: tinygpt {cfg.task_overrides}, batches {cfg.batches}, lrs {cfg.lrs}, {cfg.budget:,} tokens per trial")
+    result = run_sweep(cfg, out, workers=workers)
+    res = write_report(out)
+    Console().print(analysis_table(res.data, res.analysis))
+    if res.analysis.recommendation is not None:
+        typer.echo(res.analysis.recommendation.text())
+    typer.echo(f"sweep {result.wall_time_s:,.0f} s, total {time.time() - t0:,.0f} s; report: {res.html}")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Console-script entry point with one-line errors and exit code 2."""
     command = typer.main.get_command(app)
