@@ -69,6 +69,15 @@ def linear_case(threshold: int) -> tuple[int, int, int]:
 
 
 @pytest.fixture
+def one_thread():
+    """Real training steps on one thread: two cores shared with other jobs make 2 threads spin-wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def releases(monkeypatch):
     """Count release_memory() calls (and skip its full gc.collect, which dominates fake-trial tests)."""
     calls = []
@@ -109,7 +118,8 @@ def test_linear_memory_with_budget_needs_log_plus_three(threshold):
     result = probe_micro_batch(runner, max_micro_batch=8192, memory_limit_bytes=budget)
     check_ran_and_exact(result, runner.ran, threshold, 8192)
     assert len(runner.ran) <= math.ceil(math.log2(threshold)) + 3
-    # Doubling up to 2^⌊log2 T⌋, then the predicted T and T + 1; the overshoot is skipped.
+    # Doubling up to 2^⌊log2 T⌋, then the predicted T and T + 1; the overshoot is skipped: 37 → 8, 6000 → 15.
+    assert len(runner.ran) == math.ceil(math.log2(threshold)) + 2
     assert runner.ran[-2:] == [threshold, threshold + 1]
     assert result.memory_model is not None
     assert result.memory_model.bytes_per_sample == pytest.approx(b)
@@ -375,7 +385,7 @@ def live_tensors() -> tuple[int, int]:
     return len(tensors), sum(t.untyped_storage().nbytes() for t in tensors)
 
 
-def test_real_probe_on_cpu_restores_model_and_memory():
+def test_real_probe_on_cpu_restores_model_and_memory(one_thread):
     torch.manual_seed(0)
     model = TinyMLP()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -405,7 +415,7 @@ def test_real_probe_on_cpu_restores_model_and_memory():
     assert live_tensors() == baseline  # no leaked tensors, grads or optimizer state
 
 
-def test_real_probe_tensor_peak_counts_weights_grads_and_adam_state():
+def test_real_probe_tensor_peak_counts_weights_grads_and_adam_state(one_thread):
     model = TinyMLP(width=256)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     runner = TrainStepRunner(model, lambda s: torch.randn(s, 32), lambda m, x: m(x).square().mean(),
@@ -418,7 +428,7 @@ def test_real_probe_tensor_peak_counts_weights_grads_and_adam_state():
     assert small.step_time_s > 0 and small.tokens_per_step is None
 
 
-def test_real_probe_with_memory_limit_brackets_and_keeps_global_batch():
+def test_real_probe_with_memory_limit_brackets_and_keeps_global_batch(one_thread):
     model = TinyMLP(width=128)
     runner_probe = TrainStepRunner(model, lambda s: torch.randn(s, 32), lambda m, x: m(x).square().mean(),
                                    config=TrialConfig(steps_per_trial=1, warmup_steps=2))
@@ -436,7 +446,7 @@ def test_real_probe_with_memory_limit_brackets_and_keeps_global_batch():
     assert largest.usable.micro_batch in [t.micro_batch for t in fits]
 
 
-def test_rss_mode_reports_a_process_peak():
+def test_rss_mode_reports_a_process_peak(one_thread):
     runner = TrainStepRunner(TinyMLP(), lambda s: torch.randn(s, 32), lambda m, x: m(x).square().mean(),
                              config=TrialConfig(steps_per_trial=1, cpu_memory="rss"))
     t = runner(8)
@@ -478,7 +488,7 @@ def test_cli_missing_cuda_is_one_line_exit_2(capsys, monkeypatch):
     assert code == 2 and err.strip() == "error: device 'cuda' is not available here; allowed: cpu"
 
 
-def test_cli_tinygpt_json(capsys):
+def test_cli_tinygpt_json(capsys, one_thread):
     code, out, _ = run_cli(capsys, "probe", "--task", "tinygpt", "--global-batch", "12", "--memory-limit", "40MiB",
                            "--steps-per-trial", "1", "--json")
     assert code == 0

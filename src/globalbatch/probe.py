@@ -19,7 +19,8 @@ Search (``probe_micro_batch``)::
 Every size reported as fitting has run (``TrialResult`` in ``ProbeResult.trials``).
 Trials (pure OOM signal, no memory model): ⌊log2 T⌋ + 2 to bracket, ⌊log2 T⌋ to bisect,
 so 2⌊log2 T⌋ + 2 ≤ 2⌈log2 T⌉ + 1 for T not a power of two (T = 2^k: 2k + 2). With a linear
-memory and a known budget: ⌊log2 T⌋ + 3 ≤ ⌈log2 T⌉ + 2 (docs/probe.md has the table).
+memory and a known budget: ⌈log2 T⌉ + 2 (docs/probe.md has the table). Wrong predictions
+cost at most 2 trials each, and at most ``max_prediction_misses`` (2) of them happen.
 
 A trial (``TrainStepRunner``) runs ``warmup_steps`` + ``steps_per_trial`` full training
 steps (forward, backward, optimizer step, zero_grad(set_to_none)) on one fixed batch;
