@@ -388,3 +388,103 @@ def test_example_two_ranks_matches_single_process(tmp_path, capsys):
     assert s1["driver"]["consumed_units"] == s2["driver"]["consumed_units"]  # the same samples were drawn
     for k in s1["model"]:  # float32: summation order differs between 1 and 2 ranks
         torch.testing.assert_close(s2["model"][k], s1["model"][k], atol=1e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- review regressions
+
+
+def test_lr_schedule_keeps_a_frozen_zero_lr_group_at_zero():
+    model = sc.build_model()
+    params = list(model.parameters())
+    opt = torch.optim.SGD([{"params": params[:1], "lr": 0.0}, {"params": params[1:], "lr": 1e-2}], lr=1e-2)
+    frozen = params[0].detach().clone()
+    drv = _driver(model, opt, micro=2, global_batch=4, lr_schedule=TokenLRSchedule(peak_lr=2e-3, total=10_000))
+    drv.run_window(sc.micro_batches(sc.make_sequences(4, seed=7), 2), sc.loss_fn)
+    assert opt.param_groups[0]["lr"] == 0.0 and opt.param_groups[1]["lr"] > 0
+    assert torch.equal(params[0].detach(), frozen)
+
+
+def test_batch_change_rescales_a_closed_form_torch_scheduler():
+    model = sc.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    lam = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    sched = parse_step_schedule("0:2 30:4", unit="token", lr_rule="linear")
+    drv = StepDriver(model, opt, StepConfig(micro_batch=2, batch_schedule=sched), lr_scheduler=lam)
+    seqs = sc.make_sequences(40, seed=8)
+    i = 0
+    while drv.global_batch == 2:
+        drv.run_window(sc.micro_batches(seqs[i:i + 2], 2), sc.loss_fn)
+        i += 2
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.02)
+    n = drv.global_batch
+    drv.run_window(sc.micro_batches(seqs[i:i + n], 2), sc.loss_fn)  # LambdaLR recomputes from base_lrs
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.02)
+
+
+def test_python_int_counts_equal_tensor_counts_and_bad_counts_are_rejected():
+    seqs = sc.make_sequences(8, seed=9)
+    runs = []
+    for as_int in (False, True):
+        model, opt = sc.clone_model_opt(sc.build_model())
+        drv = _driver(model, opt, micro=2, global_batch=8)
+
+        def loss_fn(m, b, as_int=as_int):
+            loss, count = sc.loss_fn(m, b)
+            return loss, int(count) if as_int else count
+
+        res = drv.run_window(sc.micro_batches(seqs, 2), loss_fn)
+        runs.append((model, res))
+    assert runs[0][1].global_units == runs[1][1].global_units
+    for p, q in zip(runs[0][0].parameters(), runs[1][0].parameters()):
+        assert torch.equal(p, q)
+    model, opt = sc.clone_model_opt(sc.build_model())
+    drv = _driver(model, opt, micro=2, global_batch=4)
+    loss, count = sc.loss_fn(model, sc.collate(seqs[:2]))
+    with pytest.raises(ValueError, match=r"count shape \(2,\) is not allowed"):
+        drv.backward(loss, torch.stack([count, count]))
+    with pytest.raises(ValueError, match="count -1 is not allowed"):
+        drv.backward(loss, -1)
+
+
+def test_skip_with_scaler_when_no_parameter_has_a_gradient():
+    model = sc.build_model(dtype=torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    drv = _driver(model, opt, micro=2, global_batch=2, scaler=scaler)
+    with drv.micro_step(last=True):
+        loss = torch.tensor(float("nan"), requires_grad=True)  # reaches no parameter
+        drv.backward(loss, 3)
+    res = drv.step()
+    assert res.skipped and drv.skipped_windows == 1
+
+
+def test_checkpoint_defaults_to_the_drivers_scheduler(tmp_path):
+    seqs = sc.make_sequences(16, seed=10)
+
+    def make():
+        model, opt = sc.clone_model_opt(sc.build_model())
+        lam = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        return model, opt, lam, _driver(model, opt, micro=2, global_batch=4, lr_scheduler=lam)
+
+    model, opt, lam, drv = make()
+    for w in sc.chunks(seqs, 4)[:2]:
+        drv.run_window(sc.micro_batches(w, 2), sc.loss_fn)
+    save_checkpoint(tmp_path / "c.pt", model, opt, drv)
+    model2, opt2, lam2, drv2 = make()
+    load_checkpoint(tmp_path / "c.pt", model2, opt2, drv2)
+    assert lam2.last_epoch == lam.last_epoch == 2
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_compiled_ddp_wrapper_is_detected(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    model = sc.build_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    compiled = torch.compile(ddp)  # lazily compiled: nothing is traced until a forward
+    drv = _driver(compiled, torch.optim.SGD(model.parameters(), lr=0.1), micro=2, global_batch=4)
+    assert drv.parallel == "ddp"
+    from globalbatch.step import unwrap_model
+
+    assert unwrap_model(compiled) is model

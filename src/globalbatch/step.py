@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 import math
 import os
 import time
@@ -105,9 +106,17 @@ def _fsdp_module_class() -> Optional[type]:
             return None
 
 
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module inside a ``torch.compile`` wrapper (``OptimizedModule._orig_mod``), else the module."""
+    return getattr(model, "_orig_mod", model)
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module inside a ``DistributedDataParallel`` wrapper (else the module itself)."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    """The user's module inside ``torch.compile`` and ``DistributedDataParallel`` wrappers."""
+    model = _uncompiled(model)
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = _uncompiled(model.module)
+    return model
 
 
 @dataclass(kw_only=True, slots=True)
@@ -226,10 +235,14 @@ class StepDriver:
         self._cb_step = [c.on_step_end for c in self.callbacks if hasattr(c, "on_step_end")]
 
         fsdp_cls = _fsdp_module_class()
-        if isinstance(model, nn.parallel.DistributedDataParallel):
+        # torch.compile(DDP(m)) or a compiled fully_shard module: look through the compile wrapper,
+        # or the wrapper would pass for a plain module and ranks would silently diverge.
+        inner = _uncompiled(model)
+        self._sync_module = inner
+        if isinstance(inner, nn.parallel.DistributedDataParallel):
             self.parallel = "ddp"
-            self.dp_group = dp_group if dp_group is not None else model.process_group
-        elif fsdp_cls is not None and isinstance(model, fsdp_cls):
+            self.dp_group = dp_group if dp_group is not None else inner.process_group
+        elif fsdp_cls is not None and isinstance(inner, fsdp_cls):
             self.parallel = "fsdp2"
             self.dp_group = dp_group
         else:
@@ -240,6 +253,14 @@ class StepDriver:
                 )
             self.parallel = "none"
             self.dp_group = None
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                msg = (
+                    f"StepDriver got a plain {type(inner).__name__} while a process group of "
+                    f"{dist.get_world_size()} ranks is initialized: its gradients are never synced and each rank "
+                    "steps on its own data (dp_world_size 1). Wrap the model in DDP or fully_shard for data parallelism."
+                )
+                logger.warning(msg)
+                warnings.warn(msg, stacklevel=2)
         self.dp_world_size = dist.get_world_size(self.dp_group) if self.parallel != "none" else 1
 
         self.schedule = config.schedule()
@@ -286,6 +307,8 @@ class StepDriver:
         self._acc_units: Optional[torch.Tensor] = None  # float64 0-d, this rank's loss-bearing units
         self._acc_loss: Optional[torch.Tensor] = None  # float64 0-d, this rank's summed loss (non-finite if any term is)
         self._samples_local = 0  # host int
+        self._units_host = 0  # host number: counts passed as Python numbers
+        self._unscaled = False
         self._last_synced = False
         self._in_micro = False
         self._sync_now = True
@@ -305,11 +328,11 @@ class StepDriver:
         self._sync_now = bool(last)
         try:
             if self.parallel == "ddp" and not last:
-                with self.model.no_sync():
+                with self._sync_module.no_sync():
                     yield self
             else:
                 if self.parallel == "fsdp2":
-                    self.model.set_requires_gradient_sync(bool(last))
+                    self._sync_module.set_requires_gradient_sync(bool(last))
                 yield self
         finally:
             self._in_micro = False
@@ -336,16 +359,33 @@ class StepDriver:
         if self._micro_index == 0 and not self._in_micro:
             self._begin_window()
         loss_d = loss_sum.detach()
-        count_t = count.detach() if isinstance(count, torch.Tensor) else torch.tensor(count, device=loss_d.device)
-        # Two tiny device adds per micro-batch. A non-finite term makes the float sum
+        if isinstance(count, torch.Tensor):
+            if count.numel() != 1:
+                raise ValueError(
+                    f"count shape {tuple(count.shape)} is not allowed; allowed: one number (a 0-d tensor or an int)"
+                )
+            count_t = count.detach().reshape(())
+            if count_t.device != loss_d.device:
+                count_t = count_t.to(loss_d.device, non_blocking=True)
+        else:
+            if isinstance(count, bool) or not isinstance(count, (int, float)) or count < 0:
+                raise ValueError(f"count {count!r} is not allowed; allowed: a number >= 0 of loss-bearing units")
+            # A host number stays on the host: torch.tensor(int, device=cuda) would copy from
+            # pageable memory and synchronize the stream on every micro-batch.
+            self._units_host += count
+            count_t = torch.tensor(count, dtype=torch.float64)  # CPU scalar, for callbacks only
+        # Tiny device adds per micro-batch. A non-finite term makes the float sum
         # non-finite (NaN propagates, inf + finite = inf, inf - inf = NaN), so the summed
         # loss doubles as the non-finite flag.
-        if self._acc_units is None:
-            self._acc_units = count_t.to(torch.float64, copy=True)
+        if self._acc_loss is None:
             self._acc_loss = loss_d.to(torch.float64, copy=True)
         else:
-            self._acc_units.add_(count_t)
             self._acc_loss.add_(loss_d)
+        if isinstance(count, torch.Tensor):
+            if self._acc_units is None:
+                self._acc_units = count_t.to(torch.float64, copy=True)
+            else:
+                self._acc_units.add_(count_t)
         self.last_micro_samples = self.config.micro_batch if samples is None else int(samples)  # for callbacks
         self._samples_local += self.last_micro_samples
         if self.scaler is not None:
@@ -369,14 +409,17 @@ class StepDriver:
 
     def step(self) -> StepResult:
         """Finish the window: sync counts, normalize, unscale, clip, then step or skip."""
-        if self._micro_index == 0 or self._acc_units is None:
+        if self._micro_index == 0 or self._acc_loss is None:
             raise RuntimeError("step() called with no micro-batch since the last step; call backward() first")
         if not self._last_synced:
             raise RuntimeError(
                 "the last micro-batch ran without gradient sync; open it with micro_step(last=True)"
             )
-        local_count = self._acc_units
-        samples_t = torch.full((), float(self._samples_local), dtype=torch.float64, device=local_count.device)
+        device = self._acc_loss.device
+        local_count = self._acc_units if self._acc_units is not None else torch.zeros((), dtype=torch.float64, device=device)
+        if self._units_host:
+            local_count = local_count + self._units_host  # host counts folded in once per window
+        samples_t = torch.full((), float(self._samples_local), dtype=torch.float64, device=device)
         stats = torch.stack([local_count, self._acc_loss, samples_t])  # [units, loss sum, samples]
         if self.dp_world_size > 1:
             dist.all_reduce(stats, group=self.dp_group)  # one collective for count, loss (= flag), samples
@@ -386,9 +429,18 @@ class StepDriver:
         factor = self.dp_world_size / global_count.clamp(min=1.0)
         params = self._params_with_grad()
         if params:
-            torch._foreach_mul_(self._local_grads(params), factor)
-        if self.scaler is not None:
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for g in self._local_grads(params):
+                by_dtype.setdefault(g.dtype, []).append(g)
+            for dtype, group in by_dtype.items():
+                # fp32/fp64 grads: the factor in their dtype keeps the fused foreach kernel;
+                # half-precision grads keep an fp32 factor (a bf16 factor would be off by up to 0.4 %).
+                f = factor.to(dtype) if dtype in (torch.float32, torch.float64) else factor.to(torch.float32)
+                torch._foreach_mul_(group, f)
+        self._unscaled = False
+        if self.scaler is not None and params:
             self.scaler.unscale_(self.optimizer)
+            self._unscaled = True
         for cb in self._cb_window:
             cb(self, global_count, local_count)
 
@@ -462,7 +514,7 @@ class StepDriver:
     def _skip(self, reasons: list[str]) -> None:
         self.skipped_windows += 1
         self.consecutive_skips += 1
-        if self.scaler is not None:
+        if self.scaler is not None and self._unscaled:
             self.scaler.update()  # back off the loss scale; no optimizer step
         if self._log:
             logger.warning(
@@ -477,15 +529,17 @@ class StepDriver:
         if self.lr_schedule is not None:
             pos = after_units if self.lr_schedule.unit == "token" else after_samples
             lr = self.lr_schedule.lr_at(pos) * self.batch_lr_mult
-            base0 = self._initial_lrs[0]
+            # Groups keep their initial LR ratios to the first group with a non-zero LR;
+            # a group that started at lr 0 (frozen) stays at 0.
+            base0 = next((x for x in self._initial_lrs if x > 0), 0.0)
             for g, lr0 in zip(self.optimizer.param_groups, self._initial_lrs):
-                g["lr"] = lr * (lr0 / base0 if base0 > 0 else 1.0)
+                g["lr"] = lr * (lr0 / base0) if base0 > 0 else 0.0
         lr_used = float(self.optimizer.param_groups[0]["lr"])
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
+        # The window is known to be finite here (the norm was read above), so step the optimizer
+        # directly: GradScaler.step would read found_inf with a second host sync.
+        self.optimizer.step()
+        if self.scaler is not None and self._unscaled:
             self.scaler.update()
-        else:
-            self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.trained_units = after_units
@@ -510,6 +564,10 @@ class StepDriver:
         else:
             for g in self.optimizer.param_groups:
                 g["lr"] = float(g["lr"]) * ratio
+            if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "base_lrs"):
+                # Closed-form torch schedulers (LambdaLR, CosineAnnealingLR, …) recompute the LR
+                # from base_lrs at their next step(): rescale those too or the change is lost.
+                self.lr_scheduler.base_lrs = [float(b) * ratio for b in self.lr_scheduler.base_lrs]
             lr_new = float(self.optimizer.param_groups[0]["lr"])
         if self._log:
             logger.info(format_batch_change(
@@ -583,6 +641,19 @@ class StepDriver:
 # ---------------------------------------------------------------------------
 
 
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 def save_checkpoint(
     path: str | os.PathLike,
     model: nn.Module,
@@ -593,16 +664,26 @@ def save_checkpoint(
     lr_scheduler: Any = None,
     extra: Optional[dict[str, Any]] = None,
 ) -> None:
-    """Write model, optimizer, driver (and scaler, LR scheduler, RNG) state atomically.
+    """Write model, optimizer, driver, scaler, LR scheduler and every rank's RNG state atomically.
 
-    Rank 0 writes ``path`` via a temporary file and ``os.replace``; other ranks wait at
-    a barrier. ``extra`` must hold only tensors, primitives and containers so the file
-    loads with ``torch.load(weights_only=True)``.
+    ``scaler`` and ``lr_scheduler`` default to the driver's own. Every rank's CPU (and CUDA)
+    RNG state is gathered to rank 0, which writes ``path`` via a temporary file and
+    ``os.replace``; the other ranks wait at a barrier. ``extra`` must hold only tensors,
+    primitives and containers so the file loads with ``torch.load(weights_only=True)``.
     """
     fsdp_cls = _fsdp_module_class()
-    if fsdp_cls is not None and isinstance(model, fsdp_cls):
+    if fsdp_cls is not None and isinstance(_uncompiled(model), fsdp_cls):
         raise NotImplementedError("FSDP2 checkpoints are sharded; use torch.distributed.checkpoint for the model")
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    scaler = scaler if scaler is not None else driver.scaler
+    lr_scheduler = lr_scheduler if lr_scheduler is not None else driver.lr_scheduler
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    rng = _rng_state()
+    if distributed:
+        per_rank: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, rng)  # once per checkpoint, not in the hot path
+    else:
+        per_rank = [rng]
     if rank == 0:
         state = {
             "model": unwrap_model(model).state_dict(),
@@ -610,7 +691,7 @@ def save_checkpoint(
             "driver": driver.state_dict(),
             "scaler": scaler.state_dict() if scaler is not None else None,
             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-            "rng": {"torch": torch.get_rng_state()},
+            "rng": {"per_rank": per_rank},
             "extra": extra,
         }
         path = Path(path)
@@ -625,7 +706,7 @@ def save_checkpoint(
         finally:
             if tmp.exists():
                 tmp.unlink()
-    if dist.is_available() and dist.is_initialized():
+    if distributed:
         dist.barrier()
 
 
@@ -640,7 +721,13 @@ def load_checkpoint(
     map_location: Any = "cpu",
     restore_rng: bool = True,
 ) -> Optional[dict[str, Any]]:
-    """Restore what :func:`save_checkpoint` wrote (``weights_only=True``); returns ``extra``."""
+    """Restore what :func:`save_checkpoint` wrote (``weights_only=True``); returns ``extra``.
+
+    ``scaler`` and ``lr_scheduler`` default to the driver's own. Each rank restores its own
+    RNG state (rank 0's when the world size changed).
+    """
+    scaler = scaler if scaler is not None else driver.scaler
+    lr_scheduler = lr_scheduler if lr_scheduler is not None else driver.lr_scheduler
     state = torch.load(path, map_location=map_location, weights_only=True)
     unwrap_model(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
@@ -649,6 +736,16 @@ def load_checkpoint(
         scaler.load_state_dict(state["scaler"])
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
-    if restore_rng and state.get("rng") is not None:
-        torch.set_rng_state(state["rng"]["torch"])
+    rng = state.get("rng")
+    if restore_rng and rng is not None:
+        if "per_rank" in rng:
+            per_rank = rng["per_rank"]
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            _set_rng_state(per_rank[rank] if rank < len(per_rank) and len(per_rank) == _world() else per_rank[0])
+        else:  # files written before per-rank RNG
+            torch.set_rng_state(rng["torch"])
     return state.get("extra")
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
