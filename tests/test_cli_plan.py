@@ -71,12 +71,14 @@ def test_world_size_change_from_config_keeps_the_global_batch():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["plan", "--dp", "x"], "'--dp'"),
+        (["plan", "--dp", "x"], "--dp 'x' is not allowed; allowed: a whole number"),
+        (["plan", "--lr", "fast", "--micro-batch", "2", "--grad-accum", "2"], "--lr 'fast' is not allowed; allowed: a number"),
+        (["plan", "--dp", "0", "--micro-batch", "2", "--grad-accum", "2"], "--dp 0 is not allowed; allowed: a whole number ≥ 1"),
         (["plan", "--global-batch", "1000", "--micro-batch", "4", "--dp", "64"], "global batch 1000 is not divisible by micro_batch 4 × dp 64 = 256"),
         (["plan", "--micro-batch", "2", "--grad-accum", "2", "--total-tokens", "lots"], "--total-tokens 'lots' is not a quantity"),
-        (["plan", "--micro-batch", "2", "--grad-accum", "2", "--lr-rule", "cubic"], "lr_rule 'cubic' is not allowed"),
+        (["plan", "--micro-batch", "2", "--grad-accum", "2", "--lr-rule", "cubic"], "--lr-rule 'cubic' is not allowed"),
         (["plan", "--config", "/nonexistent.yaml"], "does not exist"),
-        (["plan", "--micro-batch", "2", "--grad-accum", "2", "--padding-fraction", "1.5", "--seq-len", "8"], "padding_fraction 1.5"),
+        (["plan", "--micro-batch", "2", "--grad-accum", "2", "--padding-fraction", "1.5", "--seq-len", "8"], "--padding-fraction 1.5 is not allowed; allowed: 0 ≤ x < 1"),
         (["plan", "--bogus"], "No such option: --bogus"),
         (["nosuchcommand"], "No such command"),
     ],
@@ -104,3 +106,25 @@ def test_help_lists_plan_flags():
                  "--padding-fraction", "--total-tokens", "--lr-rule", "--warmup-tokens", "--pp-stages",
                  "--virtual-stages", "--params", "--config", "--round-down", "--json"):
         assert flag in r.stdout
+
+
+def test_warnings_go_to_stderr_on_one_line():
+    r = cli("plan", "--micro-batch", "2", "--grad-accum", "8", "--dp", "4", "--pp-stages", "16")
+    assert r.returncode == 0
+    assert "warning" not in r.stdout
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("warning: 8 micro-batches per step < 16 pipeline stages")
+
+
+def test_version_and_short_help():
+    from globalbatch import __version__
+
+    assert cli("--version").stdout.strip() == f"globalbatch {__version__}"
+    assert "--global-batch" in cli("plan", "-h").stdout
+
+
+def test_decimal_budget_on_the_command_line():
+    out = json.loads(cli("plan", *SEED, "--total-tokens", "4.1B", "--json").stdout)
+    assert out["optimizer_steps"] == 1956  # ceil(4.1e9 / 2,097,152)
+    bad = cli("plan", *SEED, "--total-tokens", "1,5B")
+    assert bad.returncode == 2 and "--total-tokens '1,5B' is not a quantity" in bad.stderr

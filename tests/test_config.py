@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from globalbatch.config import PlanConfig, build_plan, load_config
+from globalbatch.config import PlanConfig, build_plan, make_plan, read_config_file, resolve_plan_config
+
+
+def load_config(path, dp_world_size=None, **flags):
+    """File (+ flags) -> PlanConfig keyword arguments, as the CLI resolves them."""
+    cfg, _ = resolve_plan_config(path, flags, dp_world_size=dp_world_size)
+    return {k: v for k, v in cfg.__dict__.items()}
 
 
 def write(tmp_path, name, text):
@@ -28,17 +34,19 @@ def test_yaml_and_toml_agree(tmp_path):
 
 def test_unknown_key_in_our_schema_is_an_error(tmp_path):
     p = write(tmp_path, "a.yaml", "micro_batch: 2\ngrad_acum_steps: 8\n")
-    with pytest.raises(ValueError, match=r"unknown key 'grad_acum_steps'; allowed: global_batch, micro_batch"):
+    with pytest.raises(ValueError, match=r"a.yaml: unknown key 'grad_acum_steps' \(did you mean 'grad_accum_steps'\?\); allowed: compute_flops, dp_world_size"):
         load_config(p)
 
 
 @pytest.mark.parametrize(
     "text, match",
     [
-        ("micro_batch: two\n", r"micro_batch 'two' is not a quantity"),
+        ("micro_batch: two\n", r"micro_batch 'two' is not allowed; allowed: a whole number"),
+        ("seq_len: 2K\n", r"seq_len '2K' is not allowed; allowed: a whole number"),
+        ("dp_world_size: 64\ndp_world_size: 32\n", r"duplicate key 'dp_world_size' at line 2"),
         ("micro_batch: 0\n", r"micro_batch 0 is not allowed"),
         ("no_sync: 3\n", r"no_sync 3 is not allowed; allowed: true or false"),
-        ("- 1\n- 2\n", r"holds list; allowed: a mapping"),
+        ("- 1\n- 2\n", r"holds a list; allowed: a mapping"),
         ("a: [1,\n", r"cannot be parsed"),
         ("lr: fast\n", r"lr 'fast' is not a number"),
     ],
@@ -96,8 +104,8 @@ def test_hf_training_arguments(tmp_path):
         "output_dir": "out", "per_device_train_batch_size": 8, "gradient_accumulation_steps": 4,
         "learning_rate": 5e-5, "warmup_steps": 100, "fp16": True, "unknown_future_key": 1,
     }))
-    kw = load_config(p, dp_world_size=8)
-    r = build_plan(PlanConfig(**kw, seq_len=512))
+    kw = load_config(p, dp_world_size=8, seq_len=512)
+    r = build_plan(PlanConfig(**kw))
     assert (r["global_batch_sequences"], r["micro_batch"], r["grad_accum_steps"], r["dp_world_size"]) == (256, 8, 4, 8)
     assert r["lr"] == 5e-5 and r["warmup_steps"] == 100 and r["warmup_tokens"] == 100 * 256 * 512
 
@@ -107,7 +115,7 @@ def test_valid_tokens_and_padding_fraction():
     assert r["global_batch_valid_tokens"] == 1_536_000
     r2 = build_plan(PlanConfig(micro_batch=2, grad_accum_steps=8, dp_world_size=64, seq_len=2048, padding_fraction=0.25))
     assert r2["global_batch_valid_tokens"] == 1024 * 1536
-    with pytest.raises(ValueError, match="disagrees with padding_fraction"):
+    with pytest.raises(ValueError, match=r"disagrees with \(1 − padding_fraction 0.25\) × seq_len 2048 = 1,536 valid"):
         build_plan(PlanConfig(micro_batch=2, grad_accum_steps=8, dp_world_size=64, seq_len=2048, padding_fraction=0.25, valid_tokens_per_seq=1500))
     with pytest.raises(ValueError, match="valid_tokens_per_seq 3,000 is not allowed; allowed: ≤ seq_len 2048"):
         PlanConfig(seq_len=2048, valid_tokens_per_seq=3000)
@@ -124,7 +132,7 @@ def test_budget_uses_valid_tokens_when_known():
     "kwargs, match",
     [
         (dict(micro_batch=2, grad_accum_steps=2, dp_world_size=2, total_tokens=1e9), "total_tokens needs seq_len"),
-        (dict(micro_batch=2, grad_accum_steps=2, dp_world_size=2, warmup_steps=5), "warmup conversion needs seq_len"),
+        (dict(micro_batch=2, grad_accum_steps=2, dp_world_size=2, warmup_tokens=5.0), "warmup_tokens needs seq_len"),
         (dict(micro_batch=2, grad_accum_steps=2, dp_world_size=2, max_bubble=0.1), "max_bubble needs pp_stages"),
         (dict(micro_batch=2, grad_accum_steps=2, dp_world_size=2, seq_len=8, padding_fraction=0.1, valid_tokens_per_seq=2.0), "disagrees"),
     ],
@@ -138,7 +146,9 @@ def test_missing_companions(kwargs, match):
     "kwargs, match",
     [
         (dict(lr_rule="cube"), "lr_rule 'cube' is not allowed; allowed: linear, sqrt, none"),
-        (dict(lr=-1.0), "lr -1.0 is not allowed"),
+        (dict(lr=-1.0), "lr -1 is not allowed"),
+        (dict(lr_base_batch=256), "lr_base_batch 256 needs lr"),
+        (dict(virtual_stages=2), "virtual_stages 2 needs pp_stages"),
         (dict(warmup_tokens=1.0, warmup_steps=1), "one of them"),
         (dict(pp_stages=0), "pp_stages 0 is not allowed"),
     ],
@@ -152,4 +162,90 @@ def test_pipeline_warning_and_allreduce_in_report():
     r = build_plan(PlanConfig(micro_batch=1, grad_accum_steps=2, dp_world_size=8, pp_stages=4, params=1e9, grad_bytes_per_param=2, no_sync=False))
     assert r["pipeline_bubble_fraction"] == pytest.approx(1.5)
     assert any("pipeline never fills" in w for w in r["warnings"])
-    assert r["allreduce_bytes_per_step"] == pytest.approx(2 * 7 / 8 * 2e9 * 2)
+    # each of the 4 pipeline stages holds params / 4; 2 syncs per step without no_sync
+    assert r["allreduce_bytes_per_step"] == pytest.approx(2 * 7 / 8 * (2e9 / 4) * 2)
+
+
+def test_warmup_steps_without_seq_len_is_reported_in_steps():
+    r = build_plan(PlanConfig(micro_batch=2, grad_accum_steps=2, dp_world_size=2, warmup_steps=5))
+    assert r["warmup_steps"] == 5 and r["warmup_tokens"] is None
+
+
+def test_warmup_longer_than_the_run_warns():
+    r = build_plan(PlanConfig(micro_batch=2, grad_accum_steps=8, dp_world_size=64, seq_len=2048, total_tokens=1e9, warmup_tokens=1e10))
+    assert any("longer than the whole run" in w for w in r["warnings"])
+
+
+def test_decimal_budgets_parse_exactly(tmp_path):
+    p = write(tmp_path, "a.yaml", "micro_batch: 1\ngrad_accum_steps: 1\ndp_world_size: 1\nseq_len: 1000\ntotal_tokens: 4.1B\n")
+    assert build_plan(PlanConfig(**load_config(p)))["optimizer_steps"] == 4_100_000
+
+
+def test_new_dp_for_a_file_whose_dp_is_solved(tmp_path):
+    # the file gives global, micro, accum (dp solves to 64): --dp 32 keeps the global batch
+    p = write(tmp_path, "a.yaml", "global_batch: 1024\nmicro_batch: 2\ngrad_accum_steps: 8\n")
+    r = make_plan(p, {}, dp_world_size=32)
+    assert (r["global_batch_sequences"], r["grad_accum_steps"], r["dp_world_size"]) == (1024, 16, 32)
+    with pytest.raises(ValueError, match="not divisible by micro_batch 2 × dp 96 = 192"):
+        make_plan(p, {}, dp_world_size=96)
+
+
+def test_flag_overriding_a_file_value_that_changes_the_global_batch_warns(tmp_path):
+    p = write(tmp_path, "a.yaml", "micro_batch: 2\ngrad_accum_steps: 8\ndp_world_size: 64\n")
+    r = make_plan(p, {"micro_batch": 4})
+    assert r["global_batch_sequences"] == 2048
+    assert "--micro-batch 4 overrides micro_batch 2" in r["warnings"][0]
+    assert "global batch 1,024" in r["warnings"][1] and "2,048" in r["warnings"][1]
+
+
+def test_deepspeed_flags_fill_auto_values_before_deepspeeds_rules(tmp_path):
+    p = write(tmp_path, "ds.json", json.dumps({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                                               "gradient_accumulation_steps": "auto", "optimizer": {"params": None}}))
+    r = make_plan(p, {"micro_batch": 2, "grad_accum_steps": 4}, dp_world_size=8)
+    assert r["global_batch_sequences"] == 64
+    assert any("changes with --dp" in w for w in r["warnings"])
+    p = write(tmp_path, "ds2.json", json.dumps({"train_batch_size": 1024}))
+    r = make_plan(p, {"micro_batch": 2}, dp_world_size=64)
+    assert (r["global_batch_sequences"], r["grad_accum_steps"]) == (1024, 8)
+
+
+def test_deepspeed_dp_is_solved_when_all_three_are_given(tmp_path):
+    p = write(tmp_path, "ds.json", json.dumps({"train_batch_size": 1024, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8}))
+    r = make_plan(p, {})
+    assert r["dp_world_size"] == 64 and any("solved from" in w for w in r["warnings"])
+
+
+@pytest.mark.parametrize("content, kind", [
+    ({"output_dir": "o", "warmup_steps": 10, "per_device_train_batch_size": 4}, "hf"),
+    ({"output_dir": "o", "gradient_accumulation_steps": 8}, "hf"),
+    ({"train_batch_size": 8}, "deepspeed"),
+    ({"micro_batch": 2, "grad_accum_steps": 8}, "json"),
+    ({"micro_batch": 2, "per_device_train_batch_size": 3}, "json"),  # ours, and the HF key is then unknown
+])
+def test_json_kind_detection(tmp_path, content, kind):
+    p = write(tmp_path, "c.json", json.dumps(content))
+    assert read_config_file(p)[0] == kind
+
+
+def test_unusual_files(tmp_path):
+    import os
+
+    fifo = tmp_path / "f.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="is not a regular file"):
+        read_config_file(fifo)
+    with pytest.raises(ValueError, match="is not UTF-8 text"):
+        read_config_file(_latin1(tmp_path))
+    bom = tmp_path / "b.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"train_batch_size": 8}).encode())
+    assert read_config_file(bom)[0] == "deepspeed"
+    with pytest.raises(ValueError, match="cannot be parsed as JSON"):
+        read_config_file(write(tmp_path, "e.json", "{"))
+    with pytest.raises(ValueError, match="duplicate key 'lr'"):
+        read_config_file(write(tmp_path, "d.json", '{"lr": 1, "lr": 2}'))
+
+
+def _latin1(tmp_path):
+    p = tmp_path / "l.yaml"
+    p.write_bytes("micro_batch: 2 # café\n".encode("latin-1"))
+    return p

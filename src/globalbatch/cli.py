@@ -38,8 +38,18 @@ def _fail(message: str) -> "typer.Exit":
 # Commands. Keep each one thin: parse, call the library, print.
 # ---------------------------------------------------------------------------
 
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        typer.echo(f"globalbatch {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
     """Plan, check and measure the global batch size of PyTorch training."""
 
 
@@ -77,48 +87,141 @@ def plan_cmd(
     import json
 
     from . import plan as P
-    from .config import PlanConfig, build_plan, load_config, plan_table
+    from .config import make_plan, plan_table
 
-    kwargs: dict = {}
-    if config is not None:
-        kwargs = load_config(config, dp_world_size=dp)
+    def count(text: Optional[str], flag: str) -> Optional[float]:
+        return None if text is None else float(P.parse_count(text, flag))
+
     flags = {
         "global_batch": global_batch, "micro_batch": micro_batch, "grad_accum_steps": grad_accum,
         "seq_len": seq_len, "valid_tokens_per_seq": valid_tokens_per_seq, "padding_fraction": padding_fraction,
-        "total_tokens": None if total_tokens is None else float(P.parse_count(total_tokens, "--total-tokens")),
+        "total_tokens": count(total_tokens, "--total-tokens"),
         "lr": lr, "lr_base_batch": lr_base_batch, "lr_rule": lr_rule,
-        "warmup_tokens": None if warmup_tokens is None else float(P.parse_count(warmup_tokens, "--warmup-tokens")),
+        "warmup_tokens": count(warmup_tokens, "--warmup-tokens"),
         "warmup_steps": warmup_steps, "pp_stages": pp_stages, "virtual_stages": virtual_stages,
-        "max_bubble": max_bubble,
-        "params": None if params is None else float(P.parse_count(params, "--params")),
+        "max_bubble": max_bubble, "params": count(params, "--params"),
         "grad_bytes_per_param": grad_bytes_per_param,
-        "compute_flops": None if compute is None else float(P.parse_count(compute, "--compute")),
-        "loss_nats": loss,
+        "compute_flops": count(compute, "--compute"), "loss_nats": loss,
+        "no_sync": False if sync_every_micro_step else None,
     }
-    kwargs.update({k: v for k, v in flags.items() if v is not None})
-    if sync_every_micro_step:
-        kwargs["no_sync"] = False
-    if round_down:
-        kwargs["round_down"] = True
-    if dp is not None:
-        if config is not None and kwargs.get("source") in ("yaml", "toml", "json") and kwargs.get("dp_world_size") not in (None, dp):
-            kwargs["new_dp_world_size"] = dp  # a new world size for a fixed global batch
-        else:
-            kwargs["dp_world_size"] = dp
-    if kwargs.get("dp_world_size") is None and sum(kwargs.get(k) is not None for k in ("global_batch", "micro_batch", "grad_accum_steps")) < 3:
-        kwargs["dp_world_size"] = 1
-    report = build_plan(PlanConfig(**kwargs))
+    report = make_plan(config, flags, dp_world_size=dp, round_down=round_down)
     if as_json:
         typer.echo(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        from rich.console import Console
+
+        console = Console(width=max(Console().width, 120))  # the arithmetic column reads best unwrapped
+        console.print(plan_table(report))
+        if report["priors"]:
+            console.print("priors are scaling-law predictions, not measurements: measure with `globalbatch sweep`/`noise`.")
+    for w in report["warnings"]:
+        typer.echo(f"warning: {w}", err=True)
+
+
+@app.command("probe")
+def probe_cmd(
+    task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt, mnist or package.module:function."),
+    global_batch: Optional[int] = typer.Option(None, "--global-batch", help="Samples (sequences) per optimizer step, all ranks; reports the accum that keeps it."),
+    dp: int = typer.Option(1, "--dp", help="Data-parallel world size for the global-batch arithmetic."),
+    memory_limit: Optional[str] = typer.Option(None, "--memory-limit", help="Memory budget, e.g. 8GiB: a larger measured peak counts as out of memory."),
+    max_micro_batch: Optional[int] = typer.Option(None, "--max-micro-batch", help="Largest size tried (default global ÷ dp, else 8192)."),
+    steps_per_trial: int = typer.Option(3, "--steps-per-trial", help="Timed training steps per trial (after 2 untimed warm-up steps)."),
+    tolerance: float = typer.Option(0.05, "--tolerance", help="Fastest = smallest micro-batch within this fraction of the best tokens/s."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default cuda when available)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys."),
+) -> None:
+    """Find the largest micro-batch that fits and the fastest one; keep the global batch with accumulation."""
+    import json
+    import logging
+
+    from .plan import parse_bytes
+    from .probe import format_bytes, probe_table, probe_task
+
+    limit = None if memory_limit is None else parse_bytes(memory_limit, "--memory-limit")
+    if limit is not None and limit < 1:
+        raise ValueError(f"--memory-limit {memory_limit!r} is not allowed; allowed: a budget of at least 1 byte")
+    if not as_json:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    result = probe_task(task, global_batch=global_batch, dp_world_size=dp, memory_limit_bytes=limit,
+                        max_micro_batch=max_micro_batch, steps_per_trial=steps_per_trial, tolerance=tolerance,
+                        device=device)
+    if as_json:
+        typer.echo(json.dumps(dict(result.to_dict(), task=task), indent=2, sort_keys=True))
         return
     from rich.console import Console
 
-    console = Console(width=max(Console().width, 120))  # the arithmetic column reads best unwrapped
-    console.print(plan_table(report))
-    for w in report["warnings"]:
-        console.print(f"[yellow]warning:[/yellow] {w}")
-    if report["priors"]:
-        console.print("[dim]priors are scaling-law predictions, not measurements: measure with `globalbatch sweep`/`noise`.[/dim]")
+    console = Console(width=max(Console().width, 110))
+    budget = f", memory limit {format_bytes(limit)}" if limit is not None else ""
+    console.print(probe_table(result, title=f"globalbatch probe: {task}{budget}, {result.num_trials} trials"))
+    console.print(f"largest that fits: {result.largest_fit} (limited by {result.limited_by})")
+    console.print(f"fastest: {result.fastest} (smallest within {result.tolerance:.0%} of the best throughput)")
+    for choice in result.choices:
+        if choice.geometry is not None:
+            console.print(f"{choice.role}: {choice.geometry.arithmetic()}")
+        else:
+            console.print(f"[yellow]{choice.role}:[/yellow] {choice.error}")
+
+
+@app.command("sweep")
+def sweep_cmd(
+    task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt, mnist or package.module:function."),
+    batches: str = typer.Option("16,32,64,128,256", "--batches", help="Global batch sizes in samples (sequences) per step, comma-separated."),
+    lrs: str = typer.Option("3e-4,1e-3,3e-3", "--lrs", help="Peak learning rates, comma-separated; every batch runs every LR."),
+    tokens: str = typer.Option("2M", "--tokens", help="Budget per trial in the task's unit (tokens; samples for a sample task), e.g. 2M."),
+    out: str = typer.Option("runs/sweep", "--out", help="Output directory; rerunning resumes it (the grid must match)."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Trials at once (default: min(trials, cores)); threads = cores ÷ workers."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads per trial (default cores ÷ workers); keep it when resuming."),
+    backend: str = typer.Option("local", "--backend", help="local (spawned processes) or ray (Ray Tune; pip install 'globalbatch[ray]')."),
+    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address (with --backend ray)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the model init and of the shared data order."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per forward/backward (default min(batch, 16))."),
+    eval_every: Optional[str] = typer.Option(None, "--eval-every", help="Units between validation evaluations (default budget ÷ 8)."),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw or sgd."),
+    task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
+) -> None:
+    """Train every batch × LR on the same data order and token budget, then fit the critical batch."""
+    from rich.console import Console
+
+    from .plan import parse_count
+    from .report import analysis_table
+    from .sweep import SweepConfig, analyze_sweep, parse_list, parse_task_args, run_sweep
+
+    cfg = SweepConfig(task=task, task_overrides=parse_task_args(task_arg), batches=parse_list(batches, "--batches", int),
+                      lrs=parse_list(lrs, "--lrs"), budget=parse_count(tokens, "--tokens"), seed=seed, micro_batch=micro_batch,
+                      eval_every=None if eval_every is None else parse_count(eval_every, "--eval-every"), optimizer=optimizer)
+    console = Console(stderr=True)
+    result = run_sweep(cfg, out, workers=workers, threads=threads, backend=backend, address=address)
+    console.print(f"sweep {out}: {len(result.ran)} trial(s) run, {len(result.skipped)} already finished, "
+                  f"{result.wall_time_s:,.1f} s ({result.workers} worker(s) × {result.threads_per_worker} thread(s))")
+    data, analysis = analyze_sweep(out)
+    Console(width=max(Console().width, 140)).print(analysis_table(data, analysis))
+    if analysis.recommendation is not None:
+        typer.echo(analysis.recommendation.text())
+    typer.echo(f"report: globalbatch report {out}")
+
+
+@app.command("report")
+def report_cmd(
+    run_dir: str = typer.Argument(..., help="A sweep output directory (with manifest.json)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Where to write plots and report.html (default RUN_DIR/report)."),
+    targets: Optional[str] = typer.Option(None, "--targets", help="Loss targets, comma-separated; the first is primary (default: automatic)."),
+    objective: str = typer.Option("time", "--objective", help="time (wall-clock to target) or cost (units to target)."),
+    tolerance: float = typer.Option(0.05, "--tolerance", help="Batches within this fraction of the best count as ties; the most data-efficient wins."),
+    ema_fraction: float = typer.Option(0.05, "--ema-fraction", help="EMA half-life of the training loss as a fraction of each trial's steps to the target (lag-corrected)."),
+    halflife_steps: Optional[float] = typer.Option(None, "--halflife-steps", help="A fixed EMA half-life in steps instead (biases B_crit low; see docs/critical.md)."),
+) -> None:
+    """Write PNG plots and a self-contained HTML report of a sweep, with the recommended batch."""
+    from rich.console import Console
+
+    from .report import analysis_table, write_report
+    from .sweep import parse_list
+
+    res = write_report(run_dir, out, targets=None if targets is None else parse_list(targets, "--targets"),
+                       objective=objective, tolerance=tolerance, ema_fraction=ema_fraction, halflife_steps=halflife_steps)
+    Console(width=max(Console().width, 140)).print(analysis_table(res.data, res.analysis))
+    if res.analysis.recommendation is not None:
+        typer.echo(res.analysis.recommendation.text())
+    typer.echo(f"wrote {res.html} and {len(res.plots)} plot(s)")
 
 
 @app.command("noise")
@@ -186,68 +289,6 @@ def noise_cmd(
         console.print(f"wrote {result.csv_path}" + (f" and {out}/tb" if tensorboard else ""))
 
 
-@app.command("sweep")
-def sweep_cmd(
-    task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt, mnist or package.module:function."),
-    batches: str = typer.Option("16,32,64,128,256", "--batches", help="Global batch sizes in samples (sequences) per step, comma-separated."),
-    lrs: str = typer.Option("3e-4,1e-3,3e-3", "--lrs", help="Peak learning rates, comma-separated; every batch runs every LR."),
-    tokens: str = typer.Option("2M", "--tokens", help="Budget per trial in the task's unit (tokens; samples for a sample task), e.g. 2M."),
-    out: str = typer.Option("runs/sweep", "--out", help="Output directory; rerunning resumes it (the grid must match)."),
-    workers: Optional[int] = typer.Option(None, "--workers", help="Trials at once (default: min(trials, cores)); threads = cores ÷ workers."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads per trial (default cores ÷ workers); keep it when resuming."),
-    backend: str = typer.Option("local", "--backend", help="local (spawned processes) or ray (Ray Tune; pip install 'globalbatch[ray]')."),
-    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address (with --backend ray)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the model init and of the shared data order."),
-    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per forward/backward (default min(batch, 16))."),
-    eval_every: Optional[str] = typer.Option(None, "--eval-every", help="Units between validation evaluations (default budget ÷ 8)."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw or sgd."),
-    task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
-) -> None:
-    """Train every batch × LR on the same data order and token budget, then fit the critical batch."""
-    from rich.console import Console
-
-    from .plan import parse_count
-    from .report import analysis_table
-    from .sweep import SweepConfig, analyze_sweep, parse_list, parse_task_args, run_sweep
-
-    cfg = SweepConfig(task=task, task_overrides=parse_task_args(task_arg), batches=parse_list(batches, "--batches", int),
-                      lrs=parse_list(lrs, "--lrs"), budget=parse_count(tokens, "--tokens"), seed=seed, micro_batch=micro_batch,
-                      eval_every=None if eval_every is None else parse_count(eval_every, "--eval-every"), optimizer=optimizer)
-    console = Console(stderr=True)
-    result = run_sweep(cfg, out, workers=workers, threads=threads, backend=backend, address=address)
-    console.print(f"sweep {out}: {len(result.ran)} trial(s) run, {len(result.skipped)} already finished, "
-                  f"{result.wall_time_s:,.1f} s ({result.workers} worker(s) × {result.threads_per_worker} thread(s))")
-    data, analysis = analyze_sweep(out)
-    Console().print(analysis_table(data, analysis))
-    if analysis.recommendation is not None:
-        typer.echo(analysis.recommendation.text())
-    typer.echo(f"report: globalbatch report {out}")
-
-
-@app.command("report")
-def report_cmd(
-    run_dir: str = typer.Argument(..., help="A sweep output directory (with manifest.json)."),
-    out: Optional[str] = typer.Option(None, "--out", help="Where to write plots and report.html (default RUN_DIR/report)."),
-    targets: Optional[str] = typer.Option(None, "--targets", help="Loss targets, comma-separated; the first is primary (default: automatic)."),
-    objective: str = typer.Option("time", "--objective", help="time (wall-clock to target) or cost (units to target)."),
-    tolerance: float = typer.Option(0.05, "--tolerance", help="Batches within this fraction of the best count as ties; the most data-efficient wins."),
-    ema_fraction: float = typer.Option(0.05, "--ema-fraction", help="EMA half-life of the training loss as a fraction of each trial's steps to the target (lag-corrected)."),
-    halflife_steps: Optional[float] = typer.Option(None, "--halflife-steps", help="A fixed EMA half-life in steps instead (biases B_crit low; see docs/critical.md)."),
-) -> None:
-    """Write PNG plots and a self-contained HTML report of a sweep, with the recommended batch."""
-    from rich.console import Console
-
-    from .report import analysis_table, write_report
-    from .sweep import parse_list
-
-    res = write_report(run_dir, out, targets=None if targets is None else parse_list(targets, "--targets"),
-                       objective=objective, tolerance=tolerance, ema_fraction=ema_fraction, halflife_steps=halflife_steps)
-    Console().print(analysis_table(res.data, res.analysis))
-    if res.analysis.recommendation is not None:
-        typer.echo(res.analysis.recommendation.text())
-    typer.echo(f"wrote {res.html} and {len(res.plots)} plot(s)")
-
-
 @app.command("branch")
 def branch_cmd(
     task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt, mnist or package.module:function."),
@@ -301,17 +342,42 @@ def demo_cmd(
     console.print(f"demo: tinygpt {cfg.task_overrides}, batches {cfg.batches}, lrs {cfg.lrs}, {cfg.budget:,} tokens per trial")
     result = run_sweep(cfg, out, workers=workers)
     res = write_report(out)
-    Console().print(analysis_table(res.data, res.analysis))
+    Console(width=max(Console().width, 140)).print(analysis_table(res.data, res.analysis))
     if res.analysis.recommendation is not None:
         typer.echo(res.analysis.recommendation.text())
     typer.echo(f"sweep {result.wall_time_s:,.0f} s, total {time.time() - t0:,.0f} s; report: {res.html}")
 
 
+def _usage_error_line(exc: Exception, argv: list[str]) -> str:
+    """click's BadParameter as ``--dp 'abc' is not allowed; allowed: a whole number``."""
+    param = getattr(exc, "param", None)
+    opts = list(getattr(param, "opts", []) or [])
+    text = exc.format_message().lower()
+    kind = getattr(getattr(param, "type", None), "name", "") or text  # click has .type; typer >= 0.2x does not
+    allowed = next((a for key, a in (("integer", "a whole number"), ("float", "a number"), ("number", "a number"),
+                                     ("bool", "true or false")) if key in kind), None)
+    if opts and allowed:
+        for i, tok in enumerate(argv):
+            for opt in opts:
+                if tok == opt and i + 1 < len(argv):
+                    return f"{opt} {argv[i + 1]!r} is not allowed; allowed: {allowed}"
+                if tok.startswith(opt + "="):
+                    return f"{opt} {tok[len(opt) + 1:]!r} is not allowed; allowed: {allowed}"
+    return " ".join(exc.format_message().split())
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Console-script entry point with one-line errors and exit code 2."""
+    import os
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    prog = os.path.basename(sys.argv[0]) if argv is None and sys.argv and sys.argv[0] else "globalbatch"
+    if prog not in ("globalbatch", "gbs"):
+        prog = "globalbatch"
     command = typer.main.get_command(app)
+    command.context_settings = {**(command.context_settings or {}), "help_option_names": ["-h", "--help"]}
     try:
-        rv = command.main(args=argv, prog_name="globalbatch", standalone_mode=False)
+        rv = command.main(args=args, prog_name=prog, standalone_mode=False)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except typer.Abort:
@@ -327,7 +393,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         if type(exc).__name__ == "NoArgsIsHelpError" and getattr(exc, "ctx", None) is not None:
             typer.echo(exc.ctx.get_help())
             sys.exit(0)
-        typer.echo(f"error: {exc.format_message()}", err=True)
+        typer.echo(f"error: {_usage_error_line(exc, args)}", err=True)
         sys.exit(getattr(exc, "exit_code", 2) or 2)
     sys.exit(rv if isinstance(rv, int) else 0)
 

@@ -2,8 +2,8 @@
 
 Three sources are read:
 
-* our schema, YAML or TOML, flat keys equal to :class:`PlanConfig` field names —
-  an unknown key is an error (a typo must not pass silently);
+* our schema, YAML, TOML or JSON, flat keys equal to :class:`PlanConfig` field names —
+  an unknown or duplicate key is an error (a typo must not pass silently);
 * a DeepSpeed JSON config: ``train_batch_size``, ``train_micro_batch_size_per_gpu``,
   ``gradient_accumulation_steps`` (``"auto"`` means not given), solved with
   DeepSpeed's own rules (``deepspeed/runtime/config.py::_set_batch_related_parameters``)
@@ -11,6 +11,11 @@ Three sources are read:
 * a Hugging Face ``TrainingArguments`` JSON: ``per_device_train_batch_size``,
   ``gradient_accumulation_steps``, ``learning_rate``, ``warmup_steps``; the world
   size comes from ``--dp``; other keys are ignored.
+
+:func:`resolve_plan_config` merges a file with command-line flags. Whatever changes the
+global batch relative to the file (a flag overriding a file value, a per-device config
+under a new ``--dp``) is said in a warning; a new ``--dp`` for a file whose geometry is
+complete keeps the global batch and re-derives accumulation.
 
 No torch import here.
 """
@@ -21,13 +26,16 @@ import dataclasses
 import json
 import math
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
 from . import plan as P
 
-__all__ = ["PlanConfig", "load_config", "build_plan", "plan_table"]
+__all__ = ["PlanConfig", "read_config_file", "resolve_plan_config", "make_plan", "build_plan", "plan_table"]
+
+_MAX_CONFIG_BYTES = 4 * 1024 * 1024
+_GEOMETRY = ("global_batch", "micro_batch", "grad_accum_steps", "dp_world_size")
 
 
 @dataclass(kw_only=True)
@@ -45,7 +53,7 @@ class PlanConfig:
     new_dp_world_size: Optional[int] = None
     """Move the fixed global batch to this DP world size (re-derives grad_accum_steps)."""
     round_down: bool = False
-    """With ``new_dp_world_size``: round the global batch down instead of failing, and say how much is dropped."""
+    """When the batch does not divide: round the global batch down instead of failing, and say how much is dropped."""
     seq_len: Optional[int] = None
     """Tokens per sequence (padded length)."""
     valid_tokens_per_seq: Optional[float] = None
@@ -81,7 +89,7 @@ class PlanConfig:
     loss_nats: Optional[float] = None
     """Loss (nats/token) for the Kaplan B_crit prior."""
     source: str = "flags"
-    """Where the config came from (flags, yaml, toml, deepspeed, hf)."""
+    """Where the config came from (flags, yaml, toml, json, deepspeed, hf)."""
 
     def __post_init__(self) -> None:
         if self.lr_rule not in P.LR_RULES:
@@ -98,17 +106,28 @@ class PlanConfig:
         for name in ("lr", "total_tokens", "max_bubble", "params", "compute_flops", "loss_nats"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
-                raise ValueError(f"{name} {v!r} is not allowed; allowed: a number > 0")
+                raise ValueError(f"{name} {_show(v)} is not allowed; allowed: a number > 0")
         for name in ("seq_len", "lr_base_batch", "pp_stages", "virtual_stages", "grad_bytes_per_param", "new_dp_world_size"):
             v = getattr(self, name)
             if v is not None:
                 P._positive_int(name, v)
         if self.warmup_tokens is not None and self.warmup_steps is not None:
             raise ValueError("warmup_tokens and warmup_steps are both set; allowed: one of them")
+        if self.lr_base_batch is not None and self.lr is None:
+            raise ValueError(f"lr_base_batch {self.lr_base_batch} needs lr; allowed: give the lr tuned at that batch too")
+        if self.virtual_stages != 1 and self.pp_stages is None:
+            raise ValueError(f"virtual_stages {self.virtual_stages} needs pp_stages; allowed: give the pipeline stages too")
 
 
 def fmt(x: float) -> str:
     return P.fmt_int(x)
+
+
+def _show(v: Any) -> str:
+    """A value as the user wrote it: whole floats without ``.0``."""
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return repr(v) if isinstance(v, str) else str(v)
 
 
 _FIELDS = {f.name: f for f in fields(PlanConfig)}
@@ -122,19 +141,24 @@ _BOOL_FIELDS = {"round_down", "no_sync"}
 
 
 def _coerce(name: str, value: Any) -> Any:
-    """Type-check one value of our schema; quantities accept ``'100B'``-style strings."""
+    """Type-check one value of our schema; token/param counts accept ``'100B'``-style strings."""
     if name in _COUNT_FIELDS:
         return float(P.parse_count(value, name))
     if name in _INT_FIELDS:
-        if isinstance(value, str):
+        # Batch sizes and lengths take plain whole numbers: "2K" for a seq_len is ambiguous (2000 or 2048?).
+        if isinstance(value, str) and value.strip().replace(",", "").replace("_", "").isdigit():
             value = P.parse_count(value, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} {value!r} is not allowed; allowed: a whole number")
         return P._positive_int(name, value) if name != "warmup_steps" else _nonneg_int(name, value)
     if name in _FLOAT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             try:
-                return float(str(value))
+                value = float(str(value))
             except ValueError:
                 raise ValueError(f"{name} {value!r} is not a number; allowed: a number") from None
+        if not math.isfinite(value):
+            raise ValueError(f"{name} {value!r} is not allowed; allowed: a finite number")
         return float(value)
     if name in _BOOL_FIELDS:
         if not isinstance(value, bool):
@@ -151,12 +175,121 @@ def _nonneg_int(name: str, value: Any) -> int:
     return value
 
 
-def _from_mapping(data: dict, source: str, path: Path) -> dict:
-    out = {}
+# ---------------------------------------------------------------------------
+# Reading files
+# ---------------------------------------------------------------------------
+
+
+def _yaml_load_unique(text: str) -> Any:
+    """``yaml.safe_load`` that refuses duplicate keys (the last one would silently win)."""
+    import yaml
+
+    class _UniqueKeySafeLoader(yaml.SafeLoader):
+        pass
+
+    def construct_mapping(loader: Any, node: Any, deep: bool = False) -> Any:
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return loader.construct_mapping(node, deep)
+
+    _UniqueKeySafeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    return yaml.load(text, Loader=_UniqueKeySafeLoader)  # a SafeLoader subclass: no object construction
+
+
+def _json_load_unique(text: str) -> Any:
+    def pairs(items: list[tuple[str, Any]]) -> dict:
+        out: dict = {}
+        for k, v in items:
+            if k in out:
+                raise ValueError(f"duplicate key {k!r}")
+            out[k] = v
+        return out
+
+    return json.loads(text, object_pairs_hook=pairs)
+
+
+def _parse_error(exc: Exception) -> str:
+    """One line from a YAML/TOML/JSON parser error, with its line number."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None)
+    if problem and mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+_OURS = set(_FIELDS) - {"source"}
+_DS_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu"}
+_HF_KEYS = {"per_device_train_batch_size", "output_dir", "per_gpu_train_batch_size"}
+
+
+def read_config_file(path: str | Path) -> tuple[str, dict]:
+    """Read and classify a config file: ``(kind, mapping)`` with kind in yaml, toml, json, deepspeed, hf.
+
+    The suffix is checked before anything is read; only regular files up to 4 MiB are read.
+    """
+    path = Path(path)
+    name = str(path)
+    suffix = path.suffix.lower()
+    kinds = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml", ".json": "json"}
+    if not name or name == ".":
+        raise ValueError("config '' is empty; allowed: a YAML, TOML or JSON file")
+    if not path.exists():
+        raise ValueError(f"config {name!r} does not exist; allowed: a YAML, TOML or JSON file")
+    if path.is_dir():
+        raise ValueError(f"config {name!r} is a directory; allowed: a YAML, TOML or JSON file")
+    if suffix not in kinds:
+        raise ValueError(f"config {name!r} has suffix {suffix!r}; allowed: .yaml, .yml, .toml, .json")
+    if not path.is_file():
+        raise ValueError(f"config {name!r} is not a regular file; allowed: a YAML, TOML or JSON file")
+    try:
+        size = path.stat().st_size
+        if size > _MAX_CONFIG_BYTES:
+            raise ValueError(f"config {name!r} is {size:,} bytes; allowed: at most {_MAX_CONFIG_BYTES:,}")
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"config {name!r} cannot be read: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"config {name!r} is not UTF-8 text (byte {exc.start}); allowed: a UTF-8 file") from None
+    if not text.strip():
+        raise ValueError(f"config {name!r} is empty; allowed: a mapping of keys to values")
+    kind = kinds[suffix]
+    try:
+        if kind == "yaml":
+            data = _yaml_load_unique(text)
+        elif kind == "toml":
+            data = tomllib.loads(text)
+        else:
+            data = _json_load_unique(text)
+    except Exception as exc:  # yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError, duplicate key
+        raise ValueError(f"config {name!r} cannot be parsed as {kind.upper()}: {_parse_error(exc)}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config {name!r} holds a {type(data).__name__}; allowed: a mapping of keys to values")
+    # Keys that only our schema has decide for it (warmup_steps is also an HF key).
+    if kind == "json" and not (set(data) & (_OURS - {"warmup_steps"})):
+        if set(data) & _DS_KEYS or ("gradient_accumulation_steps" in data and not set(data) & _HF_KEYS):
+            kind = "deepspeed"
+        elif set(data) & _HF_KEYS:
+            kind = "hf"
+    return kind, data
+
+
+def _from_mapping(data: dict, source: str, path: str) -> dict:
+    out: dict[str, Any] = {}
     for key, value in data.items():
-        if key not in _FIELDS or key == "source":
-            allowed = ", ".join(k for k in _FIELDS if k != "source")
-            raise ValueError(f"{path}: unknown key {key!r}; allowed: {allowed}")
+        if key not in _OURS:
+            import difflib
+
+            close = difflib.get_close_matches(str(key), sorted(_OURS), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{path}: unknown key {key!r}{hint}; allowed: {', '.join(sorted(_OURS))}")
         if value is None:
             continue
         out[key] = _coerce(key, value)
@@ -168,93 +301,212 @@ def _auto(value: Any) -> Any:
     return None if value == "auto" or value is None else value
 
 
-def _deepspeed(data: dict, dp: Optional[int], path: Path) -> dict:
-    """DeepSpeed's solving rules (config.py), with exact division instead of floor."""
-    ws = dp if dp is not None else 1
-    train = _auto(data.get("train_batch_size"))
-    micro = _auto(data.get("train_micro_batch_size_per_gpu"))
-    gas = _auto(data.get("gradient_accumulation_steps"))
-    for name, v in (("train_batch_size", train), ("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", gas)):
+def _number(value: Any) -> Optional[float]:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _deepspeed(data: dict, flags: dict, dp: Optional[int], path: str, warnings: list[str]) -> dict:
+    """DeepSpeed's solving rules (config.py), with flags merged first and exact division."""
+    keys = (("global_batch", "train_batch_size"), ("micro_batch", "train_micro_batch_size_per_gpu"),
+            ("grad_accum_steps", "gradient_accumulation_steps"))
+    values: dict[str, Optional[int]] = {}
+    for ours, theirs in keys:
+        v = _auto(data.get(theirs))
         if v is not None:
-            P._positive_int(f"{path}: {name}", v)
+            P._positive_int(f"{path}: {theirs}", v)
+        flag = flags.get(ours)
+        if flag is not None and v is not None and flag != v:
+            warnings.append(f"--{_FLAG[ours]} {flag} overrides {theirs} {v} from {path}")
+        values[ours] = flag if flag is not None else v
+    train, micro, gas = values["global_batch"], values["micro_batch"], values["grad_accum_steps"]
     if train is None and micro is None:
-        raise ValueError(
-            f"{path}: either train_batch_size or train_micro_batch_size_per_gpu needs to be provided"
-        )
+        raise ValueError(f"{path}: either train_batch_size or train_micro_batch_size_per_gpu needs to be provided")
+    if dp is None:
+        if None not in (train, micro, gas):
+            per = micro * gas
+            if train % per:
+                raise ValueError(
+                    f"{path}: train_batch_size {train} is not divisible by train_micro_batch_size_per_gpu {micro} × "
+                    f"gradient_accumulation_steps {gas} = {per}; allowed: a consistent config, or pass --dp"
+                )
+            dp = train // per
+            warnings.append(f"dp_world_size {dp} solved from {path} (pass --dp to plan another world size)")
+        else:
+            dp = 1
+            warnings.append("dp_world_size not given: assuming 1 rank (pass --dp with a DeepSpeed config)")
     if train is not None and micro is None and gas is None:
         gas = 1  # DeepSpeed: train only -> GAS = 1, micro = train / ws
     if micro is not None and train is None and gas is None:
         gas = 1  # DeepSpeed: micro only -> GAS = 1, train = micro·ws
-    out: dict[str, Any] = {"dp_world_size": ws, "source": "deepspeed"}
-    if train is not None:
-        out["global_batch"] = train
-    if micro is not None:
-        out["micro_batch"] = micro
-    if gas is not None:
-        out["grad_accum_steps"] = gas
-    lr = (data.get("optimizer") or {}).get("params", {}).get("lr") if isinstance(data.get("optimizer"), dict) else None
-    if isinstance(lr, (int, float)) and not isinstance(lr, bool):
-        out["lr"] = float(lr)
+    if train is None:
+        warnings.append(
+            f"{path} leaves train_batch_size to DeepSpeed: the global batch is micro × GAS × dp and changes with --dp"
+        )
+    out: dict[str, Any] = {"dp_world_size": dp, "source": "deepspeed"}
+    for k, v in (("global_batch", train), ("micro_batch", micro), ("grad_accum_steps", gas)):
+        if v is not None:
+            out[k] = v
+    opt = data.get("optimizer")
+    params = opt.get("params") if isinstance(opt, dict) else None
+    lr = _number(params.get("lr")) if isinstance(params, dict) else None
+    if lr is not None and lr > 0:
+        out["lr"] = lr
     return out
 
 
-def _hf(data: dict, dp: Optional[int], path: Path) -> dict:
-    micro = data.get("per_device_train_batch_size", 8)
+def _hf(data: dict, flags: dict, dp: Optional[int], path: str, warnings: list[str]) -> dict:
+    micro = data.get("per_device_train_batch_size", data.get("per_gpu_train_batch_size", 8))
     gas = data.get("gradient_accumulation_steps", 1)
     P._positive_int(f"{path}: per_device_train_batch_size", micro)
     P._positive_int(f"{path}: gradient_accumulation_steps", gas)
+    for ours, theirs, v in (("micro_batch", "per_device_train_batch_size", micro), ("grad_accum_steps", "gradient_accumulation_steps", gas)):
+        if flags.get(ours) is not None and flags[ours] != v:
+            warnings.append(f"--{_FLAG[ours]} {flags[ours]} overrides {theirs} {v} from {path}")
+    if dp is None:
+        dp = 1
+        warnings.append("dp_world_size not given: assuming 1 rank (pass --dp with a Transformers config)")
+    warnings.append(
+        f"{path} is per-device: the global batch is per_device_train_batch_size × accum × dp and changes with --dp"
+    )
     out: dict[str, Any] = {
-        "micro_batch": micro,
-        "grad_accum_steps": gas,
-        "dp_world_size": dp if dp is not None else 1,
+        "micro_batch": flags.get("micro_batch") or micro,
+        "grad_accum_steps": flags.get("grad_accum_steps") or gas,
+        "dp_world_size": dp,
         "source": "hf",
     }
-    if isinstance(data.get("learning_rate"), (int, float)):
-        out["lr"] = float(data["learning_rate"])
-    if isinstance(data.get("warmup_steps"), int) and data["warmup_steps"] > 0:
-        out["warmup_steps"] = data["warmup_steps"]
+    lr = _number(data.get("learning_rate"))
+    if lr is not None and lr > 0:
+        out["lr"] = lr
+    ws = data.get("warmup_steps")
+    if isinstance(ws, int) and not isinstance(ws, bool) and ws > 0:
+        out["warmup_steps"] = ws
+    elif ws not in (None, 0):
+        warnings.append(f"{path}: warmup_steps {ws!r} is not a whole number of steps; not used")
+    if _number(data.get("warmup_ratio")):
+        warnings.append(f"{path}: warmup_ratio {data['warmup_ratio']} needs the run length in steps; not used")
     return out
 
 
-def load_config(path: str | Path, *, dp_world_size: Optional[int] = None) -> dict:
-    """Read a config file into PlanConfig keyword arguments (not yet validated as a whole)."""
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"config {str(path)!r} does not exist; allowed: a YAML, TOML or JSON file")
-    if path.is_dir():
-        raise ValueError(f"config {str(path)!r} is a directory; allowed: a YAML, TOML or JSON file")
-    text = path.read_text(encoding="utf-8")
-    suffix = path.suffix.lower()
-    try:
-        if suffix in (".yaml", ".yml"):
-            import yaml
+# flag spelling of each field, for messages
+_FLAG = {
+    "global_batch": "global-batch", "micro_batch": "micro-batch", "grad_accum_steps": "grad-accum",
+    "dp_world_size": "dp", "new_dp_world_size": "dp", "seq_len": "seq-len",
+    "valid_tokens_per_seq": "valid-tokens-per-seq", "padding_fraction": "padding-fraction",
+    "total_tokens": "total-tokens", "lr": "lr", "lr_base_batch": "lr-base-batch", "lr_rule": "lr-rule",
+    "warmup_tokens": "warmup-tokens", "warmup_steps": "warmup-steps", "pp_stages": "pp-stages",
+    "virtual_stages": "virtual-stages", "max_bubble": "max-bubble", "params": "params",
+    "grad_bytes_per_param": "grad-bytes-per-param", "compute_flops": "compute", "loss_nats": "loss",
+}
 
-            data = yaml.safe_load(text)
-            kind = "yaml"
-        elif suffix == ".toml":
-            data = tomllib.loads(text)
-            kind = "toml"
-        elif suffix == ".json":
-            data = json.loads(text)
-            kind = "json"
-        else:
-            raise ValueError(f"config {str(path)!r} has suffix {suffix!r}; allowed: .yaml, .yml, .toml, .json")
+
+def _try_geometry(kw: dict) -> Optional[P.BatchGeometry]:
+    try:
+        return P.solve_geometry(**{k: kw.get(k) for k in _GEOMETRY})
     except ValueError:
-        raise
-    except Exception as exc:  # yaml.YAMLError, tomllib.TOMLDecodeError
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"config {str(path)!r} cannot be parsed: {first}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"config {str(path)!r} holds {type(data).__name__}; allowed: a mapping of keys to values")
-    if kind == "json":
-        if any(k in data for k in ("train_batch_size", "train_micro_batch_size_per_gpu")) or (
-            "gradient_accumulation_steps" in data and "per_device_train_batch_size" not in data
-        ):
-            return _deepspeed(data, dp_world_size, path)
-        if "per_device_train_batch_size" in data or "output_dir" in data:
-            return _hf(data, dp_world_size, path)
-        return _from_mapping(data, "json", path)
-    return _from_mapping(data, kind, path)
+        return None
+
+
+def resolve_plan_config(
+    path: Optional[str | Path], flags: dict, *, dp_world_size: Optional[int] = None, round_down: bool = False
+) -> tuple[PlanConfig, list[str]]:
+    """Merge a config file (optional) with command-line values; returns the config and warnings.
+
+    ``flags`` holds PlanConfig field names (None = not given). ``dp_world_size`` is ``--dp``:
+    with a file whose geometry is complete it is a *new* world size for the same global batch.
+    Errors about a value given as a flag name the flag (``--dp 0 …``).
+    """
+    flags = {k: v for k, v in flags.items() if v is not None}
+    warnings: list[str] = []
+    try:
+        return _resolve(path, flags, dp_world_size, round_down, warnings), warnings
+    except ValueError as exc:
+        raise _flag_error(exc, flags, dp_world_size) from None
+
+
+def _flag_error(exc: ValueError, flags: dict, dp_world_size: Optional[int]) -> ValueError:
+    """Rename a field to the flag the user typed: ``dp_world_size 0 …`` → ``--dp 0 …``."""
+    msg = str(exc)
+    given = set(flags) | ({"dp_world_size", "new_dp_world_size"} if dp_world_size is not None else set())
+    for field in sorted(given, key=len, reverse=True):
+        if msg.startswith(field + " ") and field in _FLAG:
+            return ValueError(f"--{_FLAG[field]}" + msg[len(field):])
+    return exc
+
+
+def make_plan(
+    path: Optional[str | Path], flags: dict, *, dp_world_size: Optional[int] = None, round_down: bool = False
+) -> dict:
+    """:func:`resolve_plan_config` then :func:`build_plan`; the resolution warnings come first."""
+    cfg, notes = resolve_plan_config(path, flags, dp_world_size=dp_world_size, round_down=round_down)
+    try:
+        report = build_plan(cfg)
+    except ValueError as exc:
+        raise _flag_error(exc, {k: v for k, v in flags.items() if v is not None}, dp_world_size) from None
+    report["warnings"] = notes + report["warnings"]
+    return report
+
+
+def _resolve(path: Any, flags: dict, dp: Optional[int], round_down: bool, warnings: list[str]) -> PlanConfig:
+    if round_down:
+        flags["round_down"] = True
+    if path is None:
+        kw = dict(flags)
+        if dp is not None:
+            kw["dp_world_size"] = dp
+        elif sum(kw.get(k) is not None for k in _GEOMETRY[:3]) < 3:
+            kw["dp_world_size"] = 1
+            warnings.append("dp_world_size not given: assuming 1 rank (pass --dp)")
+        return PlanConfig(**kw, source="flags")
+
+    name = str(path)
+    kind, data = read_config_file(path)
+    if kind == "deepspeed":
+        kw = _deepspeed(data, flags, dp, name, warnings)
+        kw.update({k: v for k, v in flags.items() if k not in _GEOMETRY})
+        return PlanConfig(**kw)
+    if kind == "hf":
+        kw = _hf(data, flags, dp, name, warnings)
+        kw.update({k: v for k, v in flags.items() if k not in _GEOMETRY})
+        return PlanConfig(**kw)
+
+    file_kw = _from_mapping(data, kind, name)
+    file_geo = _try_geometry(file_kw)
+    kw = dict(file_kw)
+    for key, value in flags.items():
+        if key in file_kw and file_kw[key] != value and key in _FLAG:
+            warnings.append(f"--{_FLAG[key]} {_show(value)} overrides {key} {_show(file_kw[key])} from {name}")
+        kw[key] = value
+    if dp is not None:
+        geo_now = _try_geometry(kw)
+        base = geo_now or file_geo
+        if base is not None and base.dp_world_size != dp:
+            if geo_now is None:  # flags made it inconsistent: let the check below report it
+                kw["dp_world_size"] = dp
+            else:
+                kw.update({k: getattr(geo_now, k) for k in _GEOMETRY})
+                kw["new_dp_world_size"] = dp  # same global batch on a new world size
+        elif base is None:
+            kw["dp_world_size"] = dp
+    elif _try_geometry(kw) is None and kw.get("dp_world_size") is None and sum(kw.get(k) is not None for k in _GEOMETRY[:3]) < 3:
+        kw["dp_world_size"] = 1
+        warnings.append(f"dp_world_size not given in {name} or by --dp: assuming 1 rank")
+    cfg = PlanConfig(**kw)
+    if file_geo is not None and cfg.new_dp_world_size is None:
+        geo = _try_geometry(kw)
+        if geo is not None and geo.global_batch != file_geo.global_batch:
+            warnings.append(
+                f"global batch {fmt(file_geo.global_batch)} in {name} -> {fmt(geo.global_batch)} with the flags given"
+            )
+    return cfg
 
 
 # ---------------------------------------------------------------------------
@@ -333,8 +585,8 @@ def build_plan(cfg: PlanConfig) -> dict:
         from_pf = cfg.seq_len * (1 - cfg.padding_fraction)
         if valid_per_seq is not None and abs(valid_per_seq - from_pf) > 1e-9 * cfg.seq_len:
             raise ValueError(
-                f"valid_tokens_per_seq {fmt(valid_per_seq)} disagrees with padding_fraction {cfg.padding_fraction} "
-                f"× seq_len {cfg.seq_len} (= {fmt(from_pf)} valid); allowed: give one of them"
+                f"valid_tokens_per_seq {fmt(valid_per_seq)} disagrees with (1 − padding_fraction {cfg.padding_fraction}) "
+                f"× seq_len {cfg.seq_len} = {fmt(from_pf)} valid; allowed: give one of them"
             )
         valid_per_seq = from_pf
     if cfg.seq_len is not None:
@@ -349,7 +601,7 @@ def build_plan(cfg: PlanConfig) -> dict:
 
     tokens_per_step = out["global_batch_valid_tokens"] or out["global_batch_tokens"]
     out["tokens_per_step_counted"] = "valid" if out["global_batch_valid_tokens"] else ("padded" if tokens_per_step else None)
-    out["total_tokens"] = cfg.total_tokens
+    out["total_tokens"] = _int_if_whole(cfg.total_tokens)
     out["optimizer_steps"] = None
     if cfg.total_tokens is not None:
         if not tokens_per_step:
@@ -371,13 +623,21 @@ def build_plan(cfg: PlanConfig) -> dict:
     # Warmup
     out["warmup_tokens"] = cfg.warmup_tokens
     out["warmup_steps"] = cfg.warmup_steps
-    if cfg.warmup_tokens is not None or cfg.warmup_steps is not None:
+    out["warmup_tokens_covered"] = None
+    out["warmup_given_in"] = "tokens" if cfg.warmup_tokens is not None else ("steps" if cfg.warmup_steps is not None else None)
+    if cfg.warmup_tokens is not None:
         if not tokens_per_step:
-            raise ValueError("warmup conversion needs seq_len (tokens per sequence); allowed: give --seq-len too")
-        if cfg.warmup_tokens is not None:
-            out["warmup_steps"] = P.warmup_tokens_to_steps(cfg.warmup_tokens, tokens_per_step)
-        else:
-            out["warmup_tokens"] = P.warmup_steps_to_tokens(cfg.warmup_steps, tokens_per_step)
+            raise ValueError("warmup_tokens needs seq_len (tokens per sequence) to become steps; allowed: give --seq-len too")
+        out["warmup_tokens"] = _int_if_whole(cfg.warmup_tokens)
+        out["warmup_steps"] = P.warmup_tokens_to_steps(cfg.warmup_tokens, tokens_per_step)
+    elif cfg.warmup_steps is not None and tokens_per_step:
+        out["warmup_tokens"] = _int_if_whole(P.warmup_steps_to_tokens(cfg.warmup_steps, tokens_per_step))
+    if out["warmup_steps"] is not None and tokens_per_step:
+        out["warmup_tokens_covered"] = _int_if_whole(out["warmup_steps"] * tokens_per_step)
+    if out["warmup_steps"] is not None and out["optimizer_steps"] is not None and out["warmup_steps"] > out["optimizer_steps"]:
+        warnings.append(
+            f"warmup {fmt(out['warmup_steps'])} steps is longer than the whole run ({fmt(out['optimizer_steps'])} steps)"
+        )
 
     # Pipeline
     out["pp_stages"] = cfg.pp_stages
@@ -391,11 +651,22 @@ def build_plan(cfg: PlanConfig) -> dict:
         out["pipeline_idle_share"] = bubble.idle_share
         if bubble.warning:
             warnings.append(bubble.warning)
+        if cfg.virtual_stages > 1 and geo.grad_accum_steps % cfg.pp_stages:
+            warnings.append(
+                f"interleaved schedule: {geo.grad_accum_steps} micro-batches per step is not a multiple of "
+                f"{cfg.pp_stages} pipeline stages (Megatron requires it)"
+            )
         if cfg.max_bubble is not None:
-            out["min_global_batch_for_bubble"] = P.min_global_batch_for_bubble(
+            g_min = P.min_global_batch_for_bubble(
                 cfg.max_bubble, pp_stages=cfg.pp_stages, micro_batch=geo.micro_batch,
                 dp_world_size=geo.dp_world_size, virtual_stages=cfg.virtual_stages,
             )
+            if cfg.virtual_stages > 1:  # interleaving needs m to be a multiple of p
+                per_m = geo.micro_batch * geo.dp_world_size
+                m = g_min // per_m
+                m = -(-m // cfg.pp_stages) * cfg.pp_stages
+                g_min = m * per_m
+            out["min_global_batch_for_bubble"] = g_min
     elif cfg.max_bubble is not None:
         raise ValueError("max_bubble needs pp_stages; allowed: give --pp-stages too")
 
@@ -403,7 +674,8 @@ def build_plan(cfg: PlanConfig) -> dict:
     out["allreduce_bytes_per_step"] = None
     out["grad_bytes"] = None
     if cfg.params is not None:
-        grad_bytes = cfg.params * cfg.grad_bytes_per_param
+        # With pipeline parallelism each rank holds about params / pp_stages of the model.
+        grad_bytes = cfg.params * cfg.grad_bytes_per_param / (cfg.pp_stages or 1)
         out["grad_bytes"] = grad_bytes
         out["allreduce_bytes_per_step"] = P.allreduce_bytes_per_rank(
             grad_bytes, geo.dp_world_size, grad_accum_steps=geo.grad_accum_steps, no_sync=cfg.no_sync
@@ -419,6 +691,14 @@ def build_plan(cfg: PlanConfig) -> dict:
     return out
 
 
+def _int_if_whole(x: Optional[float]) -> Any:
+    return int(x) if isinstance(x, float) and x.is_integer() else x
+
+
+def _ranks(d: int) -> str:
+    return f"{d} rank" if d == 1 else f"{d} ranks"
+
+
 def plan_table(report: dict):
     """A rich Table that shows the arithmetic of the plan."""
     from rich.table import Table
@@ -428,7 +708,7 @@ def plan_table(report: dict):
     t.add_column("value", justify="right")
     t.add_column("arithmetic")
     g, m, a, d = (report[k] for k in ("global_batch_sequences", "micro_batch", "grad_accum_steps", "dp_world_size"))
-    t.add_row("global batch", f"{fmt(g)} seq", f"{d} ranks × {a} accum × {m} seq")
+    t.add_row("global batch", f"{fmt(g)} seq", f"{_ranks(d)} × {a} accum × {m} seq")
     if report.get("dp_change") and report["dp_change"]["from_dp_world_size"] is None:
         c = report["dp_change"]
         t.add_row("rounded down", f"{fmt(c['dropped_samples_per_step'])} seq/step dropped", f"global {fmt(c['requested_global_batch'])} → {fmt(g)}")
@@ -440,7 +720,7 @@ def plan_table(report: dict):
         )
     if report["global_batch_tokens"] is not None:
         s = report["seq_len"]
-        t.add_row("global batch tokens", f"{fmt(report['global_batch_tokens'])} tok", f"{d} ranks × {a} accum × {m} seq × {fmt(s)}")
+        t.add_row("global batch tokens", f"{fmt(report['global_batch_tokens'])} tok", f"{_ranks(d)} × {a} accum × {m} seq × {fmt(s)}")
         t.add_row("tokens per micro-batch per rank", f"{fmt(report['tokens_per_microbatch_per_dp_rank'])} tok", f"{m} seq × {fmt(s)}")
     if report["global_batch_valid_tokens"] is not None:
         arith = f"{fmt(g)} seq × {fmt(report['valid_tokens_per_seq'])} valid/seq"
@@ -452,11 +732,20 @@ def plan_table(report: dict):
         t.add_row("optimizer steps", fmt(report["optimizer_steps"]), f"{fmt(report['total_tokens'])} tok ÷ {fmt(per)} {report['tokens_per_step_counted']} tok/step")
     if report["lr"] is not None:
         if report["lr_base_batch"] is not None:
-            t.add_row("lr", f"{report['lr']:.4g}", f"{report['lr_base']:.4g} × ({fmt(g)}/{fmt(report['lr_base_batch'])}) rule {report['lr_rule']}")
+            ratio = f"{fmt(g)}/{fmt(report['lr_base_batch'])}"
+            how = {"linear": f"× ({ratio})", "sqrt": f"× √({ratio})", "none": "unchanged"}[report["lr_rule"]]
+            t.add_row("lr", f"{report['lr']:.4g}", f"{report['lr_base']:.4g} {how} (rule {report['lr_rule']})")
         else:
             t.add_row("lr", f"{report['lr']:.4g}", "as given")
     if report["warmup_steps"] is not None:
-        t.add_row("warmup", f"{fmt(report['warmup_steps'])} steps", f"{fmt(report['warmup_tokens'])} tok")
+        per = report["global_batch_valid_tokens"] or report["global_batch_tokens"]
+        if report.get("warmup_given_in") == "steps" and per:
+            arith = f"given in steps: × {fmt(per)} tok/step = {fmt(report['warmup_tokens'])} tok"
+        elif report["warmup_tokens"] is not None and per:
+            arith = f"{fmt(report['warmup_tokens'])} tok ÷ {fmt(per)} tok/step, rounded up (covers {fmt(report['warmup_tokens_covered'])} tok)"
+        else:
+            arith = "as given (no --seq-len: no token count)"
+        t.add_row("warmup", f"{fmt(report['warmup_steps'])} steps", arith)
     if report["pipeline_bubble_fraction"] is not None:
         p, v = report["pp_stages"], report["virtual_stages"]
         t.add_row("pipeline bubble", f"{report['pipeline_bubble_fraction']:.2%} of compute", f"({p}−1)/({v}·{a}); idle share {report['pipeline_idle_share']:.2%}")
@@ -465,7 +754,9 @@ def plan_table(report: dict):
     if report["allreduce_bytes_per_step"] is not None:
         t.add_row(
             "all-reduce per rank per step", _human_bytes(report["allreduce_bytes_per_step"]),
-            f"2({d}−1)/{d} × {_human_bytes(report['grad_bytes'])} × {report['allreduce_syncs_per_step']} sync",
+            f"2({d}−1)/{d} × {_human_bytes(report['grad_bytes'])} gradients"
+            + (f" (params / {report['pp_stages']} stages)" if report["pp_stages"] else "")
+            + f" × {report['allreduce_syncs_per_step']} sync{'s' if report['allreduce_syncs_per_step'] != 1 else ''}",
         )
     for prior in report["priors"]:
         value = f"{_human_count(prior['batch_tokens'])} tok" if prior["batch_tokens"] is not None else ""

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -49,10 +51,12 @@ LR_RULES = ("linear", "sqrt", "none")
 
 
 def fmt_int(n: float) -> str:
-    """``2097152`` → ``'2,097,152'``; non-integral floats keep 4 significant digits."""
+    """``2097152`` → ``'2,097,152'``; non-integral numbers keep up to 2 decimals (``1,500.5``)."""
     if float(n).is_integer():
         return f"{int(n):,}"
-    return f"{n:,.4g}"
+    if abs(n) < 0.01:
+        return f"{n:.3g}"
+    return f"{n:,.2f}".rstrip("0").rstrip(".")
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -236,12 +240,10 @@ def optimizer_steps(total_tokens: float, tokens_per_step: float) -> int:
         raise ValueError(f"total_tokens {total_tokens} is not allowed; allowed: > 0")
     if not tokens_per_step > 0:
         raise ValueError(f"tokens_per_step {tokens_per_step} is not allowed; allowed: > 0")
-    steps = total_tokens / tokens_per_step
-    # Treat float noise (1e11 / 1e6 = 100000.00000000001) as exact.
-    nearest = round(steps)
-    if abs(steps - nearest) <= 1e-9 * max(1.0, steps):
-        return int(nearest)
-    return int(math.ceil(steps))
+    # Exact rational arithmetic: whole token counts divide exactly, and a budget smaller
+    # than one step still needs one step.
+    steps = Fraction(total_tokens) / Fraction(tokens_per_step)
+    return max(1, math.ceil(steps))
 
 
 def scale_lr(lr: float, from_batch: float, to_batch: float, rule: str) -> float:
@@ -446,30 +448,47 @@ _BYTE_SUFFIX = {
     "G": 1024**3, "GB": 1000**3, "GIB": 1024**3,
     "T": 1024**4, "TB": 1000**4, "TIB": 1024**4,
 }
-_QTY = re.compile(r"^\s*([0-9][0-9_,]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+# Digits with optional thousands separators in groups of three ("2,048", "1_000_000"),
+# an optional decimal part and exponent, then an optional unit suffix.
+_QTY = re.compile(
+    r"^\s*((?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]{1,3}(?:_[0-9]{3})+|[0-9]+)(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)"
+    r"\s*([A-Za-z]*)\s*$"
+)
 
 
-def _parse(text: object, field_name: str, table: dict[str, int], allowed: str) -> float:
+def _parse(text: object, field_name: str, table: dict[str, int], allowed: str) -> Decimal:
+    """Parse exactly (Decimal): ``'4.1B'`` is 4,100,000,000, not 4,099,999,999.9999995."""
     if isinstance(text, bool):
         raise ValueError(f"{field_name} {text!r} is not allowed; allowed: {allowed}")
-    if isinstance(text, (int, float)):
-        value = float(text)
+    if isinstance(text, int):
+        value = Decimal(text)
+    elif isinstance(text, float):
+        if not math.isfinite(text):
+            raise ValueError(f"{field_name} {text!r} is not allowed; allowed: {allowed}")
+        value = Decimal(repr(text))
     else:
         match = _QTY.match(str(text))
         suffix = match.group(2).upper() if match else None
         if not match or suffix not in table:
             raise ValueError(f"{field_name} {text!r} is not a quantity; allowed: {allowed}")
-        value = float(match.group(1).replace(",", "").replace("_", "")) * table[suffix]
-    if not math.isfinite(value) or value < 0:
+        try:
+            value = Decimal(match.group(1).replace(",", "").replace("_", "")) * table[suffix]
+        except InvalidOperation:  # pragma: no cover - the regex admits only valid numbers
+            raise ValueError(f"{field_name} {text!r} is not a quantity; allowed: {allowed}") from None
+    if value < 0:
         raise ValueError(f"{field_name} {text!r} is not allowed; allowed: {allowed}")
     return value
 
 
 def parse_count(text: object, field_name: str = "count") -> int:
-    """``'2M'`` → 2,000,000; K/M/B/T are decimal (B = billion). The result must be whole."""
-    allowed = "a number with an optional K, M, B or T suffix, e.g. 2M or 100B"
+    """``'2M'`` → 2,000,000; ``'4.1B'`` → 4,100,000,000. K/M/B/T are decimal (B = billion).
+
+    Thousands separators must group by three (``2,048``; ``1,5B`` is rejected). The result
+    must be whole.
+    """
+    allowed = "a number with an optional K, M, B or T suffix, e.g. 2M, 4.1B or 100B"
     value = _parse(text, field_name, _COUNT_SUFFIX, allowed)
-    if not value.is_integer():
+    if value != value.to_integral_value():
         raise ValueError(f"{field_name} {text!r} is not a whole number; allowed: {allowed}")
     return int(value)
 
