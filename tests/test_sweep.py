@@ -155,6 +155,19 @@ run_sweep(cfg, sys.argv[1], workers=2, threads=1, progress=False)
 """
 
 
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (the pool workers; the resource tracker too)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/status").read_text()
@@ -185,6 +198,7 @@ def test_sigkill_mid_trial_then_resume_equals_uninterrupted(tmp_path, reference_
             if 3 <= n_steps <= 20 and not (tmp.parent / "summary.json").exists():  # a trial has 50-100 steps
                 running.append(tmp.parent.name)
         if done and running:
+            workers = _children(proc.pid)
             proc.send_signal(signal.SIGKILL)
             killed_during = running
             break
@@ -192,12 +206,13 @@ def test_sigkill_mid_trial_then_resume_equals_uninterrupted(tmp_path, reference_
     proc.wait(timeout=30)
     assert killed_during, f"never caught a trial mid-way: {proc.stdout.read().decode()[-2000:]}"
 
-    # Orphaned workers notice their parent is gone and stop at their next step.
-    starts = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "start"]
+    # Orphaned workers (busy or idle) notice their parent is gone and exit.
+    starts = {e["pid"] for e in read_jsonl(out / "events.jsonl") if e["event"] == "start"}
+    assert starts <= set(workers)
     deadline = time.time() + 20
-    while any(_alive(e["pid"]) for e in starts) and time.time() < deadline:
+    while any(_alive(pid) for pid in workers) and time.time() < deadline:
         time.sleep(0.05)
-    assert not any(_alive(e["pid"]) for e in starts), "a worker outlived the killed sweep"
+    assert not any(_alive(pid) for pid in workers), "a worker outlived the killed sweep"
 
     # Nothing corrupt: every finished file parses, every done marker has its full metrics.
     finished_before = {}
@@ -281,3 +296,14 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
     assert code == 2 and "backend: 'slurm': allowed local, ray" in err
     code, _, err = _cli(["report", str(tmp_path / "nope")], capsys)
     assert code == 2 and "no manifest.json" in err
+
+
+def test_noise_scale_is_logged_at_evaluations(tmp_path):
+    cfg = tiny_config(batches=[4], lrs=[3e-3], budget=3000, eval_every=1000, noise=True)
+    assert cfg.micro_batch_for(4) == 2  # two micro-batches per step for the two-batch estimator
+    run_sweep(cfg, tmp_path, workers=1, threads=1, progress=False)
+    recs = load_sweep(tmp_path).trials["b4_lr0.003"]
+    logged = [r for r in recs if "b_simple" in r]
+    assert len(logged) == 3 and all(r["kind"] == "step" for r in logged)
+    assert all(isinstance(r["b_simple_flags"], list) for r in logged)
+    assert any(math.isfinite(r["b_simple"]) for r in logged)

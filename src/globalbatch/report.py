@@ -169,8 +169,12 @@ def plot_batch_tradeoff(data: SweepData, analysis: Analysis, path: Path) -> str:
         for ax in axes:
             ax.axvline(analysis.recommendation.batch_size, color="tab:red", ls="--", lw=1, label="recommended")
     axes[2].set_title("wall-clock to target (s)")
+    ticks = sorted(units.values())
     for ax in axes:
         ax.set_xscale("log")
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([f"{u:,.0f}" for u in ticks], rotation=45, fontsize=8)
+        ax.minorticks_off()
         ax.set_xlabel(f"batch ({data.unit}s per step)")
         ax.grid(alpha=0.3, which="both")
     axes[0].legend(fontsize=8)
@@ -182,7 +186,9 @@ def plot_batch_tradeoff(data: SweepData, analysis: Analysis, path: Path) -> str:
 def plot_noise_scale(data: SweepData, path: Path) -> Optional[str]:
     series = []
     for name, recs in data.trials.items():
-        pts = [(r["consumed"], r["b_simple"]) for r in recs if r.get("b_simple") is not None and np.isfinite(r["b_simple"])]
+        pts = [(r["consumed"], r["b_simple"]) for r in recs
+               if r.get("b_simple") is not None and np.isfinite(r["b_simple"]) and r["b_simple"] > 0
+               and not r.get("b_simple_flags")]
         if pts:
             series.append((name, pts))
     if not series:
@@ -195,7 +201,7 @@ def plot_noise_scale(data: SweepData, path: Path) -> Optional[str]:
     ax.set_yscale("log")
     ax.set_xlabel(f"{data.unit}s consumed")
     ax.set_ylabel(f"B_simple ({data.unit}s)")
-    ax.set_title("Gradient noise scale B_simple = tr(Σ)/|G|² (McCandlish 2018)")
+    ax.set_title("Gradient noise scale B_simple = tr(Σ)/|G|² (McCandlish 2018; unflagged estimates)")
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3, which="both")
     return _save(fig, path)
@@ -222,7 +228,7 @@ def _fit_rows(data: SweepData, analysis: Analysis) -> list[list[str]]:
         lo, hi = f.b_crit_interval(0.95)
         note = "B_crit outside the swept range: extrapolated" if f.extrapolated else ""
         rows.append([
-            f"{t.target:.4f}", str(f.n_points), f"{f.b_crit:,.0f} ± {f.se_b_crit:,.0f}", f"{lo:,.0f}–{hi:,.0f}",
+            f"{t.target:.4f}" + (" (primary)" if t is analysis.targets[0] else ""), str(f.n_points), f"{f.b_crit:,.0f} ± {f.se_b_crit:,.0f}", f"{lo:,.0f}–{hi:,.0f}",
             f"{t.cbs_20:,.0f} ± {t.se_cbs_20:,.0f}", f"{f.s_min:,.1f} / {f.e_min:,.0f}", note,
         ])
     return rows

@@ -164,6 +164,10 @@ class SweepConfig:
     """Post-warmup LR shape over the budget (``constant``, ``cosine``, ``linear``, ``wsd``)."""
     max_grad_norm: Optional[float] = 1.0
     """Clip the global gradient norm to this (None: no clipping); the logged norm is before clipping."""
+    noise: bool = False
+    """Also measure the gradient noise scale B_simple (:class:`globalbatch.noise.NoiseScaleMonitor`,
+    micro-batch source) and log it at every evaluation. Needs ≥ 2 micro-batches per step, so the
+    micro-batch is capped at batch ÷ 2."""
 
     def __post_init__(self) -> None:
         self.batches = [int(b) for b in self.batches]
@@ -199,7 +203,10 @@ class SweepConfig:
     def micro_batch_for(self, batch: int) -> int:
         """Samples per micro-batch for a trial of ``batch`` samples."""
         m = self.micro_batch if self.micro_batch is not None else 16
-        return batch if batch <= m else math.gcd(batch, m)
+        micro = batch if batch <= m else math.gcd(batch, m)
+        if self.noise and micro == batch and batch > 1:  # the noise scale needs two micro-batches per step
+            micro = max(d for d in range(1, batch) if batch % d == 0)
+        return micro
 
     def eval_every_units(self) -> int:
         return self.eval_every if self.eval_every is not None else max(1, self.budget // 8)
@@ -282,6 +289,14 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+def _remove_stale_tmp(trial_dir: Path, *, also_own: bool = False) -> None:
+    """Delete ``metrics.jsonl.tmp-<pid>`` files of killed attempts (writer gone; never a live writer's)."""
+    for stale in trial_dir.glob("metrics.jsonl.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or not _pid_alive(int(pid)) or (also_own and int(pid) == os.getpid()):
+            stale.unlink(missing_ok=True)
+
+
 def _trial_done(trial_dir: Path, spec: TrialSpec) -> bool:
     summary = trial_dir / "summary.json"
     if not summary.is_file() or not (trial_dir / "metrics.jsonl").is_file():
@@ -320,11 +335,7 @@ def run_trial(
     trial_dir.mkdir(parents=True, exist_ok=True)
     if threads is not None:
         torch.set_num_threads(max(1, int(threads)))
-    # Stale temporary files of killed attempts: remove those whose writer is gone.
-    for stale in trial_dir.glob("metrics.jsonl.tmp-*"):
-        pid = stale.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or not _pid_alive(int(pid)) or int(pid) == os.getpid():
-            stale.unlink(missing_ok=True)
+    _remove_stale_tmp(trial_dir, also_own=True)
 
     task = load_task(cfg.task, **cfg.task_overrides)
     unit = task.unit
@@ -335,9 +346,14 @@ def run_trial(
     opt = _build_optimizer(cfg.optimizer, model.parameters(), trial.lr, cfg.weight_decay)
     warmup = int(cfg.warmup_fraction * cfg.budget)
     lr_schedule = TokenLRSchedule(peak_lr=trial.lr, total=cfg.budget, warmup=warmup, shape=cfg.lr_shape, unit=unit)
+    monitor = None
+    if cfg.noise:
+        from globalbatch.noise import NoiseScaleMonitor
+
+        monitor = NoiseScaleMonitor(model, optimizer=opt, unit=unit)
     driver = StepDriver(
         model, opt, StepConfig(micro_batch=micro, global_batch=trial.batch, max_grad_norm=cfg.max_grad_norm),
-        lr_schedule=lr_schedule,
+        lr_schedule=lr_schedule, callbacks=[monitor] if monitor is not None else (),
     )
     order = task.sample_order(cfg.seed)
     eval_every = cfg.eval_every_units()
@@ -407,6 +423,11 @@ def run_trial(
                 last_val = _evaluate(task, model, val_micro, cfg.max_val_samples)
                 eval_time += time.perf_counter() - t1
                 rec["val_loss"] = last_val
+                if monitor is not None:
+                    est = monitor.estimate()  # host sync: at evaluations only
+                    rec["b_simple"] = est.b_simple
+                    rec["b_simple_low"], rec["b_simple_high"] = est.low, est.high
+                    rec["b_simple_flags"] = list(est.flags)
                 while next_eval <= driver.trained_units:
                     next_eval += eval_every
             f.write(json.dumps(rec) + "\n")
@@ -615,6 +636,8 @@ def run_sweep(
                     torch.set_num_threads(old)
             else:
                 _run_pool(cfg_dict, pending, out, n_workers, threads)
+    for t in trials:  # an orphan of a killed earlier run may have left one after this run began
+        _remove_stale_tmp(out / "trials" / t.name)
     summaries = [json.loads((out / "trials" / t.name / "summary.json").read_text()) for t in trials]
     return SweepResult(
         out_dir=str(out), summaries=summaries, ran=[t.name for t in pending], skipped=[t.name for t in done],
