@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import math
 import os
 import sys
 import time
@@ -33,8 +34,24 @@ from globalbatch.step import StepConfig, StepDriver, load_checkpoint, save_check
 from globalbatch.tasks import load_task
 
 
+PROG = "train_tinygpt.py"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``train_tinygpt.py: error: ...`` and exit code 2 (no usage block)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def fail(message: str) -> int:
+    """Print a one-line error and return the exit code 2 (for errors found after argument parsing)."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = _Parser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=40, help="optimizer steps to run (in total, resumes included)")
     p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step, all ranks")
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward per rank")
@@ -55,7 +72,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume", default=None, help="resume from this checkpoint")
     p.add_argument("--val-batches", type=int, default=8, help="validation micro-batches at the end (0: none)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag, low in (("steps", 1), ("global_batch", 1), ("micro_batch", 1), ("warmup_tokens", 0), ("n_layer", 1),
+                      ("d_model", 1), ("seq_len", 2), ("log_every", 1), ("checkpoint_every", 0), ("val_batches", 0)):
+        value = getattr(args, flag)
+        if value < low:
+            p.error(f"--{flag.replace('_', '-')} {value} is not allowed; allowed: a whole number >= {low}")
+    if args.total_tokens is not None and args.total_tokens < 1:
+        p.error(f"--total-tokens {args.total_tokens} is not allowed; allowed: a whole number >= 1")
+    for flag in ("lr", "max_grad_norm"):
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and value > 0):
+            p.error(f"--{flag.replace('_', '-')} {value} is not allowed; allowed: a finite number > 0")
+    if bool(args.checkpoint) != bool(args.checkpoint_every):
+        p.error(f"--checkpoint {args.checkpoint!r} and --checkpoint-every {args.checkpoint_every} are not allowed; "
+                "allowed: both (a path and N >= 1) or neither")
+    if args.batch_schedule:
+        try:
+            parse_step_schedule(args.batch_schedule, unit="token", lr_rule="sqrt")
+        except ValueError as e:
+            p.error(f"--batch-schedule: {e}")
+    if args.resume and not os.path.isfile(args.resume):
+        p.error(f"--resume {args.resume!r} is not allowed; allowed: an existing checkpoint file "
+                "(written by --checkpoint); no such file")
+    return args
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
@@ -74,30 +114,52 @@ def setup_distributed() -> tuple[int, int, torch.device]:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv)  # argument errors: one line on stderr, exit code 2
     rank, world, device = setup_distributed()
+    try:
+        return train(args, rank, world, device)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}{'…' if len(text) > 300 else ''}"
+
+
+def train(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     say = print if rank == 0 else (lambda *a, **k: None)
 
-    task = load_task("tinygpt", n_layer=args.n_layer, d_model=args.d_model, seq_len=args.seq_len,
-                     max_corpus_bytes=1_000_000)
-    model = task.build_model(args.seed).to(device)
-    if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    try:  # the settings checked by the library (task shape, batch geometry, LR schedule): one-line errors
+        task = load_task("tinygpt", n_layer=args.n_layer, d_model=args.d_model, seq_len=args.seq_len,
+                         max_corpus_bytes=1_000_000)
+        model = task.build_model(args.seed).to(device)
+        if world > 1:
+            model = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
 
-    schedule = (parse_step_schedule(args.batch_schedule, unit="token", lr_rule="sqrt")
-                if args.batch_schedule else constant_batch(args.global_batch))
-    # total tokens for the LR decay: steps × batch × mean loss-bearing tokens per document (an estimate)
-    mean_units = float(task.train_lengths.mean()) - 1.0
-    total_tokens = args.total_tokens or max(int(args.steps * schedule.batch_at(0) * mean_units), args.warmup_tokens + 1)
-    lr_schedule = TokenLRSchedule(peak_lr=args.lr, warmup=args.warmup_tokens, total=total_tokens, shape=args.lr_shape,
-                                  min_lr_ratio=0.1)
-    config = StepConfig(micro_batch=args.micro_batch, batch_schedule=schedule, max_grad_norm=args.max_grad_norm)
-    driver = StepDriver(model, optimizer, config, lr_schedule=lr_schedule)
+        schedule = (parse_step_schedule(args.batch_schedule, unit="token", lr_rule="sqrt")
+                    if args.batch_schedule else constant_batch(args.global_batch))
+        # total tokens for the LR decay: steps × batch × mean loss-bearing tokens per document (an estimate)
+        mean_units = float(task.train_lengths.mean()) - 1.0
+        total_tokens = (args.total_tokens if args.total_tokens is not None
+                        else max(int(args.steps * schedule.batch_at(0) * mean_units), args.warmup_tokens + 1))
+        lr_schedule = TokenLRSchedule(peak_lr=args.lr, warmup=args.warmup_tokens, total=total_tokens,
+                                      shape=args.lr_shape, min_lr_ratio=0.1)
+        config = StepConfig(micro_batch=args.micro_batch, batch_schedule=schedule, max_grad_norm=args.max_grad_norm)
+        driver = StepDriver(model, optimizer, config, lr_schedule=lr_schedule)
+    except ValueError as e:
+        return fail(str(e))
 
     if args.resume:
-        load_checkpoint(args.resume, model, optimizer, driver, map_location=device)
+        try:
+            load_checkpoint(args.resume, model, optimizer, driver, map_location=device)
+        except Exception as e:  # noqa: BLE001 - a file from elsewhere: corrupt, another model, another version
+            return fail(f"--resume {args.resume!r}: cannot resume from it ({_one_line(e)}); allowed: a checkpoint "
+                        "written by this script with the same model flags")
         say(f"resumed from {args.resume} at step {driver.optimizer_steps}, "
             f"{fmt_int(driver.consumed_samples)} samples consumed")
 
@@ -145,8 +207,6 @@ def main(argv=None) -> int:
         say(f"validation loss/token {loss_total / units_total:.4f} over {fmt_int(units_total)} tokens")
     say(f"done: {driver.optimizer_steps} steps, {driver.skipped_windows} skipped, "
         f"{fmt_int(driver.consumed_units)} tokens in {elapsed:.1f} s")
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return 0
 
 

@@ -391,6 +391,57 @@ def test_token_and_sample_units_differ_by_tokens_per_sample():
     assert tok.big_count == 8 * T and smp.big_count == 8
 
 
+def _token_lm_windows(seed, windows, sizes, T=6, vocab=11):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, vocab, (n, T + 1), generator=gen) for n in sizes] for _ in range(windows)]
+
+
+def _token_lm_loss(model, ids, vocab=11):
+    logits = model(ids[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1), reduction="sum")
+    return loss, torch.tensor(ids[:, 1:].numel())
+
+
+def test_step_driver_callback_counts_ragged_micro_batch_samples():
+    """Through StepDriver, ragged micro-batches (3 then 5 samples, planned 5) weigh their real
+    sample counts (driver.last_micro_samples), exactly as a plain loop passing samples=n does."""
+    from globalbatch.step import StepConfig, StepDriver
+
+    T, sizes = 6, (3, 5)
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11)).double()
+    data = _token_lm_windows(1, 4, sizes, T)
+
+    plain = copy.deepcopy(base)
+    want = NoiseScaleMonitor(plain, unit="token", config=NoiseConfig(half_life=math.inf))
+    for window in data:
+        for ids in window:
+            loss, count = _token_lm_loss(plain, ids)
+            loss.backward()
+            want.micro_backward(count, samples=len(ids))
+        for p in plain.parameters():
+            p.grad /= sum(sizes) * T
+        want.window_end()
+        plain.zero_grad(set_to_none=True)
+
+    m = copy.deepcopy(base)
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    mon = NoiseScaleMonitor(m, optimizer=opt, unit="token", config=NoiseConfig(half_life=math.inf))
+    driver = StepDriver(m, opt, StepConfig(micro_batch=5, global_batch=10), callbacks=[mon])
+    for window in data:
+        for i, ids in enumerate(window):
+            with driver.micro_step(last=i == len(window) - 1):
+                driver.backward(*_token_lm_loss(m, ids), samples=len(ids))
+        assert driver.step().global_samples == sum(sizes)
+
+    got_smp, want_smp = mon.estimate(unit="sample"), want.estimate(unit="sample")
+    assert got_smp.big_count == want_smp.big_count == sum(sizes)  # not 2 × micro_batch = 10
+    assert got_smp.tr_sigma == pytest.approx(want_smp.tr_sigma, rel=1e-9)
+    assert got_smp.g_sq == pytest.approx(want_smp.g_sq, rel=1e-9)
+    # T tokens in every sample: the sample estimate is exactly the token one ÷ T
+    assert mon.estimate(unit="token").b_simple == pytest.approx(T * got_smp.b_simple, rel=1e-9)
+
+
 def test_state_is_one_float64_tensor_on_the_gradients_device(mlp_problem):
     """The estimators' state lives on the gradients' device and is a single float64 tensor."""
     x, y, model, _, _ = mlp_problem

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
+import textwrap
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -15,6 +18,7 @@ from globalbatch.schedule import (
     constant_batch,
     format_batch_change,
     format_lr,
+    format_lrs,
     list_lr_shapes,
     parse_step_schedule,
 )
@@ -113,9 +117,21 @@ def test_batch_change_log_line():
 
 
 @pytest.mark.parametrize("lr, text", [(3e-4, "3e-4"), (6e-5, "6e-5"), (1.2345e-4, "1.23e-4"), (0.01, "0.01"),
-                                      (0.00141421, "0.00141"), (0.0, "0"), (2.0, "2")])
+                                      (0.00141421, "0.00141"), (0.0, "0"), (2.0, "2"), (999.9, "1e3"),
+                                      (9.996e-4, "0.001"), (1e-3, "0.001")])
 def test_format_lr(lr, text):
     assert format_lr(lr) == text
+
+
+def test_batch_change_log_line_uses_one_notation_for_both_lrs():
+    # 9.93e-4 alone prints scientific, 1.4e-3 alone plain: together both scientific
+    assert format_lrs(9.93e-4, 1.4e-3) == ["9.93e-4", "1.4e-3"]
+    assert format_lrs(0.01, 0.0141421) == ["0.01", "0.0141"]
+    line = format_batch_change(64, 128, 20_000, "token", 9.93e-4, 9.93e-4 * math.sqrt(2), "sqrt")
+    assert line.endswith("lr 9.93e-4 -> 1.4e-3 (sqrt)")
+    for lo in (1e-5, 3e-4, 9.93e-4, 1e-3, 0.05, 0.9, 900.0):
+        pair = format_lrs(lo, lo * 2)
+        assert len({"e" in t for t in pair}) == 1, pair  # never one plain and one scientific
 
 
 # --------------------------------------------------------------------------- LR schedules
@@ -179,8 +195,51 @@ def test_lr_schedule_errors(kw, match):
         TokenLRSchedule(**kw)
 
 
+def test_lr_schedule_takes_count_strings_and_integral_floats():
+    s = TokenLRSchedule(peak_lr=1e-3, total="2B", warmup="375M")
+    assert (s.total, s.warmup) == (2 * B, 375_000_000) and type(s.total) is int and type(s.warmup) is int
+    f = TokenLRSchedule(peak_lr=1e-3, total=1e9, warmup=1e6)
+    assert (f.total, f.warmup) == (B, 1_000_000) and type(f.total) is int
+    assert f == TokenLRSchedule(peak_lr=1e-3, total=B, warmup="1M")
+    assert f.lr_at(500_000) == pytest.approx(5e-4, rel=1e-15)
+    r = RampupBatchSchedule(start=16, increment=8, ramp="300K", final=1024.0)
+    assert (r.ramp, r.final) == (300_000, 1024) and type(r.final) is int
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(total=1.5), r"total 1.5 is not a whole number"),
+    (dict(total="2X"), r"total '2X' is not a quantity"),
+    (dict(total=True), r"total True is not allowed; allowed: a whole number of tokens >= 0"),
+    (dict(total=None), r"total None is not allowed"),
+    (dict(total=-5), r"total -5 is not allowed"),
+    (dict(total="1K", warmup="2K"), r"warmup 2,000 is not allowed; allowed: <= total 1,000"),
+])
+def test_lr_schedule_count_errors_are_one_line(kw, match):
+    with pytest.raises(ValueError, match=match) as info:
+        TokenLRSchedule(peak_lr=1e-3, **kw)
+    assert "\n" not in str(info.value)
+
+
 def test_step_schedule_direct_construction_is_validated():
     with pytest.raises(ValueError, match="threshold -1"):
         StepBatchSchedule(steps=((-1, 4),))
     with pytest.raises(ValueError, match="is empty"):
         StepBatchSchedule(steps=())
+
+
+_DOC = Path(__file__).resolve().parents[1] / "docs" / "schedule.md"
+
+
+def _python_blocks(path: Path) -> list[str]:
+    """The ```python blocks of a Markdown page, dedented, in order."""
+    found = re.findall(r"^([ \t]*)```python\n(.*?)^\1```[ \t]*$", path.read_text(), flags=re.M | re.S)
+    return [textwrap.dedent(code) for _, code in found]
+
+
+def test_doc_snippets_run():
+    """Every ```python block of _DOC runs as written (blocks share one namespace, in order)."""
+    blocks = _python_blocks(_DOC)
+    assert len(blocks) >= 2, f"{_DOC}: {len(blocks)} python blocks"
+    namespace: dict = {"__name__": "doc_snippet"}
+    for i, code in enumerate(blocks, 1):
+        exec(compile(code, f"{_DOC.name} python block {i}", "exec"), namespace)  # noqa: S102 - test only

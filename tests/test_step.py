@@ -10,6 +10,8 @@ import copy
 import importlib.util
 import logging
 import math
+import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -219,11 +221,42 @@ def test_non_finite_window_is_skipped_and_state_untouched(how, caplog):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
     assert sc.optimizer_state_equal(opt, _opt_from(model, opt_state))
     assert drv.trained_units == trained and opt.param_groups[0]["lr"] == lr
-    assert "optimizer step 1 (window 2) skipped" in caplog.text
+    assert "window 2 skipped on all ranks (optimizer steps so far: 1): " in caplog.text
     assert all(p.grad is None for p in model.parameters())
     # the next good window steps again and resets the consecutive counter
     res = drv.run_window(sc.micro_batches(seqs[8:12], 2), sc.loss_fn)
     assert not res.skipped and drv.consecutive_skips == 0 and drv.optimizer_steps == 2
+
+
+@pytest.mark.parametrize("use_scaler", [False, True])
+def test_window_larger_than_the_global_batch_is_refused_before_the_step(use_scaler):
+    model, opt = sc.clone_model_opt(sc.build_model(dtype=torch.float32))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4) if use_scaler else None
+    drv = _driver(model, opt, micro=2, global_batch=4, clip=1.0, scaler=scaler)
+    seqs = sc.make_sequences(16, seed=11)
+    drv.run_window(sc.micro_batches(seqs[:4], 2), sc.loss_fn)
+    params = [p.detach().clone() for p in model.parameters()]
+    opt_state = copy.deepcopy(opt.state_dict())
+    before = drv.state_dict()
+    scale = scaler.get_scale() if use_scaler else None
+    too_big = sc.micro_batches(seqs[4:10], 2)  # 3 micro-batches of 2 (default samples): 6 > 4
+    with pytest.raises(ValueError, match=r"^window 2 has 6 samples \(all ranks\), more than the planned global "
+                                         r"batch 4; allowed: at most the planned global batch") as info:
+        drv.run_window(too_big, sc.loss_fn)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="window 2 has 5 samples"):  # one micro-batch declared as 5 samples
+        drv.run_window(sc.micro_batches(seqs[10:12], 2)[:1], sc.loss_fn, samples_per_micro=[5])
+    # nothing moved: parameters, optimizer state, counters, loss scale; gradients cleared
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    assert sc.optimizer_state_equal(opt, _opt_from(model, opt_state))
+    assert drv.state_dict() == before and all(p.grad is None for p in model.parameters())
+    if use_scaler:
+        assert scaler.get_scale() == scale
+    # still usable: a full window and a shorter one step normally
+    res = drv.run_window(sc.micro_batches(seqs[12:16], 2), sc.loss_fn)
+    assert not res.skipped and res.step == 2 and res.window == 2 and res.global_samples == 4
+    res = drv.run_window(sc.micro_batches(seqs[:2], 2), sc.loss_fn)
+    assert not res.skipped and res.global_samples == 2 and res.global_batch == 4
 
 
 def _opt_from(model, state):
@@ -243,7 +276,8 @@ def test_k_consecutive_skips_raise():
 
     for _ in range(2):
         assert drv.run_window(sc.micro_batches(seqs, 2), nan_loss).skipped
-    with pytest.raises(NonFiniteError, match="3 consecutive windows skipped"):
+    with pytest.raises(NonFiniteError, match=r"3 consecutive windows skipped .*; last: window 3 "
+                                              r"\(optimizer steps so far: 0\): non-finite loss"):
         drv.run_window(sc.micro_batches(seqs, 2), nan_loss)
 
 
@@ -317,6 +351,7 @@ def test_batch_schedule_switches_at_threshold_and_rescales_lr(caplog):
     assert math.isclose(lrs[4], 0.01 * math.sqrt(2), rel_tol=1e-12)
     assert math.isclose(lrs[8], 0.01 * 2, rel_tol=1e-12)
     assert "global batch 2 -> 4 at" in caplog.text and "lr 0.01 -> 0.0141 (sqrt)" in caplog.text
+    assert "lr 0.0141 -> 0.02 (sqrt)" in caplog.text  # one notation on both sides of the arrow
 
 
 @pytest.mark.parametrize("global_batch", [2, 4, 8])
@@ -376,6 +411,35 @@ def test_example_checkpoint_resume_is_bitwise(tmp_path, capsys):
     for k, st in sa["optimizer"]["state"].items():
         assert all(torch.equal(v, sc_["optimizer"]["state"][k][n]) for n, v in st.items())
     assert sa["driver"] == sc_["driver"] and sa["driver"]["optimizer_steps"] == 4
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--resume", "MISSING"], r"--resume '.*missing\.pt' is not allowed; allowed: an existing checkpoint file"),
+    (["--log-every", "0"], r"--log-every 0 is not allowed; allowed: a whole number >= 1"),
+    (["--steps", "abc"], r"argument --steps: invalid int value: 'abc'"),
+    (["--checkpoint", "x.pt"], r"--checkpoint 'x.pt' and --checkpoint-every 0 are not allowed"),
+    (["--batch-schedule", "0:8 1K"], r"--batch-schedule: batch schedule entry '1K' is not THRESHOLD:BATCH"),
+])
+def test_example_argument_errors_are_one_line_exit_2(tmp_path, capsys, args, match):
+    args = [str(tmp_path / "missing.pt") if a == "MISSING" else a for a in args]
+    with pytest.raises(SystemExit) as info:
+        _example_main()(_TINY + ["--steps", "1"] + args)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1 and err.startswith("train_tinygpt.py: error: "), err
+    assert re.search(match, err), err
+
+
+def test_example_library_and_checkpoint_errors_are_one_line_exit_2(tmp_path, capsys):
+    main = _example_main()
+    assert main(_TINY + ["--steps", "1", "--micro-batch", "3"]) == 2  # found by the driver, after setup
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        "train_tinygpt.py: error: global batch 16 is not divisible by micro_batch 3 × dp 1 = 3"), err
+    junk = tmp_path / "junk.pt"
+    junk.write_text("not a checkpoint")
+    assert main(_TINY + ["--steps", "1", "--resume", str(junk)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--resume '{junk}': cannot resume from it (" in err, err
 
 
 @pytest.mark.dist
@@ -488,3 +552,21 @@ def test_compiled_ddp_wrapper_is_detected(tmp_path):
     from globalbatch.step import unwrap_model
 
     assert unwrap_model(compiled) is model
+
+
+_DOC = Path(__file__).resolve().parents[1] / "docs" / "step.md"
+
+
+def _python_blocks(path: Path) -> list[str]:
+    """The ```python blocks of a Markdown page, dedented, in order."""
+    found = re.findall(r"^([ \t]*)```python\n(.*?)^\1```[ \t]*$", path.read_text(), flags=re.M | re.S)
+    return [textwrap.dedent(code) for _, code in found]
+
+
+def test_doc_snippets_run():
+    """Every ```python block of _DOC runs as written (blocks share one namespace, in order)."""
+    blocks = _python_blocks(_DOC)
+    assert len(blocks) >= 1, f"{_DOC}: {len(blocks)} python blocks"
+    namespace: dict = {"__name__": "doc_snippet"}
+    for i, code in enumerate(blocks, 1):
+        exec(compile(code, f"{_DOC.name} python block {i}", "exec"), namespace)  # noqa: S102 - test only

@@ -801,7 +801,12 @@ class NoiseScaleMonitor:
     # -- step-driver callbacks ---------------------------------------------------------------------
 
     def on_micro_backward(self, driver: Any, micro_index: int, local_count: Any) -> None:
-        """:class:`~globalbatch.step.StepDriver` callback (samples: ``driver.config.micro_batch``).
+        """:class:`~globalbatch.step.StepDriver` callback.
+
+        The micro-batch's samples come from ``driver.last_micro_samples`` (what was passed as
+        ``backward(..., samples=)``, set before the callbacks run), so short and ragged
+        micro-batches are weighted by their real size in the per-sample estimate; a driver
+        without it falls back to ``driver.config.micro_batch``.
 
         The planned ``driver.geometry.grad_accum_steps`` tells which micro-batch is the last,
         which saves the snapshot copy there (a window longer than planned is dropped, with a
@@ -809,7 +814,9 @@ class NoiseScaleMonitor:
         if micro_index == 0:
             geometry = getattr(driver, "geometry", None)
             self._planned_accum = getattr(geometry, "grad_accum_steps", None)
-        samples = getattr(getattr(driver, "config", None), "micro_batch", None)
+        samples = getattr(driver, "last_micro_samples", None)
+        if samples is None:
+            samples = getattr(getattr(driver, "config", None), "micro_batch", None)
         planned = getattr(self, "_planned_accum", None)
         self.micro_backward(local_count, samples=samples,
                             is_last=(micro_index == planned - 1) if planned else None)

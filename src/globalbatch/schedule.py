@@ -47,6 +47,7 @@ __all__ = [
     "parse_step_schedule",
     "format_batch_change",
     "format_lr",
+    "format_lrs",
     "TokenLRSchedule",
     "LR_SHAPES",
     "list_lr_shapes",
@@ -61,27 +62,63 @@ def _check_unit(unit: str) -> None:
         raise ValueError(f"unit {unit!r} is not allowed; allowed: {', '.join(SCHEDULE_UNITS)}")
 
 
+def _whole_count(value: object, field_name: str, allowed: str) -> int:
+    """An int as is; an integral float or a count string (``"2B"``, ``"375M"``) via ``plan.parse_count``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{field_name} {value!r} is not allowed; allowed: {allowed}")
+    if isinstance(value, int):
+        return value
+    return parse_count(value, field_name)
+
+
 def _check_rule(rule: str) -> None:
     if rule not in LR_RULES:
         raise ValueError(f"lr_rule {rule!r} is not allowed; allowed: {', '.join(LR_RULES)}")
 
 
+def _fixed_ok(lr: float) -> bool:
+    """True when ``lr`` reads well in plain ``.3g`` notation (0, or 1e-3 <= |lr| < 1e3 after rounding)."""
+    r = abs(float(f"{lr:.3g}"))
+    return r == 0 or 1e-3 <= r < 1e3
+
+
+def _format_sci(lr: float) -> str:
+    """3 significant digits in scientific notation, trailing zeros and the exponent's padding dropped."""
+    if lr == 0:
+        return "0"
+    mantissa, exponent = f"{lr:.2e}".split("e")
+    if "." in mantissa:
+        mantissa = mantissa.rstrip("0").rstrip(".")
+    return f"{mantissa}e{int(exponent)}"
+
+
 def format_lr(lr: float) -> str:
     """``3e-4`` → ``'3e-4'``, ``4.2426e-4`` → ``'4.24e-4'``, ``0.01`` → ``'0.01'``."""
-    if lr == 0 or 1e-3 <= abs(lr) < 1e3:
-        return f"{lr:.3g}"
-    mantissa, exponent = f"{lr:.2e}".split("e")
-    mantissa = mantissa.rstrip("0").rstrip(".")
-    return f"{mantissa}e{int(exponent)}"
+    return f"{lr:.3g}" if _fixed_ok(lr) else _format_sci(lr)
+
+
+def format_lrs(*lrs: float) -> list[str]:
+    """Several LRs in one notation: plain ``.3g`` when all read well that way, else all scientific.
+
+    ``(0.01, 0.0141)`` → ``['0.01', '0.0141']``; ``(9.93e-4, 1.4e-3)`` → ``['9.93e-4', '1.4e-3']``
+    (never ``9.93e-4 -> 0.0014``).
+    """
+    if all(_fixed_ok(x) for x in lrs):
+        return [f"{x:.3g}" for x in lrs]
+    return [_format_sci(x) for x in lrs]
 
 
 def format_batch_change(
     old_batch: int, new_batch: int, position: int, unit: str, lr_old: float, lr_new: float, rule: str
 ) -> str:
-    """The log line of a batch change, e.g. ``global batch 256 -> 512 at 2,000,000,000 tokens; lr 3e-4 -> 4.24e-4 (sqrt)``."""
+    """The log line of a batch change, e.g. ``global batch 256 -> 512 at 2,000,000,000 tokens; lr 3e-4 -> 4.24e-4 (sqrt)``.
+
+    Both LRs use the same notation (see :func:`format_lrs`).
+    """
+    old_s, new_s = format_lrs(lr_old, lr_new)
     return (
         f"global batch {fmt_int(old_batch)} -> {fmt_int(new_batch)} at {fmt_int(position)} {unit}s; "
-        f"lr {format_lr(lr_old)} -> {format_lr(lr_new)} ({rule})"
+        f"lr {old_s} -> {new_s} ({rule})"
     )
 
 
@@ -204,7 +241,8 @@ class RampupBatchSchedule(BatchSchedule):
     increment: int
     """Samples added at each ramp step."""
     ramp: int
-    """Units (tokens or samples) over which the batch grows from ``start`` to ``final``."""
+    """Units (tokens or samples) over which the batch grows from ``start`` to ``final``.
+    All four numbers also take a count string (``"300K"``) or an integral float, stored as an int."""
     final: int
     """Global batch from ``ramp`` units on."""
     unit: str = "sample"
@@ -216,9 +254,11 @@ class RampupBatchSchedule(BatchSchedule):
         _check_unit(self.unit)
         _check_rule(self.lr_rule)
         for name in ("start", "increment", "ramp", "final"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"rampup {name} {v!r} is not allowed; allowed: a whole number >= 1")
+            allowed = "a whole number >= 1 (or a count such as '300K')"
+            v = _whole_count(getattr(self, name), f"rampup {name}", allowed)
+            if v < 1:
+                raise ValueError(f"rampup {name} {v!r} is not allowed; allowed: {allowed}")
+            object.__setattr__(self, name, v)  # frozen: store the parsed int
         if self.final <= self.start:
             raise ValueError(f"rampup final {self.final} is not allowed; allowed: > start {self.start}")
         if (self.final - self.start) % self.increment:
@@ -298,9 +338,10 @@ class TokenLRSchedule:
     peak_lr: float
     """LR after warmup (before any batch-schedule multiplier)."""
     total: int
-    """Units (tokens or samples) at which the decay ends; beyond it the LR stays at ``min_lr_ratio × peak_lr``."""
+    """Units (tokens or samples) at which the decay ends; beyond it the LR stays at ``min_lr_ratio × peak_lr``.
+    A count string (``"2B"``) or an integral float (``1e9``) is accepted and stored as an int."""
     warmup: int = 0
-    """Units of linear warmup from 0 to ``peak_lr``."""
+    """Units of linear warmup from 0 to ``peak_lr`` (``"375M"`` and integral floats accepted, as for ``total``)."""
     shape: str = "cosine"
     """Post-warmup shape: ``"constant"``, ``"linear"``, ``"cosine"`` or ``"wsd"`` (warmup-stable-decay)."""
     min_lr_ratio: float = 0.0
@@ -317,9 +358,11 @@ class TokenLRSchedule:
         if not (isinstance(self.peak_lr, (int, float)) and self.peak_lr > 0 and math.isfinite(self.peak_lr)):
             raise ValueError(f"peak_lr {self.peak_lr!r} is not allowed; allowed: a finite number > 0")
         for name in ("total", "warmup"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} {v!r} is not allowed; allowed: a whole number of {self.unit}s >= 0")
+            allowed = f"a whole number of {self.unit}s >= 0 (or a count such as '2B' or '375M')"
+            v = _whole_count(getattr(self, name), name, allowed)
+            if v < 0:
+                raise ValueError(f"{name} {v!r} is not allowed; allowed: {allowed}")
+            object.__setattr__(self, name, v)  # frozen: store the parsed int
         if self.total < 1:
             raise ValueError(f"total {self.total} is not allowed; allowed: >= 1 {self.unit}")
         if self.warmup > self.total:

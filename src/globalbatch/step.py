@@ -30,7 +30,9 @@ Per window the driver
 5. reads **one** small tensor to the host (``[count, loss, samples, grad_norm]``):
    the skip decision needs it, exactly as ``GradScaler.step`` does. This is the only
    host sync per step; the reported numbers ride along with it;
-6. on a non-finite loss or gradient on any rank (or an empty window), skips the step on
+6. refuses a window of more samples (all ranks) than the planned global batch with a
+   ``ValueError`` before the optimizer step (a shorter window is fine);
+7. on a non-finite loss or gradient on any rank (or an empty window), skips the step on
    every rank: parameters, optimizer state and LR schedule untouched, a counter
    increased, a warning naming the step; ``max_consecutive_skips`` in a row raise
    :class:`NonFiniteError`.
@@ -408,7 +410,12 @@ class StepDriver:
         return [p.grad for p in params]
 
     def step(self) -> StepResult:
-        """Finish the window: sync counts, normalize, unscale, clip, then step or skip."""
+        """Finish the window: sync counts, normalize, unscale, clip, then step or skip.
+
+        Raises ``ValueError`` (on every rank, before the optimizer step, driver left ready for the
+        next window) when the window's samples over all ranks exceed the planned ``global_batch``;
+        a shorter window is fine.
+        """
         if self._micro_index == 0 or self._acc_loss is None:
             raise RuntimeError("step() called with no micro-batch since the last step; call backward() first")
         if not self._last_synced:
@@ -449,6 +456,15 @@ class StepDriver:
         # HOST SYNC (the only one per step): the skip decision needs these numbers.
         units_f, loss_f, samples_f, norm_f = packed.tolist()
         units, samples = int(round(units_f)), int(round(samples_f))
+        planned_batch = self.global_batch
+        if samples > planned_batch:
+            # A misuse, not a data accident: refuse before the optimizer step, identically on every
+            # rank (the numbers come from the all-reduce), and leave the driver ready for the next window.
+            self._abandon_window()
+            raise ValueError(
+                f"window {self.windows + 1} has {samples} samples (all ranks), more than the planned global batch "
+                f"{planned_batch}; allowed: at most the planned global batch (a shorter last window is fine)"
+            )
 
         self.windows += 1
         self.consumed_units += units
@@ -462,7 +478,6 @@ class StepDriver:
             reasons.append("no loss-bearing units")
 
         lr_used = float(self.optimizer.param_groups[0]["lr"])
-        planned_batch = self.global_batch
         if reasons:
             self._skip(reasons)
         else:
@@ -492,10 +507,22 @@ class StepDriver:
         if self.consecutive_skips >= self.config.max_consecutive_skips:
             raise NonFiniteError(
                 f"{self.consecutive_skips} consecutive windows skipped (max_consecutive_skips "
-                f"{self.config.max_consecutive_skips}); last at optimizer step {self.optimizer_steps}, "
-                f"window {self.windows}: {'; '.join(reasons)}"
+                f"{self.config.max_consecutive_skips}); last: window {self.windows} "
+                f"(optimizer steps so far: {self.optimizer_steps}): {'; '.join(reasons)}"
             )
         return result
+
+    def _abandon_window(self) -> None:
+        """Drop the current window: no optimizer step, no counter moves, gradients cleared."""
+        for p in self._params:
+            p.grad = None
+        if self.scaler is not None and self._unscaled:
+            # Forget this window's unscale_ record without update(): the loss scale is left as it was,
+            # and the next window may call unscale_ again.
+            states = getattr(self.scaler, "_per_optimizer_states", None)
+            if states is not None:
+                states.pop(id(self.optimizer), None)
+        self._reset_window()
 
     def _clip(self, params: list[nn.Parameter]) -> torch.Tensor:
         if not params:
@@ -518,8 +545,8 @@ class StepDriver:
             self.scaler.update()  # back off the loss scale; no optimizer step
         if self._log:
             logger.warning(
-                "optimizer step %d (window %d) skipped on all ranks: %s (%d consecutive, %d total)",
-                self.optimizer_steps, self.windows, "; ".join(reasons), self.consecutive_skips, self.skipped_windows,
+                "window %d skipped on all ranks (optimizer steps so far: %d): %s (%d consecutive, %d total)",
+                self.windows, self.optimizer_steps, "; ".join(reasons), self.consecutive_skips, self.skipped_windows,
             )
 
     def _apply(self, units: int, samples: int) -> float:
