@@ -178,6 +178,7 @@ def sweep_cmd(
     eval_every: Optional[str] = typer.Option(None, "--eval-every", help="Units between validation evaluations (default budget ÷ 8)."),
     optimizer: str = typer.Option("adamw", "--optimizer", help="adamw or sgd."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
+    noise: bool = typer.Option(False, "--noise", help="Also log the gradient noise scale B_simple at every evaluation (the report plots it)."),
 ) -> None:
     """Train every batch × LR on the same data order and token budget, then fit the critical batch."""
     from rich.console import Console
@@ -188,7 +189,8 @@ def sweep_cmd(
 
     cfg = SweepConfig(task=task, task_overrides=parse_task_args(task_arg), batches=parse_list(batches, "--batches", int),
                       lrs=parse_list(lrs, "--lrs"), budget=parse_count(tokens, "--tokens"), seed=seed, micro_batch=micro_batch,
-                      eval_every=None if eval_every is None else parse_count(eval_every, "--eval-every"), optimizer=optimizer)
+                      eval_every=None if eval_every is None else parse_count(eval_every, "--eval-every"), optimizer=optimizer,
+                      noise=noise)
     console = Console(stderr=True)
     result = run_sweep(cfg, out, workers=workers, threads=threads, backend=backend, address=address)
     console.print(f"sweep {out}: {len(result.ran)} trial(s) run, {len(result.skipped)} already finished, "
