@@ -307,3 +307,13 @@ def test_noise_scale_is_logged_at_evaluations(tmp_path):
     assert len(logged) == 3 and all(r["kind"] == "step" for r in logged)
     assert all(isinstance(r["b_simple_flags"], list) for r in logged)
     assert any(math.isfinite(r["b_simple"]) for r in logged)
+
+
+def test_demo_config_stays_within_its_measured_budget():
+    """`make demo` must finish in 5 minutes on 2 cores: 4.5M tokens took 80 s of sweep on a quiet
+    machine and 179 s under load average 5 (docs/sweep.md). Growing the grid needs a new measurement."""
+    from globalbatch.sweep import demo_config
+
+    cfg = demo_config()
+    assert len(cfg.trials()) * cfg.budget <= 4_500_000
+    assert cfg.task == "tinygpt" and len(cfg.batches) >= 4 and len(cfg.lrs) >= 2
