@@ -55,7 +55,7 @@ def phase1(x, y, rank: int, world: int) -> dict:
     opt = torch.optim.Adam(ddp.parameters(), lr=0.0)  # lr 0: parameters fixed, v̂ moves
     mon = NoiseScaleMonitor(ddp, optimizer=opt, unit="sample", config=NoiseConfig(half_life=math.inf, adam=True))
     accum = 3
-    driver = StepDriver(ddp, opt, StepConfig(micro_batch=8, global_batch=8 * accum * world), callbacks=[mon])
+    driver = StepDriver(ddp, opt, StepConfig(micro_batch=14, global_batch=14 * accum * world), callbacks=[mon])
     gen = torch.Generator().manual_seed(100 + rank)
     ref: dict[str, list] = {"micro": [], "rank": [], "micro_adam": [], "rank_adam": []}
     for _ in range(4):
