@@ -23,8 +23,9 @@ The peer finders are EMULATIONS, written from the rules described in docs/probe.
 * Composer ``device_train_microbatch_size="auto"`` from a batch of 8192: halve on OOM
   (``max(int(mbs / 2), 1)``) until it runs.
 
-Ours: ``globalbatch.probe.probe_micro_batch`` with (a) only the OOM signal and (b) a peak
-memory linear in the size (1.5 GiB + 3 MiB·s) and the budget known (``memory_limit_bytes``).
+Ours: ``globalbatch.probe.probe_micro_batch`` (doubling from its default start, 2) with (a) only
+the OOM signal and (b) a peak memory linear in the size (1.5 GiB + 3 MiB·s) and the budget known
+(``memory_limit_bytes``).
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-import globalbatch.probe as probe_module
+import globalbatch.probe.memory as probe_memory
 from globalbatch.probe import TrialResult, probe_micro_batch
 
 MAX_VAL = 8192
-DEFAULT_THRESHOLDS = (37, 100, 1000, 3000, 5000, 6000, 10_000)
+DEFAULT_THRESHOLDS = (1, 37, 64, 100, 1000, 1024, 3000, 5000, 6000, 10_000)  # 64, 1024: powers of two
 
 
 class Oracle:
@@ -156,7 +157,7 @@ def emulated(finder, threshold: int) -> Outcome:
 
 
 def main(thresholds: tuple[int, ...]) -> None:
-    probe_module.release_memory = lambda: None  # nothing to release in a simulation; skips a full gc per OOM
+    probe_memory.release_memory = lambda: None  # nothing to release in a simulation; skips a full gc per OOM
     columns = [
         ("ours: OOM only", ours_oom_only),
         ("ours: linear memory", ours_linear_memory),
@@ -176,12 +177,12 @@ def main(thresholds: tuple[int, ...]) -> None:
 
 
 def curves(samples: int = 300, seed: int = 1) -> None:
-    """Mean trials (and worst excess over bisection's 2⌊log2 T⌋ + 2) when peak memory is not a line.
+    """Mean trials (and worst excess over bisection's 2⌊log2 T⌋ + 1) when peak memory is not a line.
 
     Peak(s) = a + b·s·(1 + c·s) (convex) or a + b·s / √(1 + c·s) (concave), each trial's peak
     multiplied by (1 + noise·U(−1, 1)); the budget is peak(T) for T uniform in [2, 30000]; cap 40000.
     """
-    probe_module.release_memory = lambda: None
+    probe_memory.release_memory = lambda: None
     a, b = 1000.0, 100.0
     shapes = {
         "linear": lambda c: (lambda s: a + b * s),
@@ -189,7 +190,7 @@ def curves(samples: int = 300, seed: int = 1) -> None:
         "concave": lambda c: (lambda s: a + b * s / math.sqrt(1 + c * s)),
     }
     variants = [("bisection only", False, 0), ("line, 1 miss", True, 1), ("line, 2 misses (default)", True, 2)]
-    print(f"Mean trials / worst excess over 2⌊log2 T⌋ + 2, {samples} thresholds T ∈ [2, 30000] each.")
+    print(f"Mean trials / worst excess over 2⌊log2 T⌋ + 1, {samples} thresholds T ∈ [2, 30000] each.")
     print()
     print("| peak memory | c | noise | " + " | ".join(v[0] for v in variants) + " |")
     print("|---|---:|---:|" + "---:|" * len(variants))
@@ -212,7 +213,7 @@ def curves(samples: int = 300, seed: int = 1) -> None:
                     result = probe_micro_batch(run, max_micro_batch=40_000, memory_limit_bytes=int(peak(threshold)),
                                                use_memory_model=use_model, max_prediction_misses=misses)
                     counts.append(len(ran))
-                    worst = max(worst, len(ran) - (2 * math.floor(math.log2(result.largest_fit)) + 2))
+                    worst = max(worst, len(ran) - (2 * math.floor(math.log2(result.largest_fit)) + 1))
                 cells.append(f"{statistics.mean(counts):.1f} / {worst:+d}")
             print(f"| {shape} | {c:g} | {noise:g} | " + " | ".join(cells) + " |")
 

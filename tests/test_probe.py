@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import globalbatch.probe as probe_module
+import globalbatch.probe.memory as probe_memory
 from globalbatch.probe import (
     MemoryModel,
     ProbeConfig,
@@ -81,7 +81,7 @@ def one_thread():
 def releases(monkeypatch):
     """Count release_memory() calls (and skip its full gc.collect, which dominates fake-trial tests)."""
     calls = []
-    monkeypatch.setattr(probe_module, "release_memory", lambda: calls.append(1))
+    monkeypatch.setattr(probe_memory, "release_memory", lambda: calls.append(1))
     return calls
 
 
@@ -99,41 +99,60 @@ def check_ran_and_exact(result, ran: list[int], threshold: int, cap: int) -> Non
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("threshold", [37, 100, 1000, 5000, 6000])
+THRESHOLDS = [1, 2, 37, 64, 100, 1000, 1024, 5000, 6000]  # 64 and 1024: powers of two, the tight case
+
+
+@pytest.mark.parametrize("threshold", THRESHOLDS)
 def test_oom_threshold_exact_within_bisection_bound(threshold, releases):
     runner = FakeOOM(threshold)
     result = probe_micro_batch(runner, max_micro_batch=8192)
     check_ran_and_exact(result, runner.ran, threshold, 8192)
     assert len(releases) == sum(t.oom for t in result.trials)  # memory released after every OOM
-    assert len(runner.ran) <= 2 * math.ceil(math.log2(threshold)) + 1
-    # Exact count: ⌊log2 T⌋ + 2 trials to bracket, ⌊log2 T⌋ to bisect: 37 → 12, 1000 → 20, 6000 → 26.
-    assert len(runner.ran) == 2 * math.floor(math.log2(threshold)) + 2
     assert result.limited_by == "memory"
+    if threshold == 1:
+        # 2 fails, 1 fits. The bound 2⌈log2 1⌉ + 1 = 1 cannot be met: exactness needs 1 to fit and 2 to fail.
+        assert runner.ran == [2, 1]
+        return
+    assert len(runner.ran) <= 2 * math.ceil(math.log2(threshold)) + 1
+    # Exact count from 2: ⌊log2 T⌋ + 1 trials to bracket (2 … 2^⌊log2 T⌋ fit, the next doubling fails),
+    # ⌊log2 T⌋ to bisect: 37 → 11, 64 → 13 (bound 13), 1000 → 19, 1024 → 21 (bound 21), 6000 → 25.
+    assert len(runner.ran) == 2 * math.floor(math.log2(threshold)) + 1
+    assert runner.ran[0] == 2
 
 
-@pytest.mark.parametrize("threshold", [37, 100, 1000, 5000, 6000])
+def test_oom_power_of_two_run_sequence(releases):
+    runner = FakeOOM(64)
+    probe_micro_batch(runner, max_micro_batch=8192)
+    assert runner.ran == [2, 4, 8, 16, 32, 64, 128, 96, 80, 72, 68, 66, 65]
+
+
+@pytest.mark.parametrize("threshold", THRESHOLDS)
 def test_linear_memory_with_budget_needs_log_plus_three(threshold):
     a, b, budget = linear_case(threshold)
     runner = FakeAllocator(a, b, budget)
     result = probe_micro_batch(runner, max_micro_batch=8192, memory_limit_bytes=budget)
     check_ran_and_exact(result, runner.ran, threshold, 8192)
     assert len(runner.ran) <= math.ceil(math.log2(threshold)) + 3
-    # Doubling up to 2^⌊log2 T⌋, then the predicted T and T + 1; the overshoot is skipped: 37 → 8, 6000 → 15.
-    assert len(runner.ran) == math.ceil(math.log2(threshold)) + 2
-    assert runner.ran[-2:] == [threshold, threshold + 1]
-    assert result.memory_model is not None
+    assert result.memory_model is not None  # two measured peaks: 2 and 4 (over-budget peaks count too)
     assert result.memory_model.bytes_per_sample == pytest.approx(b)
     assert result.prediction_misses == 0
+    if threshold <= 2:  # 1: 2 is over budget, 1 fits.  2: 2 fits, 4 is over, the line says 3 is over.
+        assert runner.ran == {1: [2, 1], 2: [2, 4, 3]}[threshold]
+        return
+    # Doubling 2 … 2^⌊log2 T⌋, then the predicted T and T + 1 (for T = 2^k: T ran as a doubling, then
+    # T + 1); the overshooting doubling is skipped: 37 → 7, 64 → 7, 1024 → 11, 6000 → 14.
+    assert len(runner.ran) == math.ceil(math.log2(threshold)) + 1
+    assert runner.ran[-2:] == [threshold, threshold + 1]
 
 
-@pytest.mark.parametrize("threshold", [37, 100, 1000, 5000, 6000])
+@pytest.mark.parametrize("threshold", THRESHOLDS)
 def test_linear_memory_raising_oom_uses_reported_capacity(threshold, releases):
     a, b, budget = linear_case(threshold)
     runner = FakeAllocator(a, b, budget, raise_oom=True)
     result = probe_micro_batch(runner, max_micro_batch=8192)
     check_ran_and_exact(result, runner.ran, threshold, 8192)
     assert len(runner.ran) <= math.ceil(math.log2(threshold)) + 3
-    assert "CUDA out of memory" in result.trials[-1].note
+    assert "CUDA out of memory" in [t for t in result.trials if t.oom][-1].note
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -144,7 +163,7 @@ def test_search_is_exact_for_any_threshold_and_cap(threshold, cap, releases):
     check_ran_and_exact(result, runner.ran, threshold, cap)
     answer = min(threshold, cap)
     if threshold < cap:
-        assert len(runner.ran) <= 2 * math.floor(math.log2(answer)) + 2
+        assert len(runner.ran) <= (2 * math.floor(math.log2(answer)) + 1 if answer >= 2 else 2)
     else:
         assert result.limited_by == "max_micro_batch"
 
@@ -169,9 +188,9 @@ def test_nonlinear_memory_still_exact_and_bounded(threshold, curvature):
     fits = [s for s in ran if peak(s) <= int(budget) + 0.5]
     assert result.largest_fit == max(fits)
     assert result.largest_fit + 1 in ran or result.largest_fit == 40_000
-    # Never worse than bisection plus one wasted trial per allowed miss.
+    # Never worse than bisection (2k + 1 from 2) plus at most 2 wasted trials per allowed miss.
     k = math.floor(math.log2(result.largest_fit))
-    assert len(ran) <= 2 * k + 2 + 2 * 2
+    assert len(ran) <= 2 * k + 1 + 2 * 2
 
 
 def test_plain_bisection_when_model_disabled():
@@ -179,22 +198,40 @@ def test_plain_bisection_when_model_disabled():
     runner = FakeAllocator(a, b, budget)
     result = probe_micro_batch(runner, memory_limit_bytes=budget, use_memory_model=False, max_micro_batch=8192)
     check_ran_and_exact(result, runner.ran, 100, 8192)
-    assert len(runner.ran) == 2 * 6 + 2  # 1..64, 128 fails, 6 bisection steps
+    assert len(runner.ran) == 2 * 6 + 1  # 2..64, 128 fails, 6 bisection steps
+    assert runner.ran[:7] == [2, 4, 8, 16, 32, 64, 128]
 
 
 def test_start_micro_batch_and_first_size_failing(releases):
     runner = FakeOOM(5)
     result = probe_micro_batch(runner, start_micro_batch=16, max_micro_batch=64)
     assert runner.ran[0] == 16 and result.largest_fit == 5
+    runner = FakeOOM(0)
     with pytest.raises(RuntimeError, match="micro_batch 1 does not fit"):
-        probe_micro_batch(FakeOOM(0), max_micro_batch=64)
+        probe_micro_batch(runner, max_micro_batch=64)
+    assert runner.ran == [2, 1]  # the default start 2 fails, then 1
+
+
+def test_start_micro_batch_default_and_cap(releases):
+    runner = FakeOOM(1)
+    result = probe_micro_batch(runner, max_micro_batch=64)
+    assert runner.ran == [2, 1] and result.largest_fit == 1 and result.limited_by == "memory"
+    runner = FakeOOM(100)
+    result = probe_micro_batch(runner, max_micro_batch=1)  # the default start 2 is capped at 1
+    assert runner.ran == [1] and result.largest_fit == 1 and result.limited_by == "max_micro_batch"
+    runner = FakeOOM(100)
+    result = probe_micro_batch(runner, global_batch=1)
+    assert runner.ran == [1] and result.choices[0].geometry.grad_accum_steps == 1
+    runner = FakeOOM(100)
+    assert probe_micro_batch(runner, start_micro_batch=1, max_micro_batch=4).largest_fit == 4
+    assert runner.ran == [1, 2, 4]  # start 1 is still allowed
 
 
 def test_max_micro_batch_limits_the_search(releases):
     runner = FakeOOM(10_000)
     result = probe_micro_batch(runner, max_micro_batch=96)
     assert result.largest_fit == 96 and result.limited_by == "max_micro_batch"
-    assert runner.ran == [1, 2, 4, 8, 16, 32, 64, 96]
+    assert runner.ran == [2, 4, 8, 16, 32, 64, 96]
 
 
 def test_non_oom_error_is_raised_not_retried():
@@ -208,7 +245,7 @@ def test_non_oom_error_is_raised_not_retried():
 
     with pytest.raises(RuntimeError, match="illegal memory access"):
         probe_micro_batch(run, max_micro_batch=64)
-    assert ran == [1, 2, 4, 8]
+    assert ran == [2, 4, 8]
 
 
 def test_memory_limit_needs_measured_peaks():
@@ -241,8 +278,11 @@ def test_config_errors_name_field_and_value():
         ProbeConfig(max_micro_batch=0)
     with pytest.raises(ValueError, match="tolerance 1.5 is not allowed"):
         ProbeConfig(tolerance=1.5)
-    with pytest.raises(ValueError, match="start_micro_batch 128 is above max_micro_batch 64"):
-        ProbeConfig(start_micro_batch=128, max_micro_batch=64)
+    with pytest.raises(ValueError, match="start_micro_batch 0 is not allowed"):
+        ProbeConfig(start_micro_batch=0)
+    assert ProbeConfig().start_micro_batch == 2
+    assert ProbeConfig(start_micro_batch=128, max_micro_batch=64).start_micro_batch == 64  # capped
+    assert ProbeConfig(max_micro_batch=1).start_micro_batch == 1
     with pytest.raises(ValueError, match="steps_per_trial 0 is not allowed"):
         TrialConfig(steps_per_trial=0)
     with pytest.raises(ValueError, match="cpu_memory 'vms' is not allowed"):
@@ -360,7 +400,8 @@ def test_table_and_json_report(releases):
     assert "largest" in rows["40"] and "CUDA out of memory" in rows["41"]
     report = json.loads(json.dumps(result.to_dict()))
     assert report["largest_fit"] == 40 and report["choices"][0]["suggested_micro_batch"] == 32
-    assert report["trials"][0]["tokens_per_s"] == pytest.approx(64 / 0.005)
+    assert report["trials"][0]["micro_batch"] == 2
+    assert report["trials"][0]["tokens_per_s"] == pytest.approx(128 / 0.006)
 
 
 # ---------------------------------------------------------------------------

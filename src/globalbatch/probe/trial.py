@@ -1,0 +1,165 @@
+"""One trial's record (:class:`TrialResult`), and how the ranks agree on it.
+
+Under ``torch.distributed`` every rank runs the same size, then the flag (0 fits, 1 OOM,
+2 failed), peak memory, step time and tokens are all-reduced with MAX and the capacity
+with MIN (:func:`_agree`), so all ranks take the same next size. Without an initialised
+process group the agreement is the identity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# The all-reduced per-trial record: flag, peak bytes, step seconds, tokens per step, −capacity.
+_FITS, _OOM, _FAILED = 0.0, 1.0, 2.0
+
+
+def _over_budget(peak: int, limit: int) -> str:
+    """``peak 1,026.26 MiB > limit 1,024.00 MiB``: one unit, enough digits to see the difference."""
+    return f"peak {peak / 2**20:,.2f} MiB > limit {limit / 2**20:,.2f} MiB"
+
+
+def format_bytes(num_bytes: Optional[float]) -> str:
+    """``1610612736`` → ``'1.50 GiB'``; None → ``'-'``."""
+    if num_bytes is None:
+        return "-"
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"  # pragma: no cover - loop always returns
+
+
+def _one_line(exc: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrialResult:
+    """What one trial at one micro-batch size measured."""
+
+    micro_batch: int
+    """Samples per forward/backward on this rank."""
+    oom: bool = False
+    """True when the trial ran out of memory or its peak exceeded the memory budget."""
+    peak_memory_bytes: Optional[int] = None
+    """Peak bytes during the trial (:mod:`globalbatch.probe` says what is counted); None if not measured."""
+    step_time_s: Optional[float] = None
+    """Median seconds per timed training step (warm-up excluded); None for a failed trial."""
+    tokens_per_step: Optional[int] = None
+    """Tokens (padding included) per micro-batch on this rank; None when the batch has no token count."""
+    capacity_bytes: Optional[int] = None
+    """Bytes the device could hold for this process (CUDA: free + reserved by torch); None if unknown."""
+    note: str = ""
+    """Why a trial failed (one line), or extra detail."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.micro_batch, bool) or not isinstance(self.micro_batch, int) or self.micro_batch < 1:
+            raise ValueError(f"micro_batch {self.micro_batch!r} is not allowed; allowed: an int ≥ 1")
+
+    @property
+    def fits(self) -> bool:
+        """The trial ran to the end within memory."""
+        return not self.oom
+
+    def samples_per_s(self) -> Optional[float]:
+        """Samples per second on this rank (None without a timing)."""
+        if self.oom or not self.step_time_s:
+            return None
+        return self.micro_batch / self.step_time_s
+
+    def tokens_per_s(self) -> Optional[float]:
+        """Tokens per second on this rank (None without a timing or a token count)."""
+        if self.oom or not self.step_time_s or self.tokens_per_step is None:
+            return None
+        return self.tokens_per_step / self.step_time_s
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["samples_per_s"] = self.samples_per_s()
+        out["tokens_per_s"] = self.tokens_per_s()
+        return out
+
+
+
+# ---------------------------------------------------------------------------
+# Agreeing across ranks
+# ---------------------------------------------------------------------------
+
+
+def _dist_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _all_reduce_max(values: list[float]) -> list[float]:
+    """Element-wise MAX over ranks (identity without an initialised process group)."""
+    if not _dist_ready():
+        return values
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    buf = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+    return buf.tolist()  # host sync: once per trial, the search needs the agreed values
+
+
+def _encode(x: Optional[float]) -> float:
+    return -math.inf if x is None else float(x)
+
+
+def _decode(x: float) -> Optional[float]:
+    return None if x == -math.inf else x
+
+
+def _agree(result: Optional[TrialResult], micro_batch: int, flag: float) -> TrialResult:
+    """All ranks agree on the trial: MAX of the flag, peak, step time, tokens; MIN of capacity."""
+    r = result or TrialResult(micro_batch=micro_batch, oom=flag != _FITS)
+    local = [flag, _encode(r.peak_memory_bytes), _encode(r.step_time_s), _encode(r.tokens_per_step),
+             _encode(None if r.capacity_bytes is None else -r.capacity_bytes)]
+    if not _dist_ready():
+        return r
+    agreed_flag, peak, step, tokens, neg_cap = _all_reduce_max(local)
+    if agreed_flag == _FAILED and flag != _FAILED:
+        raise RuntimeError(f"probe: another rank failed at micro_batch {micro_batch} (see its log)")
+    note = r.note if flag == agreed_flag else "another rank ran out of memory"
+    cap = _decode(neg_cap)
+    return TrialResult(
+        micro_batch=micro_batch,
+        oom=agreed_flag != _FITS,
+        peak_memory_bytes=None if _decode(peak) is None else int(peak),
+        step_time_s=None if agreed_flag != _FITS else _decode(step),
+        tokens_per_step=None if _decode(tokens) is None else int(tokens),
+        capacity_bytes=None if cap is None else int(-cap),
+        note=note,
+    )
+
+
+
+def _log_trial(t: TrialResult) -> None:
+    if _dist_ready():
+        import torch.distributed as dist
+
+        if dist.get_rank() != 0:
+            return
+    if t.fits:
+        tps = t.tokens_per_s()
+        rate = f"{tps:,.0f} tok/s" if tps is not None else (
+            f"{t.samples_per_s():,.1f} samples/s" if t.samples_per_s() is not None else "untimed")
+        log.info("probe: micro_batch %d fits: peak %s, %s", t.micro_batch, format_bytes(t.peak_memory_bytes), rate)
+    else:
+        log.info("probe: micro_batch %d -> out of memory (%s)", t.micro_batch, t.note)
+
