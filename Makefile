@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test install clean
+.PHONY: demo test install browser clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/globalbatch demo
 
-test: $(STAMP)
+# The report test renders the demo's HTML in headless Chromium (Debian's package).
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { echo "installing chromium for the HTML report test (apt-get)"; \
+	    ($$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null) || \
+	    echo "could not install chromium; tests/test_report.py will say how to get it"; }
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q
 
 clean:
