@@ -22,7 +22,7 @@ demo: $(STAMP)
 browser:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
 	  { echo "installing chromium for the HTML report test (apt-get)"; \
-	    ($$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null) || \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
 	    echo "could not install chromium; tests/test_report.py will say how to get it"; }
 
 test: $(STAMP) browser
