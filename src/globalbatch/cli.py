@@ -56,7 +56,7 @@ def _root(
 # (commands are registered below this line)
 
 
-@app.command("plan")
+@app.command("plan", short_help="State, check and derive the batch geometry of a run (no torch needed).")
 def plan_cmd(
     config: Optional[str] = typer.Option(None, "--config", help="YAML/TOML (our schema), DeepSpeed JSON or HF TrainingArguments JSON."),
     global_batch: Optional[int] = typer.Option(None, "--global-batch", help="Sequences per optimizer step, all ranks."),
@@ -118,7 +118,7 @@ def plan_cmd(
         typer.echo(f"warning: {w}", err=True)
 
 
-@app.command("probe")
+@app.command("probe", short_help="Find the largest micro-batch that fits and the fastest one.")
 def probe_cmd(
     task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt, mnist or package.module:function."),
     global_batch: Optional[int] = typer.Option(None, "--global-batch", help="Samples (sequences) per optimizer step, all ranks; reports the accum that keeps it."),
@@ -162,7 +162,7 @@ def probe_cmd(
             console.print(f"[yellow]{choice.role}:[/yellow] {choice.error}")
 
 
-@app.command("sweep")
+@app.command("sweep", short_help="Batch × LR sweep at equal tokens; fit the critical batch.")
 def sweep_cmd(
     task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt, mnist or package.module:function."),
     batches: str = typer.Option("16,32,64,128,256", "--batches", help="Global batch sizes in samples (sequences) per step, comma-separated."),
@@ -202,7 +202,7 @@ def sweep_cmd(
     typer.echo(f"report: globalbatch report {out}")
 
 
-@app.command("report")
+@app.command("report", short_help="Plots and an HTML report of a sweep, with the recommendation.")
 def report_cmd(
     run_dir: str = typer.Argument(..., help="A sweep output directory (with manifest.json)."),
     out: Optional[str] = typer.Option(None, "--out", help="Where to write plots and report.html (default RUN_DIR/report)."),
@@ -226,7 +226,7 @@ def report_cmd(
     typer.echo(f"wrote {res.html} and {len(res.plots)} plot(s)")
 
 
-@app.command("noise")
+@app.command("noise", short_help="Measure the gradient noise scale B_simple with its interval.")
 def noise_cmd(
     task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt, mnist or package.module:function."),
     micro_batch: int = typer.Option(8, "--micro-batch", help="Samples (sequences) per forward/backward per rank."),
@@ -291,7 +291,7 @@ def noise_cmd(
         console.print(f"wrote {result.csv_path}" + (f" and {out}/tb" if tensorboard else ""))
 
 
-@app.command("branch")
+@app.command("branch", short_help="Branch test (Merrill et al. 2025): the largest safe batch multiple k.")
 def branch_cmd(
     task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt, mnist or package.module:function."),
     base_batch: int = typer.Option(16, "--base-batch", help="Batch of the base run, in samples (sequences) per step."),
@@ -325,7 +325,7 @@ def branch_cmd(
     typer.echo(f"wrote {out}/result.json")
 
 
-@app.command("demo")
+@app.command("demo", short_help="Quick sweep of a small tinygpt and its report (the main job).")
 def demo_cmd(
     out: str = typer.Option("demo_out", "--out", help="Output directory of the demo sweep and its report."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Trials at once (default: min(trials, cores))."),
