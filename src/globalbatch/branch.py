@@ -39,7 +39,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from globalbatch.sweep import _evaluate, _json_default, atomic_write_json, _build_optimizer
+from globalbatch._util import atomic_write_json, json_default
+from globalbatch.sweep import _build_optimizer, _evaluate
 
 __all__ = ["BranchConfig", "KVerdict", "Verdicts", "PointResult", "BranchResult", "branch_verdicts", "run_branch_test", "load_branch_results"]
 
@@ -306,7 +307,7 @@ def _branch_name(point: int, k: int, seed: int) -> str:
 
 def _check_manifest(out: Path, config: BranchConfig) -> None:
     path = out / "manifest.json"
-    want = json.loads(json.dumps(config.manifest(), default=_json_default))
+    want = json.loads(json.dumps(config.manifest(), default=json_default))
     if path.is_file():
         have = json.loads(path.read_text())
         if have != want:

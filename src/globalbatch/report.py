@@ -33,7 +33,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from globalbatch.critical import Analysis, ema_smooth
-from globalbatch.sweep import SweepData, analyze_sweep, atomic_write_json, atomic_write_text
+from globalbatch._util import atomic_write_json, atomic_write_text
+from globalbatch.sweep import SweepData, analyze_sweep
 
 __all__ = ["ReportResult", "write_report", "analysis_table", "batch_label", "render_html"]
 
