@@ -56,7 +56,10 @@ def batch_label(data: SweepData, units: float) -> str:
 
 
 def _plt():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("report: matplotlib is not installed; allowed: pip install 'globalbatch[plot]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
