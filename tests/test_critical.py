@@ -107,17 +107,18 @@ def test_zhang_cbs_is_a_fifth_of_b_crit_and_meets_its_definition():
 
 
 def test_ema_lag_correction_gives_exact_steps_on_a_linear_curve():
-    # loss = 10 − 0.01·step: target 9 is crossed at step 100 exactly, whatever the halflife.
-    steps = np.arange(1, 401, dtype=float)
-    curve = Curve(batch_size=8, lr=1e-3, examples=8 * steps, loss=10.0 - 0.01 * steps)
+    # loss[i] is at the parameters after i updates (the forward pass before update i + 1):
+    # loss = 10 − 0.01·i reaches target 9 after exactly 100 updates (800 examples), whatever the halflife.
+    updates = np.arange(0, 400, dtype=float)
+    curve = Curve(batch_size=8, lr=1e-3, examples=8 * (updates + 1), loss=10.0 - 0.01 * updates)
     for halflife in (1.0, 8.0, 30.0):
         s, e = steps_to_target(curve, 9.0, halflife_steps=halflife)
         assert s == pytest.approx(100.0, abs=1e-6)
         assert e == pytest.approx(800.0, abs=1e-4)
     # The uncorrected EMA lags by ~halflife/ln 2 steps: the correction matters.
-    sm, lag = ema_smooth(10.0 - 0.01 * steps, 30.0)
+    sm, lag = ema_smooth(10.0 - 0.01 * updates, 30.0)
     assert lag[-1] == pytest.approx(0.5 ** (1 / 30) / (1 - 0.5 ** (1 / 30)), rel=1e-3)
-    assert np.argmax(sm <= 9.0) + 1 > 130
+    assert np.argmax(sm <= 9.0) > 130
 
 
 def test_ema_ignores_non_finite_steps_and_unreached_is_none():
@@ -140,11 +141,11 @@ def synthetic_curves(rng, *, batches=(16, 32, 64, 128, 256, 512), lrs=(3e-4, 1e-
     curves = []
     for b in batches:
         n = total // b
-        s = np.arange(1, n + 1, dtype=float)
+        s = np.arange(0, n, dtype=float)  # loss[i] at the parameters after i updates (as a sweep logs it)
         for lr in lrs:
             tau = 20.0 * (1.0 + b_crit / b) * slow[lr]
             loss = 2.0 + 3.0 / (1.0 + s / tau) + rng.normal(0, 0.05 / math.sqrt(b), n)
-            curves.append(Curve(batch_size=b, lr=lr, examples=b * s, loss=loss, examples_per_s=1000.0 * b ** 0.5))
+            curves.append(Curve(batch_size=b, lr=lr, examples=b * (s + 1), loss=loss, examples_per_s=1000.0 * b ** 0.5))
     return curves
 
 
@@ -234,3 +235,52 @@ def test_curve_validation():
         Curve(batch_size=0, lr=1e-3, examples=[], loss=[])
     with pytest.raises(ValueError, match="increasing"):
         Curve(batch_size=4, lr=1e-3, examples=[8, 4], loss=[1.0, 1.0])
+
+
+# --- review fixes ---------------------------------------------------------------
+
+
+def _synth_pre(tau0, e_tot, b_crit=1600.0):
+    """The reviewer's noise-free curves, logged as a sweep logs them: loss[i] after i updates."""
+    out = []
+    for b in (100, 200, 400, 800, 1600, 3200, 6400, 12800):
+        n = int(e_tot / b)
+        t = np.arange(n, dtype=float)
+        out.append(Curve(batch_size=b, lr=1e-3, examples=b * (t + 1), loss=2 + 3 / (1 + t / (tau0 * (1 + b_crit / b))),
+                         examples_per_s=1.0))
+    return out
+
+
+@pytest.mark.parametrize("tau0", [2.0, 20.0])
+def test_steps_to_target_has_no_off_by_one_at_small_s_min(tau0):
+    """S_min = 4·tau0 updates; was 9.06 and B_crit 1,419 (not 1,600) at S_min = 8 with the old convention."""
+    res = points_for_target(_synth_pre(tau0, 12800 * 30 * tau0), 2 + 3 / 5)
+    assert res.fit.b_crit == pytest.approx(1600.0, rel=0.01)
+    assert res.fit.s_min == pytest.approx(4 * tau0, rel=0.015)
+    for p in res.points:  # E is the examples of the first S updates
+        assert p.examples == pytest.approx(p.batch_size * p.steps, rel=1e-9)
+
+
+def test_extrapolated_b_crit_is_a_one_sided_bound():
+    linear = fit_hyperbola(BATCHES, 1e6 / BATCHES * np.exp(np.random.default_rng(0).normal(0, 0.03, BATCHES.size)))
+    assert linear.extrapolated and linear.b_crit > BATCHES.max()
+    kind, x = linear.b_crit_bound(0.95)
+    assert kind == "lower" and x <= BATCHES.max()
+    assert linear.b_crit_text().startswith(f"B_crit > {x:,.0f} (lower bound; all batches in the perfect-scaling regime)")
+    flat = fit_hyperbola(BATCHES, np.full(BATCHES.size, 50.0) * np.exp(np.random.default_rng(1).normal(0, 0.03, BATCHES.size)))
+    assert flat.b_crit_bound()[0] == "upper" and flat.b_crit_bound()[1] >= BATCHES.min()
+    inside = fit_hyperbola(BATCHES, hyperbola_steps(BATCHES))
+    assert inside.b_crit_bound() is None and "95% CI" in inside.b_crit_text()
+    # The analysis carries the bound instead of a two-sided CI.
+    curves = [Curve(batch_size=b, lr=1e-3, examples=b * np.arange(1, 201), loss=3.0 - 1e-5 * b * np.arange(200),
+                    examples_per_s=1.0) for b in (8, 16, 32, 64)]
+    t = points_for_target(curves, 2.99)
+    assert t.fit is not None and t.b_crit_bound is not None and t.b_crit_bound[0] == "lower" and t.b_crit_ci95 is None
+
+
+def test_recommend_breaks_time_ties_by_cost_when_costs_are_known():
+    pts = seeds_points()
+    for p, usd_per_token in zip(pts, (3e-9, 1.6e-9, 1.0e-9)):
+        p.cost = p.examples * usd_per_token
+    # 2M and 4M tie on time within 5%; with costs known the cheaper (4M), not the fewer tokens (2M), wins.
+    assert recommend(pts, objective="time", tolerance=0.05).batch_size == 4e6

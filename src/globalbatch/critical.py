@@ -64,9 +64,12 @@ class Curve:
     lr: float
     """Peak learning rate of the trial."""
     examples: np.ndarray
-    """Cumulative examples consumed after each optimizer step (1-D, increasing)."""
+    """Cumulative examples consumed after each optimizer step (1-D, increasing): ``examples[i]``
+    after update i + 1."""
     loss: np.ndarray
-    """Training loss (mean per example) of each optimizer step, same length as ``examples``."""
+    """Training loss (mean per example) of each optimizer step, same length as ``examples``:
+    ``loss[i]`` is the loss of step i + 1's forward pass, i.e. at the parameters after i
+    updates (``loss[0]`` is the initial model's loss). This is what a training loop logs."""
     examples_per_s: Optional[float] = None
     """Measured training throughput in examples/s (evaluation excluded); None if unknown."""
     cost_per_example: Optional[float] = None
@@ -131,7 +134,9 @@ def _crossing(curve: Curve, target: float, halflife_steps: float) -> Optional[tu
     """First crossing of ``target`` by the lag-corrected EMA, interpolated; ``(steps, examples)`` or None."""
     n = curve.loss.size
     smooth, lag = ema_smooth(curve.loss, halflife_steps)
-    step = np.arange(1, n + 1, dtype=float) - lag  # the step each smoothed value describes
+    # loss[i] is measured at the parameters after i updates (the forward pass before update
+    # i + 1), so the smoothed value i describes the parameters after i − lag[i] updates.
+    step = np.arange(0, n, dtype=float) - lag
     below = np.flatnonzero(np.isfinite(smooth) & (smooth <= target))
     if below.size == 0:
         return None
@@ -142,8 +147,9 @@ def _crossing(curve: Curve, target: float, halflife_steps: float) -> Optional[tu
         l0, l1 = smooth[i - 1], smooth[i]
         frac = 1.0 if not np.isfinite(l0) or l0 == l1 else (l0 - target) / (l0 - l1)
         s = step[i - 1] + frac * (step[i] - step[i - 1])
-    # Examples at fractional step s, interpolated on the recorded cumulative examples
-    # (exact E = B·S when every step carries B examples; honest when counts vary).
+    # Examples consumed by the first s updates, interpolated on the recorded cumulative
+    # examples (examples[j] after update j + 1; 0 before the first): exact E = B·S when
+    # every step carries B examples, honest when counts vary.
     steps_axis = np.arange(0, n + 1, dtype=float)
     e = float(np.interp(s, steps_axis, np.concatenate([[0.0], curve.examples])))
     return float(s), e
@@ -246,6 +252,37 @@ class HyperbolaFit:
     def extrapolated(self) -> bool:
         """True when B_crit lies outside the swept batch range (the curvature was not observed)."""
         return not (self.batch_range[0] <= self.b_crit <= self.batch_range[1])
+
+    def b_crit_bound(self, level: float = 0.95) -> Optional[tuple[str, float]]:
+        """The one-sided bound to report instead of a two-sided interval when B_crit is extrapolated.
+
+        Above the swept range every batch is in the perfect-scaling regime (S ∝ 1/B): the
+        data only say B_crit is large, so the answer is ``("lower", X)``, X = the smaller of
+        the one-sided ``level`` lower confidence bound and the largest swept batch. Below
+        the range every batch is in the saturated regime (S ≈ S_min): ``("upper", Y)``, Y =
+        the larger of the one-sided upper bound and the smallest swept batch. None when
+        B_crit lies inside the swept range (then :meth:`b_crit_interval` stands).
+        """
+        from scipy import stats
+
+        if not self.extrapolated:
+            return None
+        q = float(stats.t.ppf(level, max(self.dof, 1)))
+        half = min(q * self.se_log_b_crit, 700.0) if math.isfinite(self.se_log_b_crit) else 700.0
+        if self.b_crit > self.batch_range[1]:
+            return "lower", min(self.b_crit * math.exp(-half), self.batch_range[1])
+        return "upper", max(self.b_crit * math.exp(half), self.batch_range[0])
+
+    def b_crit_text(self, level: float = 0.95) -> str:
+        """``"1,600 (95% CI 1,500–1,700)"``, or the one-sided bound when extrapolated."""
+        bound = self.b_crit_bound(level)
+        if bound is None:
+            lo, hi = self.b_crit_interval(level)
+            return f"{self.b_crit:,.0f} ({level:.0%} CI {lo:,.0f}–{hi:,.0f})"
+        kind, x = bound
+        if kind == "lower":
+            return f"B_crit > {x:,.0f} (lower bound; all batches in the perfect-scaling regime)"
+        return f"B_crit < {x:,.0f} (upper bound; all batches in the saturated regime)"
 
     def cbs(self, *, overhead: float = 0.2, base_batch: float = 0.0) -> float:
         """Zhang et al. 2024 critical batch for this fit; see :func:`zhang_cbs`."""
@@ -369,6 +406,12 @@ class TargetResult:
     cbs_20: Optional[float] = None
     """Zhang et al. 2024 CBS (20% step overhead over E_min/B), = 0.2·B_crit."""
     se_cbs_20: Optional[float] = None
+    b_crit_ci95: Optional[tuple[float, float]] = None
+    """Two-sided 95% CI of B_crit; None when B_crit is extrapolated (see ``b_crit_bound``)."""
+    b_crit_bound: Optional[tuple[str, float]] = None
+    """When B_crit lies outside the swept batches: ``("lower", X)`` (B_crit > X, every batch in
+    the perfect-scaling regime) or ``("upper", Y)`` (B_crit < Y, every batch saturated), a
+    one-sided 95% bound — the point estimate and a two-sided CI mean little there."""
 
 
 @dataclass(kw_only=True)
@@ -451,6 +494,9 @@ def points_for_target(
         result.fit = fit
         result.cbs_20 = fit.cbs(overhead=0.2)
         result.se_cbs_20 = 0.2 * fit.se_b_crit
+        result.b_crit_bound = fit.b_crit_bound(0.95)
+        if result.b_crit_bound is None:
+            result.b_crit_ci95 = fit.b_crit_interval(0.95)
     return result
 
 
@@ -522,11 +568,16 @@ def recommend(
 
     Rule: rank the batches that reach the target by ``objective`` ("time": wall-clock
     to target; "cost": cost to target, falling back to examples consumed when no cost per
-    example is known). Every batch within ``tolerance`` (relative) of the best is a tie;
-    among ties the one that needs the fewest examples (least compute and data) wins —
-    for "cost", among cost ties the fastest wins. So a bigger batch that is only
-    marginally faster but burns many more tokens loses: this is "the highest-throughput
-    batch that reaches the target", not the largest that fits.
+    example is known). Every batch within ``tolerance`` (relative) of the best is a tie,
+    broken by a secondary criterion (then by the primary one):
+
+    * "time": the lowest cost to target when every batch has a cost, otherwise the fewest
+      examples to target (least compute and data);
+    * "cost": the shortest wall-clock to target when every batch has a throughput,
+      otherwise the fewest examples.
+
+    So a bigger batch that is only marginally faster but burns many more tokens loses: this
+    is "the highest-throughput batch that reaches the target", not the largest that fits.
     """
     if objective not in ("time", "cost"):
         raise ValueError(f"objective: {objective!r}: allowed 'time' or 'cost'")
