@@ -41,9 +41,10 @@ def test_upper_bound_covers_the_true_difference_at_its_level():
 
 def test_critical_k_recovers_known_truth():
     rng = np.random.default_rng(2)
-    # k ≤ 4 as good as k = 1, k = 8 worse by 0.08 (8σ of the noise): critical k = 4.
+    # k ≤ 4 as good as k = 1, k = 8 worse by 0.08: critical k = 4. A k passes only when its
+    # mean difference is also within the tolerance, so the noise must resolve 0.002 vs 0.01.
     truth = {1: 0.0, 2: 0.0, 4: 0.002, 8: 0.08}
-    hits = [branch_verdicts(simulate(rng, truth), tolerance=TOL).critical_k for _ in range(100)]
+    hits = [branch_verdicts(simulate(rng, truth, noise_sd=0.005), tolerance=TOL).critical_k for _ in range(100)]
     assert np.mean(np.array(hits) == 4) >= 0.9
     v = branch_verdicts(simulate(rng, truth), tolerance=TOL)
     assert [x.k for x in v.per_k] == [1, 2, 4, 8] and v.per_k[0].status == "reference"
@@ -105,8 +106,8 @@ def test_tiny_branch_run_resume_and_redecide(tmp_path):
     for (p, k, s), b in by.items():
         assert b["lr"] == pytest.approx(3e-3 * math.sqrt(k))
         assert b["units"] >= 600 and b["batch"] == 4 * k and math.isfinite(b["val_loss"])
-        # Same seed → same data: the k=2 branch consumed the k=1 branch's samples, up to one k=2 step.
-        assert abs(b["samples"] - by[(p, 1, s)]["samples"]) < 8
+        # Same seed → same data: the k=2 branch consumed exactly the k=1 branch's samples.
+        assert b["samples"] == by[(p, 1, s)]["samples"] and b["samples_sha1"] == by[(p, 1, s)]["samples_sha1"]
     assert all(p.critical_k in (1, 2) for p in res.points) and res.compute_s > 0
     # Resume: nothing is retrained; changed run settings are an error; decisions can be redone.
     again = run_branch_test(cfg, tmp_path, threads=1, progress=False)
@@ -138,3 +139,45 @@ def test_cli_branch(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["branch", "--ks", "2,4", "--out", str(tmp_path / "x")])
     assert exc.value.code == 2 and "ks: [2, 4]: must be distinct integers >= 1 and include 1" in capsys.readouterr().err
+
+
+def test_a_mean_beyond_tolerance_fails_even_when_not_significant():
+    """The reviewer's example: k = 2 is 0.05 (5× the tolerance) worse on average, p ≥ alpha with 3 seeds."""
+    v = branch_verdicts({1: [3, 3, 3], 2: [3.15, 2.96, 3.04], 4: [3, 3, 3.01]}, tolerance=0.01)
+    k2 = v.per_k[1]
+    assert k2.diff == pytest.approx(0.05) and k2.p_value >= 0.05 and not k2.worse
+    assert k2.status == "beyond tolerance (not significant)" and not k2.passes
+    assert v.critical_k == 1  # stops at the first failing k, not 4
+    assert v.per_k[2].passes  # k = 4 itself is within tolerance, but the scan has stopped
+    # A better large batch (negative difference) passes.
+    better = branch_verdicts({1: [3.0, 3.01, 2.99], 2: [2.9, 2.91, 2.89]}, tolerance=TOL)
+    assert better.critical_k == 2 and better.per_k[1].passes
+
+
+def test_branch_points_inside_the_base_warmup_are_an_error():
+    with pytest.raises(ValueError, match="branch_at: \\[100\\]: inside the base run's LR warmup"):
+        BranchConfig(branch_at=[100, 10_000], window=1000, base_warmup_fraction=0.05)
+    assert BranchConfig(branch_at=[500, 10_000], window=1000).base_warmup_units() == 500
+
+
+def test_window_is_counted_in_samples_rounded_to_the_largest_step():
+    cfg = BranchConfig(base_batch=4, ks=[1, 2, 8], branch_at=[600], window=700)
+    assert cfg.window_samples(1.0) == 704  # 700 → a multiple of 8 × 4 = 32
+    assert cfg.window_samples(16.0) == 64  # 700 tokens / 16 = 44 samples → 64
+
+
+def test_every_branch_trains_on_the_same_samples(tmp_path):
+    """Repro: base 4, ks 1/2/8, window 700 gave 704 / 768 / 1,024 units; now all branches of a seed are identical."""
+    cfg = BranchConfig(task="tinygpt", task_overrides=TINY, base_batch=4, ks=[1, 2, 8], lr=3e-3, branch_at=[600],
+                       window=700, seeds=2, max_val_samples=16)
+    res = run_branch_test(cfg, tmp_path, threads=1, progress=False)
+    ups = json.loads((tmp_path / "base" / "base.json").read_text())["units_per_sample"]
+    assert res.window_samples == cfg.window_samples(ups) and res.window_samples % 32 == 0
+    assert res.window_samples * ups >= 700
+    for s in range(2):
+        rows = [b for b in res.branches if b["seed"] == s]
+        assert len({b["samples"] for b in rows}) == 1 and rows[0]["samples"] == res.window_samples
+        assert len({b["units"] for b in rows}) == 1
+        assert len({b["samples_sha1"] for b in rows}) == 1
+        assert {b["k"]: b["steps"] for b in rows} == {k: res.window_samples // (4 * k) for k in (1, 2, 8)}
+    assert "rounded up to a multiple of max k × base batch = 32" in res.text()

@@ -8,26 +8,39 @@ smoothed losses. The critical batch at that checkpoint is the largest k·B whose
 stays within a tolerance (they used 0.01) of the k = 1 branch. They found it far above
 the gradient noise scale for Adam, and growing from near 0 to a plateau during training.
 
-Here every branch point (``branch_at``, units trained by the base run) gets ``seeds``
-branches per k. Seed s fixes the order of the data the branch sees after the
-checkpoint, the same for every k: over the same token window, the k-branch and the
-1-branch consume exactly the same samples, k at a time. The loss compared is the
-validation loss at the end of the window (``metric="val"``, a fixed set) or the
-token-weighted mean training loss over the last quarter of the window
-(``metric="train"``, a smoothed loss on data that is identical across k).
+Here every branch point (``branch_at``, units trained by the base run, after the base
+run's LR warmup) gets ``seeds`` branches per k. Seed s fixes the order of the data the
+branch sees after the checkpoint, the same for every k. The window is counted in
+samples: ``window`` units are converted with the base run's measured units per sample
+and rounded **up** to a multiple of max(ks)·base_batch samples, so every k-branch takes a
+whole number of steps, all branches of a seed train on exactly the same samples and stop
+at the same sample (the k-branch consumes the 1-branch's samples k steps' worth at a
+time). The rounded window is stated in the output.
 
-The decision is a statistical test, not a threshold on one number. For each k > 1, with
-d = L_k − L_1 over seeds, H0: E[d] ≤ tolerance against H1: E[d] > tolerance (k is worse
-than the small batch by more than the tolerance), one-sided at ``alpha``. ``paired``
-(default) uses the per-seed differences (a paired t-test, valid because each seed's
-branches saw the same data); ``welch`` the unpaired Welch t-test. k passes when H0 is
-not rejected; the critical k is the largest k such that every k' ≤ k passes.
-Caveat (documented in docs/critical.md): with few seeds the test has little power, so
-a pass means "not shown worse", not "shown equal".
+The loss compared is, by default, the validation loss at the end of the window on a
+fixed set of held-out samples (``metric="val"``): every branch is scored at its final
+parameters on the same data. ``metric="train"`` (the token-weighted training loss of
+the steps in the last quarter of the window) is kept as an option but is **biased
+against large k**: each step's loss is measured before its update, so a k-branch's
+tail losses are taken at parameters that are up to one (k times larger) step staler.
+
+The decision: for each k > 1, with d = L_k − L_1 over seeds, a one-sided t-test of H0:
+E[d] ≤ tolerance against H1: E[d] > tolerance at ``alpha`` (``paired``, the default,
+uses the per-seed differences — valid because each seed's branches saw the same data;
+``welch`` the unpaired Welch t-test). k **passes** only when it is not significantly
+worse AND its mean difference is within the tolerance (Merrill et al.: the loss stays
+within the tolerance of the k = 1 branch); with few seeds the test alone has no power,
+so a k whose mean loss is several tolerances worse must not pass just because p ≥
+alpha. The critical k is the largest k such that every k' ≤ k passes (the scan stops
+at the first failing k). Per k the verdict is ``within tolerance`` (the upper bound is
+≤ tolerance: shown not worse), ``inconclusive`` (mean within tolerance, not shown
+either way; passes), ``beyond tolerance (not significant)`` (mean difference > tolerance,
+p ≥ alpha; fails) or ``worse`` (significant; fails).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -46,7 +59,7 @@ __all__ = ["BranchConfig", "KVerdict", "Verdicts", "PointResult", "BranchResult"
 
 METRICS = ("val", "train")
 TESTS = ("paired", "welch")
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: the window is counted in samples, rounded up to max(ks)·base_batch
 
 
 @dataclass(kw_only=True)
@@ -85,6 +98,8 @@ class BranchConfig:
     def __post_init__(self) -> None:
         self.ks = sorted(int(k) for k in self.ks)
         self.branch_at = sorted(int(x) for x in self.branch_at)
+        if not 0.0 <= self.base_warmup_fraction < 1.0:
+            raise ValueError(f"base_warmup_fraction: {self.base_warmup_fraction}: must be in [0, 1)")
         if 1 not in self.ks or any(k < 1 for k in self.ks) or len(set(self.ks)) != len(self.ks):
             raise ValueError(f"ks: {self.ks}: must be distinct integers >= 1 and include 1 (the reference branch)")
         if len(self.ks) < 2:
@@ -99,6 +114,13 @@ class BranchConfig:
             raise ValueError(f"branch_at: {self.branch_at}: need at least one branch point >= 1 unit")
         if self.window < 1:
             raise ValueError(f"window: {self.window}: must be >= 1 unit")
+        warm = self.base_warmup_units()
+        early = [p for p in self.branch_at if p < warm]
+        if early:
+            raise ValueError(
+                f"branch_at: {early}: inside the base run's LR warmup (the first {warm:,} units = "
+                f"base_warmup_fraction {self.base_warmup_fraction} × the last branch point {self.branch_at[-1]:,}); "
+                "branches train at the constant peak LR × multiplier, so branch after the warmup")
         if self.seeds < 2:
             raise ValueError(f"seeds: {self.seeds}: the test needs at least 2 seeds per k")
         if not self.tolerance >= 0:
@@ -109,6 +131,16 @@ class BranchConfig:
             raise ValueError(f"metric: {self.metric!r}: allowed {', '.join(METRICS)}")
         if self.test not in TESTS:
             raise ValueError(f"test: {self.test!r}: allowed {', '.join(TESTS)}")
+
+    def base_warmup_units(self) -> int:
+        """Units over which the base run warms its LR up (branch points must not be earlier)."""
+        return int(self.base_warmup_fraction * self.branch_at[-1]) if self.branch_at else 0
+
+    def window_samples(self, units_per_sample: float) -> int:
+        """The window in samples: ``window`` units rounded up to a multiple of max(ks)·base_batch."""
+        quantum = max(self.ks) * self.base_batch
+        samples = math.ceil(self.window / max(float(units_per_sample), 1e-12) - 1e-9)
+        return max(1, math.ceil(samples / quantum)) * quantum
 
     def lr_for(self, k: int) -> float:
         """The branch LR: √k scaling for Adam-type optimizers, linear for SGD."""
@@ -153,16 +185,19 @@ class KVerdict:
     """One-sided p-value of H0: E[L_k − L_1] ≤ tolerance."""
     worse: bool
     """H0 rejected at alpha: k is worse than k = 1 by more than the tolerance."""
+    passes: bool
+    """Not significantly worse AND mean difference ≤ tolerance (k = 1: True)."""
     status: str
-    """``reference`` (k = 1), ``worse``, ``within tolerance`` (upper bound ≤ tolerance: shown
-    not worse) or ``inconclusive`` (neither shown worse nor shown within tolerance)."""
+    """``reference`` (k = 1), ``worse`` (significant), ``beyond tolerance (not significant)``
+    (diff > tolerance, p ≥ alpha: fails), ``within tolerance`` (upper bound ≤ tolerance:
+    shown not worse) or ``inconclusive`` (diff ≤ tolerance, not shown either way: passes)."""
 
 
 @dataclass(kw_only=True)
 class Verdicts:
     per_k: list[KVerdict]
     critical_k: int
-    """Largest k such that no k' ≤ k is significantly worse (the branch test's answer)."""
+    """Largest k such that every k' ≤ k passes (not significantly worse and mean diff ≤ tolerance)."""
     critical_k_shown: int
     """Largest k such that every k' ≤ k is *shown* within tolerance (conservative; 1 if none)."""
 
@@ -194,7 +229,7 @@ def branch_verdicts(
         diff = float(x.mean() - ref.mean())
         if k == 1:
             out.append(KVerdict(k=1, mean=float(x.mean()), std=float(x.std(ddof=1)), n=x.size, diff=0.0, upper=0.0,
-                                t=math.nan, p_value=math.nan, worse=False, status="reference"))
+                                t=math.nan, p_value=math.nan, worse=False, passes=True, status="reference"))
             continue
         if test == "paired":
             if x.size != ref.size:
@@ -215,12 +250,17 @@ def branch_verdicts(
             p = float(stats.t.sf(t, df))
             upper = diff + float(stats.t.ppf(1.0 - alpha, df)) * se
         worse = bool(p < alpha)
-        status = "worse" if worse else ("within tolerance" if upper <= tolerance else "inconclusive")
+        if worse:
+            status = "worse"
+        elif diff > tolerance:
+            status = "beyond tolerance (not significant)"
+        else:
+            status = "within tolerance" if upper <= tolerance else "inconclusive"
         out.append(KVerdict(k=k, mean=float(x.mean()), std=float(x.std(ddof=1)), n=x.size, diff=diff, upper=upper,
-                            t=float(t), p_value=p, worse=worse, status=status))
+                            t=float(t), p_value=p, worse=worse, passes=not worse and diff <= tolerance, status=status))
     critical = shown = 1
     for v in out:
-        if v.worse:
+        if not v.passes:
             break
         critical = v.k
     for v in out:
@@ -235,23 +275,27 @@ def branch_verdicts(
 # ---------------------------------------------------------------------------
 
 
-def _train(task, model, opt, driver, order, batch: int, micro: int, until_units: int, tail_from: Optional[int] = None,
-           on_step=None) -> tuple[float, float]:
-    """Train until ``driver.trained_units >= until_units``; returns (token-weighted tail loss, seconds)."""
+def _train(task, model, opt, driver, order, batch: int, micro: int, until_units: Optional[int] = None,
+           n_steps: Optional[int] = None, tail_from_step: Optional[int] = None) -> tuple[float, float, list[int]]:
+    """Train until ``driver.trained_units >= until_units`` (the base run) or for exactly
+    ``n_steps`` windows of ``batch`` samples (a branch); returns (token-weighted training
+    loss of the windows from index ``tail_from_step`` on, seconds, the sample ids drawn)."""
     import torch  # noqa: F401
 
     tail_loss = tail_units = 0.0
+    drawn: list[int] = []
     t0 = time.perf_counter()
-    while driver.trained_units < until_units:
+    i_step = 0
+    while (driver.trained_units < until_units) if n_steps is None else (i_step < n_steps):
         idx = list(itertools.islice(order, batch))
+        drawn.extend(int(j) for j in idx)
         micros = [task.collate(idx[i:i + micro]) for i in range(0, batch, micro)]
         res = driver.run_window(micros, task.loss_sum, samples_per_micro=[len(idx[i:i + micro]) for i in range(0, batch, micro)])
-        if tail_from is not None and driver.trained_units > tail_from and not res.skipped:
+        if tail_from_step is not None and i_step >= tail_from_step and not res.skipped:
             tail_loss += res.loss_per_unit * res.global_units
             tail_units += res.global_units
-        if on_step is not None:
-            on_step(driver.trained_units)
-    return (tail_loss / tail_units if tail_units else math.nan), time.perf_counter() - t0
+        i_step += 1
+    return (tail_loss / tail_units if tail_units else math.nan), time.perf_counter() - t0, drawn
 
 
 @dataclass(kw_only=True)
@@ -275,6 +319,10 @@ class BranchResult:
     unit: str
     points: list[PointResult]
     branches: list[dict]
+    window_samples: int = 0
+    """The window every branch trained on, in samples (``window`` rounded up to a multiple of max(ks)·base_batch)."""
+    window_units: float = 0.0
+    """The same in units, from the base run's units per sample."""
     compute_s: float
     """Training seconds of the base run and every branch (evaluation excluded), summed."""
     wall_s: float
@@ -286,8 +334,11 @@ class BranchResult:
     def text(self) -> str:
         c = self.config
         lines = [f"branch test: base batch {c.base_batch}, lr {c.lr:g} ({c.optimizer}: LR × {'√k' if c.optimizer == 'adamw' else 'k'}), "
-                 f"window {c.window:,} {self.unit}s, {c.seeds} seeds, {c.test} one-sided t-test, alpha {c.alpha}, "
-                 f"tolerance {c.tolerance} on the {'validation' if c.metric == 'val' else 'training (last quarter)'} loss"]
+                 f"window {c.window:,} {self.unit}s → {self.window_samples:,} samples (≈{self.window_units:,.0f} {self.unit}s; "
+                 f"rounded up to a multiple of max k × base batch = {max(c.ks) * c.base_batch}, the same samples for every k), "
+                 f"{c.seeds} seeds, {c.test} one-sided t-test, alpha {c.alpha}, tolerance {c.tolerance} on the "
+                 f"{'validation loss (fixed held-out samples, end of window)' if c.metric == 'val' else 'training loss of the last quarter (biased against large k)'}",
+                 "a k passes when it is not significantly worse AND its mean loss is within the tolerance of k = 1"]
         for p in self.points:
             lines.append(f"at {p.branch_at:,} {self.unit}s: critical k = {p.critical_k} → batch {p.critical_batch} "
                          f"(≈{p.critical_batch_units:,.0f} {self.unit}s); shown within tolerance up to k = {p.critical_k_shown}")
@@ -296,7 +347,8 @@ class BranchResult:
                     lines.append(f"  k=1: loss {v.mean:.4f} ± {v.std:.4f} (reference)")
                 else:
                     lines.append(f"  k={v.k}: loss {v.mean:.4f} ± {v.std:.4f}, diff {v.diff:+.4f} "
-                                 f"(upper {1 - c.alpha:.0%} bound {v.upper:+.4f}), p = {v.p_value:.3g} → {v.status}")
+                                 f"(upper {1 - c.alpha:.0%} bound {v.upper:+.4f}), p = {v.p_value:.3g} → {v.status} "
+                                 f"({'pass' if v.passes else 'fail'})")
         lines.append(f"compute: {self.compute_s:,.1f} s of training")
         return "\n".join(lines)
 
@@ -314,6 +366,8 @@ def _check_manifest(out: Path, config: BranchConfig) -> None:
             g_have, g_want = have.get("branch", {}), want["branch"]
             diffs = [f"{k}: {g_have.get(k)!r} -> {g_want.get(k)!r}" for k in sorted(set(g_have) | set(g_want))
                      if g_have.get(k) != g_want.get(k)]
+            if have.get("version") != want["version"]:
+                diffs.append(f"version: {have.get('version')!r} -> {want['version']!r} (branches trained differently)")
             raise ValueError(f"out: {str(out)!r}: holds a branch test with different settings ({'; '.join(diffs)}); "
                              "use another --out")
         return
@@ -361,7 +415,7 @@ def run_branch_test(config: BranchConfig, out_dir: str | os.PathLike, *, threads
                  else {"train_s": 0.0, "units_per_sample": None, "unit": unit})
     missing_ckpts = [p for p in config.branch_at if not (ckpt_dir / f"ckpt_{p}.pt").is_file()]
     if missing_ckpts:
-        warm = int(config.base_warmup_fraction * config.branch_at[-1])
+        warm = config.base_warmup_units()
         sched = TokenLRSchedule(peak_lr=config.lr, total=config.branch_at[-1], warmup=warm, shape="constant", unit=unit)
         model, opt, driver = fresh(config.base_batch, config.lr, sched)
         order = task.sample_order(config.seed)
@@ -373,7 +427,7 @@ def run_branch_test(config: BranchConfig, out_dir: str | os.PathLike, *, threads
         for p in config.branch_at:
             if p in done:
                 continue
-            _, secs = _train(task, model, opt, driver, order, config.base_batch, micro0, p)
+            _, secs, _ = _train(task, model, opt, driver, order, config.base_batch, micro0, until_units=p)
             base_meta["train_s"] += secs
             base_meta["units_per_sample"] = driver.trained_units / max(driver.trained_samples, 1)
             save_checkpoint(ckpt_dir / f"ckpt_{p}.pt", model, opt, driver,
@@ -381,7 +435,12 @@ def run_branch_test(config: BranchConfig, out_dir: str | os.PathLike, *, threads
             atomic_write_json(base_meta_path, base_meta)
     bar.advance()
 
-    # 2. The branches.
+    # 2. The branches: every one trains on exactly ``w_samples`` samples (a whole number of steps for every k).
+    ups = float(base_meta.get("units_per_sample") or 1.0)
+    w_samples = config.window_samples(ups)
+    quantum = max(config.ks) * config.base_batch
+    # metric="train": the steps over the last quarter, starting at the same sample for every k.
+    tail_sample = min(math.ceil(0.75 * w_samples / quantum) * quantum, w_samples - quantum)
     branches: list[dict] = []
     for p in config.branch_at:
         for k in config.ks:
@@ -400,15 +459,15 @@ def run_branch_test(config: BranchConfig, out_dir: str | os.PathLike, *, threads
                 opt.load_state_dict(state["optimizer"])  # Adam moments continue; the LR is set next
                 for g in opt.param_groups:
                     g["lr"] = lr_k
-                start_units = 0
-                # Same order for every k at this seed: k-branches consume the 1-branch's samples k at a time.
+                # Same order for every k at this seed: k-branches consume the 1-branch's samples k at a time,
+                # and all stop after the same w_samples samples.
                 order = task.sample_order(config.seed + 1 + 1000 * (config.branch_at.index(p)) + s)
-                tail_from = start_units + int(0.75 * config.window)
-                tail, secs = _train(task, model, opt, driver, order, batch, config.micro_batch_for(batch),
-                                    config.window, tail_from=tail_from)
+                tail, secs, drawn = _train(task, model, opt, driver, order, batch, config.micro_batch_for(batch),
+                                           n_steps=w_samples // batch, tail_from_step=tail_sample // batch)
                 val = _evaluate(task, model, max(16, config.micro_batch_for(batch)), config.max_val_samples)
                 rec = {"name": name, "branch_at": p, "k": k, "seed": s, "batch": batch, "lr": lr_k,
                        "units": driver.trained_units, "samples": driver.trained_samples, "steps": driver.optimizer_steps,
+                       "window_samples": w_samples, "samples_sha1": hashlib.sha1(json.dumps(drawn).encode()).hexdigest(),
                        "skipped": driver.skipped_windows, "val_loss": val, "train_tail_loss": tail, "train_s": secs}
                 atomic_write_json(path, rec)
                 branches.append(rec)
@@ -432,8 +491,9 @@ def _summarise(out: Path, config: BranchConfig, unit: str, branches: list[dict],
                                   critical_batch=kc * config.base_batch,
                                   critical_batch_units=kc * config.base_batch * ups))
     compute = float(base_meta.get("train_s", 0.0)) + sum(float(b["train_s"]) for b in branches)
+    w_samples = config.window_samples(ups)
     result = BranchResult(out_dir=str(out), config=config, unit=unit, points=points, branches=branches,
-                          compute_s=compute, wall_s=wall)
+                          window_samples=w_samples, window_units=w_samples * ups, compute_s=compute, wall_s=wall)
     atomic_write_json(out / "result.json", result.to_dict())
     return result
 
