@@ -326,3 +326,25 @@ def test_demo_config_stays_within_its_measured_budget():
     cfg = demo_config()
     assert len(cfg.trials()) * cfg.budget <= 4_500_000
     assert cfg.task == "tinygpt" and len(cfg.batches) >= 4 and len(cfg.lrs) >= 2
+
+
+def test_timing_pass_is_sequential_recorded_and_used_by_the_analysis(reference_sweep):
+    """Throughput comes from a separate pass per batch, alone on the sweep's threads, not from trials that shared the cores."""
+    out, res, _ = reference_sweep
+    assert sorted(res.timing) == [4, 8]
+    for b in (4, 8):
+        rec = json.loads((out / "timing" / f"b{b}.json").read_text())
+        assert rec["steps"] == 8 and rec["warmup_steps"] == 2 and rec["units_per_s"] > 0 and len(rec["step_units_per_s"]) == 8
+        # the best-LR config of the batch (lowest final validation loss)
+        best = min((s for s in res.summaries if s["batch"] == b), key=lambda s: s["final_val_loss"])
+        assert rec["lr"] == best["lr"]
+    data, analysis = analyze_sweep(out, n_targets=2)
+    units = data.batch_units()
+    for p in analysis.targets[0].points:
+        b = next(k for k, v in units.items() if v == p.batch_size)
+        assert p.examples_per_s == pytest.approx(data.timing[b]["units_per_s"])
+        assert data.in_trial_units_per_s(b) is not None  # kept as the secondary number
+    # Resumable: a rerun does not time again.
+    mtime = (out / "timing" / "b4.json").stat().st_mtime_ns
+    again = run_sweep(tiny_config(), out, workers=1, threads=1, progress=False)
+    assert (out / "timing" / "b4.json").stat().st_mtime_ns == mtime and again.timing[4] == res.timing[4]

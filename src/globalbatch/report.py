@@ -128,7 +128,9 @@ def plot_steps_vs_examples(data: SweepData, analysis: Analysis, path: Path) -> s
         label = f"loss {t.target:.3f}"
         if t.fit is not None:
             f = t.fit
-            label += f": B_crit {f.b_crit:,.0f} ± {f.se_b_crit:,.0f}"
+            bound = f.b_crit_bound(0.95)
+            label += (f": B_crit {f.b_crit:,.0f} ± {f.se_b_crit:,.0f}" if bound is None
+                      else f": B_crit {'>' if bound[0] == 'lower' else '<'} {bound[1]:,.0f} (extrapolated)")
             bb = np.geomspace(min(f.batch_range[0], f.b_crit) / 4, max(f.batch_range[1], f.b_crit) * 4, 200)
             ax.plot(f.examples(bb), f.steps(bb), color=c, lw=1.2)
             ax.plot([2 * f.e_min], [2 * f.s_min], marker="*", ms=11, color=c, mec="black", mew=0.5, ls="none")
@@ -159,13 +161,21 @@ def plot_batch_tradeoff(data: SweepData, analysis: Analysis, path: Path) -> str:
     axes[0].set_title(f"{data.unit}s to loss {t.target:.3f} (red: not reached)")
     tp_b, tp = [], []
     units = data.batch_units()
+    in_b, in_tp = [], []
     for batch, u in units.items():
-        rates = [s["units_per_s"] for s in data.summaries.values() if int(s["batch"]) == batch and s.get("units_per_s")]
-        if rates:
+        rate = data.units_per_s(batch)
+        if rate:
             tp_b.append(u)
-            tp.append(float(np.median(rates)))
-    axes[1].plot(tp_b, tp, "o-", color="tab:green")
-    axes[1].set_title(f"throughput ({data.unit}s/s, median over LRs)")
+            tp.append(rate)
+        inner = data.in_trial_units_per_s(batch)
+        if inner and data.timing:
+            in_b.append(u)
+            in_tp.append(inner)
+    axes[1].plot(tp_b, tp, "o-", color="tab:green", label="timing pass (alone)" if data.timing else "in-trial (median over LRs)")
+    if in_b:
+        axes[1].plot(in_b, in_tp, "x:", color="grey", label="in-trial (shared cores)")
+    axes[1].legend(fontsize=8)
+    axes[1].set_title(f"throughput ({data.unit}s/s)")
     times = [(p.batch_size, p.time_s) for p in t.points if p.time_s is not None]
     if times:
         axes[2].plot([x for x, _ in times], [y for _, y in times], "o-", color="tab:orange")
@@ -229,16 +239,25 @@ def _fit_rows(data: SweepData, analysis: Analysis) -> list[list[str]]:
             rows.append([f"{t.target:.4f}", str(len(t.points)), "–", "–", "–", "–", t.fit_error or ""])
             continue
         f = t.fit
-        lo, hi = f.b_crit_interval(0.95)
-        note = "B_crit outside the swept range: extrapolated" if f.extrapolated else ""
-        rows.append([
-            f"{t.target:.4f}" + (" (primary)" if t is analysis.targets[0] else ""), str(f.n_points), f"{f.b_crit:,.0f} ± {f.se_b_crit:,.0f}", f"{lo:,.0f}–{hi:,.0f}",
-            f"{t.cbs_20:,.0f} ± {t.se_cbs_20:,.0f}", f"{f.s_min:,.1f} / {f.e_min:,.0f}", note,
-        ])
+        bound = f.b_crit_bound(0.95)
+        name = f"{t.target:.4f}" + (" (primary)" if t is analysis.targets[0] else "")
+        if bound is None:
+            lo, hi = f.b_crit_interval(0.95)
+            rows.append([name, str(f.n_points), f"{f.b_crit:,.0f} ± {f.se_b_crit:,.0f}", f"{lo:,.0f}–{hi:,.0f}",
+                         f"{t.cbs_20:,.0f} ± {t.se_cbs_20:,.0f}", f"{f.s_min:,.1f} / {f.e_min:,.0f}", ""])
+            continue
+        # Extrapolated: the point estimate and a two-sided CI mean little; report the one-sided bound.
+        kind, x = bound
+        sign = ">" if kind == "lower" else "<"
+        note = ("lower bound; all batches in the perfect-scaling regime" if kind == "lower"
+                else "upper bound; all batches in the saturated regime")
+        rows.append([name, str(f.n_points), f"{sign} {x:,.0f}", f"one-sided 95%: B_crit {sign} {x:,.0f}",
+                     f"{sign} {0.2 * x:,.0f}", f"{f.s_min:,.1f} / {f.e_min:,.0f}", f"extrapolated: {note}"])
     return rows
 
 
-FIT_HEADER = ["target loss", "points", "B_crit ± SE (McCandlish)", "95% CI", "CBS 20% ± SE (Zhang)", "S_min / E_min", "note"]
+FIT_HEADER = ["target loss", "points", "B_crit ± SE (McCandlish)", "95% CI (one-sided bound if extrapolated)",
+              "CBS 20% ± SE (Zhang)", "S_min / E_min", "note"]
 
 
 def _point_rows(data: SweepData, analysis: Analysis) -> list[list[str]]:
@@ -248,13 +267,22 @@ def _point_rows(data: SweepData, analysis: Analysis) -> list[list[str]]:
     for p in t.points:
         mark = "◀ recommended" if rec is not None and rec.batch_size == p.batch_size else ""
         rows.append([batch_label(data, p.batch_size), f"{p.lr:g}", f"{p.steps:,.1f}", f"{p.examples:,.0f}",
-                     _fmt(p.examples_per_s), _fmt(p.time_s, ",.1f"), mark])
+                     _fmt(p.examples_per_s), _fmt(_in_trial(data, p.batch_size)), _fmt(p.time_s, ",.1f"), mark])
     for u in t.unreached:
-        rows.append([batch_label(data, u), "–", "not reached", "–", "–", "–", ""])
+        rows.append([batch_label(data, u), "–", "not reached", "–", "–", _fmt(_in_trial(data, u)), "–", ""])
     return rows
 
 
-POINT_HEADER = ["batch", "best lr", "steps", "units to target", "units/s", "time to target (s)", ""]
+def _in_trial(data: SweepData, units: float) -> Optional[float]:
+    """The median in-trial units/s of the batch whose mean units per step is ``units``."""
+    pairs = list(data.batch_units().items())
+    if not pairs:
+        return None
+    return data.in_trial_units_per_s(min(pairs, key=lambda kv: abs(kv[1] - units))[0])
+
+
+POINT_HEADER = ["batch", "best lr", "steps", "units to target", "units/s", "in-trial units/s",
+                "time to target (s)", ""]
 
 
 def _trial_rows(data: SweepData) -> list[list[str]]:
@@ -338,7 +366,8 @@ def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, 
 {_table_html([h.replace('units', u + 's') for h in POINT_HEADER], _point_rows(data, analysis))}
 <h2>Critical batch at each loss target</h2>
 <p>B_crit = E_min/S_min from the fit of S(B) = S_min(1 + B_crit/B) in log space (McCandlish et al. 2018);
-SE from the fit covariance, CI with a Student-t quantile. CBS 20% = batch where steps exceed the linear-scaling
+SE from the fit covariance, CI with a Student-t quantile; when B_crit falls outside the swept batches only a
+one-sided 95% bound is reported. CBS 20% = batch where steps exceed the linear-scaling
 ideal E_min/B by 20% (Zhang et al. 2024) = 0.2·B_crit. The two definitions differ by 5×. Units: {u}s per step.</p>
 {_table_html(FIT_HEADER, _fit_rows(data, analysis))}
 <h2>Plots</h2>

@@ -16,6 +16,15 @@ against examples consumed. Each trial here
   units, skipped windows, units/s, train time) with the validation loss every
   ``eval_every`` units (evaluation is excluded from the timing).
 
+Throughput is measured separately (``timing_steps``): trials run side by side and
+compete for the cores, so their in-trial units/s depends on what else ran at the same
+time (the demo's recommendation flipped from batch 4 to 32 under load). After the
+trials, a sequential timing pass trains each batch size alone — one process with all
+the sweep's threads, the best-LR config of that batch, ``timing_warmup`` untimed steps
+then ``timing_steps`` timed ones — and writes ``timing/b<batch>.json`` atomically
+(skipped on a rerun when present). The analysis uses it for throughput, time and cost
+to target; the in-trial units/s stays in each ``summary.json`` as a secondary number.
+
 Crash safety (a ``kill -9`` at any moment loses no finished result and leaves no
 corrupt file): a trial appends to ``metrics.jsonl.tmp-<pid>``; at the end it
 ``os.replace``-s it to ``metrics.jsonl`` and then writes ``summary.json`` atomically
@@ -63,6 +72,7 @@ __all__ = [
     "run_trial",
     "load_sweep",
     "analyze_sweep",
+    "run_timing_pass",
     "atomic_write_text",
     "atomic_write_json",
     "read_jsonl",
@@ -371,6 +381,8 @@ def run_trial(
                 "consumed_samples": driver.trained_samples,
                 "batch": trial.batch,
                 "batch_units": res.global_units,
+                # The forward pass of this step, i.e. the loss at the parameters after step − 1
+                # updates, while "consumed" counts this step's units too (critical.Curve's convention).
                 "loss": res.loss_per_unit,
                 "grad_norm": res.grad_norm,
                 "lr": res.lr,
@@ -447,6 +459,10 @@ class SweepResult:
     wall_time_s: float
     workers: int
     threads_per_worker: int
+    timing: dict[int, dict] = field(default_factory=dict)
+    """Batch (samples) → its sequential timing record (``timing/b<batch>.json``); empty if disabled."""
+    timing_s: float = 0.0
+    """Seconds spent in the timing pass by this call (0 when it was already recorded)."""
 
 
 def _cpu_count() -> int:
@@ -544,8 +560,10 @@ def run_sweep(
     address: Optional[str] = None,
     threads: Optional[int] = None,
     progress: bool = True,
+    timing_steps: int = 8,
+    timing_warmup: int = 2,
 ) -> SweepResult:
-    """Run (or resume) every trial of the grid into ``out_dir``.
+    """Run (or resume) every trial of the grid into ``out_dir``, then the timing pass.
 
     Args:
         workers: trials at once; None: min(pending trials, CPU cores). Each gets
@@ -555,7 +573,12 @@ def run_sweep(
         backend: ``"local"`` (spawned processes) or ``"ray"`` (Ray Tune; ``address`` of an
             existing cluster, or None to start a local Ray).
         progress: rich progress bars on the terminal.
+        timing_steps: steps timed per batch size in the sequential timing pass after the
+            trials (after ``timing_warmup`` untimed ones), alone on all the sweep's threads;
+            0 disables it (the analysis then falls back to the in-trial units/s).
     """
+    if timing_steps < 0 or timing_warmup < 0:
+        raise ValueError(f"timing_steps/timing_warmup: {timing_steps}/{timing_warmup}: must be >= 0")
     if backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r}: allowed {', '.join(BACKENDS)}")
     if workers is not None and workers < 1:
@@ -600,10 +623,86 @@ def run_sweep(
     for t in trials:  # an orphan of a killed earlier run may have left one after this run began
         _remove_stale_tmp(out / "trials" / t.name)
     summaries = [json.loads((out / "trials" / t.name / "summary.json").read_text()) for t in trials]
+    timing: dict[int, dict] = {}
+    t_timing = time.time()
+    if timing_steps > 0:
+        # All the sweep's threads in one process, nothing else of the sweep running.
+        timing = run_timing_pass(config, out, summaries, threads=min(cores, max(1, requested * threads)),
+                                 steps=timing_steps, warmup=timing_warmup)
     return SweepResult(
         out_dir=str(out), summaries=summaries, ran=[t.name for t in pending], skipped=[t.name for t in done],
-        wall_time_s=time.time() - t0, workers=n_workers, threads_per_worker=threads,
+        wall_time_s=time.time() - t0, workers=n_workers, threads_per_worker=threads, timing=timing,
+        timing_s=time.time() - t_timing,
     )
+
+
+def _timing_path(out: Path, batch: int) -> Path:
+    return out / "timing" / f"b{batch}.json"
+
+
+def run_timing_pass(config: SweepConfig, out_dir: str | os.PathLike, summaries: Sequence[dict], *, threads: int,
+                    steps: int = 8, warmup: int = 2) -> dict[int, dict]:
+    """Time each batch size alone, sequentially, in this process; resumable (recorded batches are skipped).
+
+    For each batch: the best-LR config of that batch (lowest final validation loss among
+    its finished trials), a fresh model, ``warmup`` untimed steps, then ``steps`` timed
+    steps on the sweep's data order; units/s = timed units ÷ timed seconds. Written to
+    ``timing/b<batch>.json`` atomically.
+    """
+    import torch
+
+    from globalbatch.step import StepConfig, StepDriver
+    from globalbatch.tasks import load_task
+
+    out = Path(out_dir)
+    result: dict[int, dict] = {}
+    todo = []
+    for b in sorted(config.batches):
+        path = _timing_path(out, b)
+        if path.is_file():
+            result[b] = json.loads(path.read_text())
+            continue
+        mine = [x for x in summaries if int(x["batch"]) == b]
+        if not mine:
+            continue  # no finished trial at this batch (yet)
+        best = min(mine, key=lambda x: (not math.isfinite(float(x.get("final_val_loss", math.nan))),
+                                        float(x.get("final_val_loss", math.inf)), float(x["lr"])))
+        todo.append((b, float(best["lr"])))
+    if not todo:
+        return result
+    task = load_task(config.task, **config.task_overrides)
+    old = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(threads)))
+    try:
+        for b, lr in todo:
+            micro = config.micro_batch_for(b)
+            torch.manual_seed(config.seed)
+            model = task.build_model(config.seed)
+            model.train()
+            opt = _build_optimizer(config.optimizer, model.parameters(), lr, config.weight_decay)
+            driver = StepDriver(model, opt, StepConfig(micro_batch=micro, global_batch=b, max_grad_norm=config.max_grad_norm))
+            order = task.sample_order(config.seed)
+            units = secs = 0.0
+            rates = []
+            for i in range(warmup + steps):
+                t0 = time.perf_counter()
+                idx = list(itertools.islice(order, b))
+                micros = [task.collate(idx[j:j + micro]) for j in range(0, b, micro)]
+                res = driver.run_window(micros, task.loss_sum, samples_per_micro=[len(idx[j:j + micro]) for j in range(0, b, micro)])
+                dt = time.perf_counter() - t0
+                if i >= warmup:
+                    units += res.global_units
+                    secs += dt
+                    rates.append(res.global_units / dt if dt > 0 else math.nan)
+            rec = {"batch": b, "lr": lr, "threads": torch.get_num_threads(), "warmup_steps": warmup, "steps": steps,
+                   "units": units, "seconds": secs, "units_per_s": units / secs if secs > 0 else math.nan,
+                   "step_units_per_s": rates, "unit": task.unit, "host": platform.node(), "recorded_at": time.time()}
+            atomic_write_json(_timing_path(out, b), rec)
+            _append_event(out, event="timed", batch=b)
+            result[b] = rec
+    finally:
+        torch.set_num_threads(old)
+    return result
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -712,6 +811,23 @@ class SweepData:
     summaries: dict[str, dict]
     missing: list[str]
     """Trials of the grid without a finished result."""
+    timing: dict[int, dict] = field(default_factory=dict)
+    """Batch (samples) → the sequential timing pass's record (``timing/b<batch>.json``), when run."""
+
+    def units_per_s(self, batch: int) -> Optional[float]:
+        """Throughput at ``batch`` for the analysis: the timing pass's, else the median in-trial one."""
+        t = self.timing.get(int(batch))
+        if t is not None and t.get("units_per_s") and math.isfinite(t["units_per_s"]) and t["units_per_s"] > 0:
+            return float(t["units_per_s"])
+        return self.in_trial_units_per_s(batch)
+
+    def in_trial_units_per_s(self, batch: int) -> Optional[float]:
+        """Median over the batch's trials of their in-trial units/s (measured while trials shared the cores)."""
+        import statistics
+
+        rates = [float(s["units_per_s"]) for s in self.summaries.values()
+                 if int(s["batch"]) == int(batch) and s.get("units_per_s") and math.isfinite(s["units_per_s"]) and s["units_per_s"] > 0]
+        return float(statistics.median(rates)) if rates else None
 
     def batch_units(self) -> dict[int, float]:
         """Mean loss-bearing units per step at each batch (samples), over its trials."""
@@ -749,7 +865,13 @@ def load_sweep(out_dir: str | os.PathLike) -> SweepData:
         summaries[t.name] = json.loads((d / "summary.json").read_text())
         trials[t.name] = read_jsonl(d / "metrics.jsonl")
         unit = summaries[t.name]["unit"]
-    return SweepData(out_dir=str(out), config=config, unit=unit or "unit", trials=trials, summaries=summaries, missing=missing)
+    timing = {}
+    for b in config.batches:
+        path = _timing_path(out, b)
+        if path.is_file():
+            timing[b] = json.loads(path.read_text())
+    return SweepData(out_dir=str(out), config=config, unit=unit or "unit", trials=trials, summaries=summaries, missing=missing,
+                     timing=timing)
 
 
 def curves_from_sweep(data: SweepData):
@@ -765,7 +887,7 @@ def curves_from_sweep(data: SweepData):
         steps = [r for r in recs if r.get("kind") == "step" and not r.get("skipped")]
         if not steps:
             continue
-        tput = s.get("units_per_s")
+        tput = data.units_per_s(int(s["batch"]))  # the sequential timing pass when recorded
         curves.append(
             Curve(
                 batch_size=units[int(s["batch"])],
