@@ -545,6 +545,115 @@ def test_cli_tinygpt_json(capsys, one_thread):
     assert usable["global_batch"] == 12 and usable["micro_batch"] * usable["grad_accum_steps"] == 12
 
 
+TINY_GPT = ("--task-arg", "d_model=16", "--task-arg", "n_layer=1", "--task-arg", "n_head=2",
+            "--task-arg", "seq_len=16", "--task-arg", "max_corpus_bytes=200000")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (("--global-batch", "64", "--dp", "0"), "--dp 0 is not allowed; allowed: a whole number ≥ 1"),
+    (("--global-batch", "64", "--dp", "-2"), "--dp -2 is not allowed; allowed: a whole number ≥ 1"),
+    (("--global-batch", "-4", "--memory-limit", "64MiB"),
+     "--global-batch -4 is not allowed; allowed: a positive multiple of --dp 1"),
+    (("--global-batch", "10", "--dp", "4"),
+     "--global-batch 10 is not allowed with --dp 4; allowed: a positive multiple of --dp 4"),
+    (("--max-micro-batch", "0",), "--max-micro-batch 0 is not allowed; allowed: a whole number ≥ 1"),
+    (("--steps-per-trial", "0",), "--steps-per-trial 0 is not allowed; allowed: a whole number ≥ 1"),
+    (("--tolerance", "1.5",), "--tolerance 1.5 is not allowed; allowed: a fraction"),
+    (("--memory-limit", "0",), "--memory-limit 0 is not allowed; allowed: a budget of at least 1 byte"),
+])
+def test_cli_bad_flags_are_one_line_before_any_trial(capsys, monkeypatch, argv, expected):
+    import globalbatch.tasks
+
+    def no_task(*a, **k):
+        raise AssertionError("a bad flag must be caught before the task is built")
+
+    monkeypatch.setattr(globalbatch.tasks, "load_task", no_task)
+    code, out, err = run_cli(capsys, "probe", *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("error: " + expected) and err.count("\n") == 1, err
+
+
+def test_probe_task_checks_settings_before_building(monkeypatch):
+    import globalbatch.tasks
+    from globalbatch.probe import probe_task
+
+    monkeypatch.setattr(globalbatch.tasks, "load_task", lambda *a, **k: pytest.fail("built"))
+    with pytest.raises(ValueError, match="dp_world_size 0 is not allowed"):
+        probe_task("tinygpt", global_batch=64, dp_world_size=0)
+    with pytest.raises(ValueError, match="global_batch -4 is not allowed; allowed: a positive multiple"):
+        probe_task("tinygpt", global_batch=-4)
+
+
+def test_cli_memory_limit_below_micro_batch_1_is_one_error_line(capsys, one_thread):
+    code, out, err = run_cli(capsys, "probe", *TINY_GPT, "--global-batch", "64", "--memory-limit", "1KiB",
+                             "--steps-per-trial", "1")
+    assert code == 2 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: --memory-limit 1KiB is too small: micro_batch 1 needs ")
+    assert last.endswith(" (peak measured); allowed: a limit above that")
+    assert all(line.startswith("probe: ") for line in err.strip().splitlines()[:-1])  # only progress lines
+
+
+def test_nothing_fits_carries_the_trial(releases):
+    from globalbatch.probe import NothingFits
+
+    with pytest.raises(NothingFits, match="micro_batch 1 does not fit") as info:
+        probe_micro_batch(lambda s: TrialResult(micro_batch=s, peak_memory_bytes=5000 + s), memory_limit_bytes=10)
+    assert info.value.trial.micro_batch == 1 and info.value.trial.peak_memory_bytes == 5001
+
+
+def test_byte_units_follow_the_size():
+    from globalbatch.probe import format_bytes
+    from globalbatch.probe.trial import _over_budget
+
+    assert format_bytes(512) == "512 B" and format_bytes(1024) == "1.00 KiB"
+    assert format_bytes(3.1 * 2**20) == "3.10 MiB" and format_bytes(1.5 * 2**30) == "1.50 GiB"
+    assert format_bytes(1500 * 2**30) == "1.46 TiB" and format_bytes(None) == "-"
+    assert _over_budget(int(3.1 * 2**20), 1024) == "peak 3.10 MiB > limit 1.00 KiB"
+    # close values keep the unit that shows the difference
+    assert _over_budget(int(1026.26 * 2**20), 2**30) == "peak 1,026.26 MiB > limit 1,024.00 MiB"
+
+
+def test_cli_task_arg_reaches_the_task(capsys, monkeypatch):
+    import globalbatch.tasks
+
+    seen = {}
+
+    def fake_load(spec, **overrides):
+        seen.update(overrides, spec=spec)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(globalbatch.tasks, "load_task", fake_load)
+    code, _, err = run_cli(capsys, "probe", "--task-arg", "d_model=64", "--task-arg", "corpus_dir=/x")
+    assert code == 2 and err.strip() == "error: stop here"
+    assert seen == {"spec": "tinygpt", "d_model": 64, "corpus_dir": "/x"}
+    code, _, err = run_cli(capsys, "probe", "--task-arg", "oops")
+    assert code == 2 and "--task-arg" in err and "KEY=VALUE" in err
+
+
+def test_cli_sample_task_speaks_in_samples(capsys, one_thread):
+    code, out, err = run_cli(capsys, "probe", "--task", "mnist", "--global-batch", "60", "--dp", "2",
+                             "--memory-limit", "100MiB", "--steps-per-trial", "1")
+    assert code == 0, err
+    assert "samples/s" in out and "tokens/s" not in out
+    assert "largest that fits: 30 (limited by global batch ÷ dp (= 30))" in out
+    assert "largest: 60 samples = 2 ranks × 1 accum × 30 samples" in out
+    assert " seq" not in out and "1 ranks" not in out
+
+
+def test_summary_texts():
+    from globalbatch.plan import solve_geometry
+    from globalbatch.probe import geometry_text, limit_text
+
+    g = solve_geometry(global_batch=256, micro_batch=16, dp_world_size=1)
+    assert geometry_text(g, "token") == "256 seq = 1 rank × 16 accum × 16 seq"
+    assert geometry_text(solve_geometry(global_batch=60, micro_batch=30, dp_world_size=2), "sample") == \
+        "60 samples = 2 ranks × 1 accum × 30 samples"
+    result = probe_micro_batch(lambda s: TrialResult(micro_batch=s, peak_memory_bytes=s), max_micro_batch=8)
+    assert limit_text(result, max_micro_batch=8, flag_names=True) == "--max-micro-batch (= 8)"
+    assert limit_text(result, global_batch=16, dp_world_size=2) == "global batch ÷ dp (= 8)"
+
+
 # ---------------------------------------------------------------------------
 # Distributed: 2 gloo ranks agree on every trial
 # ---------------------------------------------------------------------------

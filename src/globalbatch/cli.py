@@ -129,22 +129,38 @@ def probe_cmd(
     tolerance: float = typer.Option(0.05, "--tolerance", help="Fastest = smallest micro-batch within this fraction of the best tokens/s."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default cuda when available)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys."),
+    task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
 ) -> None:
     """Find the largest micro-batch that fits and the fastest one; keep the global batch with accumulation."""
     import json
     import logging
 
+    from ._util import parse_task_args
     from .plan import parse_bytes
-    from .probe import format_bytes, probe_table, probe_task
+    from .probe import NothingFits, check_probe_settings, format_bytes, geometry_text, limit_text, probe_table, probe_task
 
+    overrides = parse_task_args(task_arg)
     limit = None if memory_limit is None else parse_bytes(memory_limit, "--memory-limit")
     if limit is not None and limit < 1:
-        raise ValueError(f"--memory-limit {memory_limit!r} is not allowed; allowed: a budget of at least 1 byte")
+        raise ValueError(f"--memory-limit {memory_limit} is not allowed; allowed: a budget of at least 1 byte")
+    check_probe_settings(global_batch=global_batch, dp_world_size=dp, max_micro_batch=max_micro_batch,
+                         steps_per_trial=steps_per_trial, tolerance=tolerance,
+                         names={"global_batch": "--global-batch", "dp_world_size": "--dp",
+                                "max_micro_batch": "--max-micro-batch", "steps_per_trial": "--steps-per-trial",
+                                "tolerance": "--tolerance"})
     if not as_json:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    result = probe_task(task, global_batch=global_batch, dp_world_size=dp, memory_limit_bytes=limit,
-                        max_micro_batch=max_micro_batch, steps_per_trial=steps_per_trial, tolerance=tolerance,
-                        device=device)
+    try:
+        result = probe_task(task, global_batch=global_batch, dp_world_size=dp, memory_limit_bytes=limit,
+                            max_micro_batch=max_micro_batch, steps_per_trial=steps_per_trial, tolerance=tolerance,
+                            device=device, task_overrides=overrides)
+    except NothingFits as exc:
+        peak = exc.trial.peak_memory_bytes
+        if limit is not None and peak is not None and peak > limit:
+            raise ValueError(f"--memory-limit {memory_limit} is too small: micro_batch 1 needs {format_bytes(peak)} "
+                             "(peak measured); allowed: a limit above that") from None
+        raise ValueError(f"--task {task} does not fit: micro_batch 1 ran out of memory ({exc.trial.note}); "
+                         "allowed: a smaller model (--task-arg) or a device with more memory") from None
     if as_json:
         typer.echo(json.dumps(dict(result.to_dict(), task=task), indent=2, sort_keys=True))
         return
@@ -153,11 +169,13 @@ def probe_cmd(
     console = Console(width=max(Console().width, 110))
     budget = f", memory limit {format_bytes(limit)}" if limit is not None else ""
     console.print(probe_table(result, title=f"globalbatch probe: {task}{budget}, {result.num_trials} trials"))
-    console.print(f"largest that fits: {result.largest_fit} (limited by {result.limited_by})")
+    limited = limit_text(result, max_micro_batch=max_micro_batch, global_batch=global_batch, dp_world_size=dp,
+                         flag_names=True)
+    console.print(f"largest that fits: {result.largest_fit} (limited by {limited})")
     console.print(f"fastest: {result.fastest} (smallest within {result.tolerance:.0%} of the best throughput)")
     for choice in result.choices:
         if choice.geometry is not None:
-            console.print(f"{choice.role}: {choice.geometry.arithmetic()}")
+            console.print(f"{choice.role}: {geometry_text(choice.geometry, result.unit)}")
         else:
             console.print(f"[yellow]{choice.role}:[/yellow] {choice.error}")
 

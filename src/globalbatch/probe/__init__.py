@@ -55,14 +55,16 @@ ranks take the same next size (:mod:`globalbatch.probe.trial`).
 from __future__ import annotations
 
 from globalbatch.probe.memory import MemoryModel, fit_memory_model, is_oom_error, release_memory
-from globalbatch.probe.report import probe_table
+from globalbatch.probe.report import geometry_text, limit_text, probe_table
 from globalbatch.probe.runner import TrainStepRunner, TrialConfig, probe, probe_task
 from globalbatch.probe.search import (
     DEFAULT_MAX_MICRO_BATCH,
     DEFAULT_START_MICRO_BATCH,
     GlobalBatchChoice,
+    NothingFits,
     ProbeConfig,
     ProbeResult,
+    check_probe_settings,
     choose_fastest,
     probe_micro_batch,
 )
@@ -84,6 +86,10 @@ __all__ = [
     "probe",
     "probe_task",
     "probe_table",
+    "geometry_text",
+    "limit_text",
+    "NothingFits",
+    "check_probe_settings",
     "format_bytes",
     "DEFAULT_MAX_MICRO_BATCH",
     "DEFAULT_START_MICRO_BATCH",

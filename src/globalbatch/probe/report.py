@@ -1,8 +1,8 @@
-"""The ``globalbatch probe`` table: one row per size tried, with the picks marked."""
+"""The ``globalbatch probe`` output: the table (one row per size tried, picks marked) and its summary lines."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from globalbatch.probe.search import ProbeResult
 from globalbatch.probe.trial import format_bytes
@@ -12,7 +12,8 @@ def probe_table(result: ProbeResult, title: str = "probe") -> Any:
     """A rich Table: one row per size tried, in size order, with the picks marked."""
     from rich.table import Table
 
-    use_tokens = all(t.tokens_per_step is not None for t in result.trials if t.fits and t.step_time_s)
+    use_tokens = result.unit != "sample" and all(
+        t.tokens_per_step is not None for t in result.trials if t.fits and t.step_time_s)
     table = Table(title=title)
     for name in ("micro_batch", "fits", "peak memory", "step time", "tokens/s" if use_tokens else "samples/s",
                  "trial #", "note"):
@@ -28,3 +29,28 @@ def probe_table(result: ProbeResult, title: str = "probe") -> Any:
             "-" if rate is None else f"{rate:,.0f}", str(order[id(t)]),
             ", ".join(marks) if marks else t.note)
     return table
+
+
+def geometry_text(geometry: Any, unit: Optional[str] = None) -> str:
+    """``256 seq = 1 rank × 16 accum × 16 seq``; ``samples`` instead of ``seq`` for a sample task."""
+    noun = "samples" if unit == "sample" else "seq"
+    ranks = "rank" if geometry.dp_world_size == 1 else "ranks"
+    return (f"{geometry.global_batch:,} {noun} = {geometry.dp_world_size} {ranks} × "
+            f"{geometry.grad_accum_steps} accum × {geometry.micro_batch} {noun}")
+
+
+def limit_text(result: ProbeResult, *, max_micro_batch: Optional[int] = None, global_batch: Optional[int] = None,
+               dp_world_size: int = 1, flag_names: bool = False) -> str:
+    """What stopped the search: ``memory``, ``global batch ÷ dp (= 32)``, ``--max-micro-batch (= 64)``...
+
+    ``max_micro_batch`` and ``global_batch`` are what the caller passed (None: not given);
+    ``flag_names`` names the CLI flag rather than the argument.
+    """
+    if result.limited_by != "max_micro_batch":
+        return result.limited_by
+    if max_micro_batch is not None:
+        return f"{'--max-micro-batch' if flag_names else 'max_micro_batch'} (= {result.largest_fit})"
+    if global_batch is not None:
+        return f"global batch ÷ dp (= {result.largest_fit})"
+    return f"the default cap (= {result.largest_fit}; raise it with " \
+           f"{'--max-micro-batch' if flag_names else 'max_micro_batch'})"

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -18,7 +19,13 @@ from torch import nn
 
 from globalbatch.probe import memory  # memory.release_memory() looked up per call: tests patch it
 from globalbatch.probe.memory import _CpuTensorPeak, _read_status_kib, _reset_peak_rss, _static_bytes, is_oom_error
-from globalbatch.probe.search import DEFAULT_MAX_MICRO_BATCH, DEFAULT_START_MICRO_BATCH, ProbeResult, probe_micro_batch
+from globalbatch.probe.search import (
+    DEFAULT_MAX_MICRO_BATCH,
+    DEFAULT_START_MICRO_BATCH,
+    ProbeResult,
+    check_probe_settings,
+    probe_micro_batch,
+)
 from globalbatch.probe.trial import TrialResult, _one_line, _over_budget
 
 
@@ -254,19 +261,28 @@ def probe_task(
     tolerance: float = 0.05,
     device: Optional[str] = None,
     seed: int = 0,
+    task_overrides: Optional[dict[str, Any]] = None,
 ) -> ProbeResult:
     """:func:`probe` on a :mod:`globalbatch.tasks` task (a name such as ``"tinygpt"`` or a Task).
 
     Batches are the first samples of ``task.sample_order(seed)`` (cycled when the
     micro-batch is larger than the data set); the loss is ``loss_sum / count``; tokens per
-    step are ``task.tokens_in(batch)`` (padding included).
+    step are ``task.tokens_in(batch)`` (padding included) for a token task and not counted for a
+    sample task (throughput is then samples/s). ``task_overrides`` are the task's keyword
+    overrides (``globalbatch probe --task-arg``), e.g. ``{"d_model": 64}``; only with a task name.
+    Every setting is checked before the model is built.
     """
     from itertools import islice
 
     from globalbatch.tasks import load_task
 
+    check_probe_settings(global_batch=global_batch, dp_world_size=dp_world_size, max_micro_batch=max_micro_batch,
+                         steps_per_trial=steps_per_trial, tolerance=tolerance, memory_limit_bytes=memory_limit_bytes)
     if isinstance(task, str):
-        task = load_task(task)
+        task = load_task(task, **(task_overrides or {}))
+    elif task_overrides:
+        raise ValueError(f"task_overrides {task_overrides!r} is not allowed with a Task object; "
+                         "allowed: overrides with a task name")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -287,7 +303,10 @@ def probe_task(
         loss_sum, count = task.loss_sum(m, batch)
         return loss_sum / count.clamp(min=1)
 
-    return probe(model, make_batch, loss_fn, global_batch=global_batch, dp_world_size=dp_world_size,
-                 memory_limit_bytes=memory_limit_bytes, max_micro_batch=max_micro_batch,
-                 steps_per_trial=steps_per_trial, tolerance=tolerance, count_tokens=task.tokens_in)
+    unit = getattr(task, "unit", None)
+    count_tokens = (lambda batch: None) if unit == "sample" else task.tokens_in
+    result = probe(model, make_batch, loss_fn, global_batch=global_batch, dp_world_size=dp_world_size,
+                   memory_limit_bytes=memory_limit_bytes, max_micro_batch=max_micro_batch,
+                   steps_per_trial=steps_per_trial, tolerance=tolerance, count_tokens=count_tokens)
+    return dataclasses.replace(result, unit=unit)
 

@@ -39,6 +39,55 @@ DEFAULT_START_MICRO_BATCH = 2
 2⌊log2 T⌋ + 2, within 2⌈log2 T⌉ + 1 also when T is a power of two; when 2 fails, 1 runs next."""
 
 
+class NothingFits(RuntimeError):
+    """Even micro-batch 1 ran out of memory (or over the budget); ``trial`` is its record."""
+
+    def __init__(self, message: str, trial: TrialResult) -> None:
+        super().__init__(message)
+        self.trial = trial
+
+
+def _whole(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int)
+
+
+def check_probe_settings(*, global_batch: Optional[int] = None, dp_world_size: int = 1,
+                         max_micro_batch: Optional[int] = None, steps_per_trial: int = 3,
+                         tolerance: float = 0.05, memory_limit_bytes: Optional[int] = None,
+                         names: Optional[dict[str, str]] = None) -> None:
+    """Raise ``ValueError`` for the first bad setting, before any model is built.
+
+    ``names`` maps a setting to how the user wrote it (the CLI passes its flags, e.g.
+    ``{"dp_world_size": "--dp"}``); a setting not in it is named by its field name.
+    """
+    def name(field: str) -> str:
+        return (names or {}).get(field, field)
+
+    def text(field: str, value: Any) -> str:
+        return str(value) if names and field in names else repr(value)
+
+    if not _whole(dp_world_size) or dp_world_size < 1:
+        raise ValueError(f"{name('dp_world_size')} {text('dp_world_size', dp_world_size)} is not allowed; "
+                         "allowed: a whole number ≥ 1")
+    if global_batch is not None and (not _whole(global_batch) or global_batch < 1
+                                     or global_batch % dp_world_size):
+        with_dp = f" with {name('dp_world_size')} {dp_world_size}" if dp_world_size > 1 else ""
+        raise ValueError(f"{name('global_batch')} {text('global_batch', global_batch)} is not allowed{with_dp}; "
+                         f"allowed: a positive multiple of {name('dp_world_size')} {dp_world_size}")
+    if max_micro_batch is not None and (not _whole(max_micro_batch) or max_micro_batch < 1):
+        raise ValueError(f"{name('max_micro_batch')} {text('max_micro_batch', max_micro_batch)} is not allowed; "
+                         "allowed: a whole number ≥ 1")
+    if not _whole(steps_per_trial) or steps_per_trial < 1:
+        raise ValueError(f"{name('steps_per_trial')} {text('steps_per_trial', steps_per_trial)} is not allowed; "
+                         "allowed: a whole number ≥ 1")
+    if not (isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool) and 0 <= tolerance < 1):
+        raise ValueError(f"{name('tolerance')} {text('tolerance', tolerance)} is not allowed; "
+                         "allowed: a fraction, 0 ≤ tolerance < 1 (0.05 = within 5%)")
+    if memory_limit_bytes is not None and (not _whole(memory_limit_bytes) or memory_limit_bytes < 1):
+        raise ValueError(f"{name('memory_limit_bytes')} {text('memory_limit_bytes', memory_limit_bytes)} "
+                         "is not allowed; allowed: at least 1 byte")
+
+
 @dataclass(kw_only=True, slots=True)
 class ProbeConfig:
     """Settings of :func:`probe_micro_batch`."""
@@ -117,6 +166,8 @@ class ProbeResult:
     prediction_misses: int = 0
     choices: tuple[GlobalBatchChoice, ...] = ()
     """For a given global batch: one choice per role (empty when no global batch was given)."""
+    unit: Optional[str] = None
+    """The task's loss unit, ``"token"`` or ``"sample"`` (None when unknown: plain :func:`probe`)."""
 
     @property
     def num_trials(self) -> int:
@@ -138,6 +189,7 @@ class ProbeResult:
             "memory_limit_bytes": self.memory_limit_bytes,
             "num_trials": self.num_trials,
             "prediction_misses": self.prediction_misses,
+            "unit": self.unit,
             "memory_model": None if self.memory_model is None else dataclasses.asdict(self.memory_model),
             "trials": [t.to_dict() for t in self.trials],
             "choices": [
@@ -362,7 +414,8 @@ def probe_micro_batch(
 
     Raises:
         ValueError: bad settings (the message names the field), or global_batch not divisible by dp.
-        RuntimeError: even ``start_micro_batch`` (and every size below it) runs out of memory.
+        NothingFits: (a RuntimeError) even ``start_micro_batch`` (and every size below it) runs out
+            of memory; its ``trial`` is the record of micro-batch 1.
     """
     if global_batch is not None:
         if isinstance(dp_world_size, bool) or not isinstance(dp_world_size, int) or dp_world_size < 1:
@@ -381,7 +434,7 @@ def probe_micro_batch(
     search.search()
     if search.lo == 0:
         first = search.by_size.get(1) or search.trials[-1]
-        raise RuntimeError(f"probe: micro_batch 1 does not fit ({first.note}); nothing to train with")
+        raise NothingFits(f"probe: micro_batch 1 does not fit ({first.note}); nothing to train with", first)
     largest_fit = search.lo
     limited_by = "max_micro_batch" if largest_fit == config.max_micro_batch else "memory"
     choices: tuple[GlobalBatchChoice, ...] = ()

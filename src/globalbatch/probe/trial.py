@@ -22,21 +22,41 @@ log = logging.getLogger(__name__)
 _FITS, _OOM, _FAILED = 0.0, 1.0, 2.0
 
 
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def _bytes_in(value: float, unit: str) -> str:
+    scaled = float(value) / 1024 ** _UNITS.index(unit)
+    return f"{scaled:,.0f} B" if unit == "B" else f"{scaled:,.2f} {unit}"
+
+
+def _unit_for(num_bytes: float) -> str:
+    unit = "B"
+    for unit in _UNITS:
+        if abs(num_bytes) < 1024 ** (_UNITS.index(unit) + 1):
+            break
+    return unit
+
+
 def _over_budget(peak: int, limit: int) -> str:
-    """``peak 1,026.26 MiB > limit 1,024.00 MiB``: one unit, enough digits to see the difference."""
-    return f"peak {peak / 2**20:,.2f} MiB > limit {limit / 2**20:,.2f} MiB"
+    """``peak 3.10 MiB > limit 1.00 KiB``; ``peak 1,026.26 MiB > limit 1,024.00 MiB`` when close.
+
+    Each number in the unit its size calls for (KiB, MiB, GiB...); when the two would read the
+    same, both go one unit down until the difference shows.
+    """
+    a, b = format_bytes(peak), format_bytes(limit)
+    unit = min(_unit_for(peak), _unit_for(limit), key=_UNITS.index)
+    while a == b and unit != "B":
+        a, b = _bytes_in(peak, unit), _bytes_in(limit, unit)
+        unit = _UNITS[_UNITS.index(unit) - 1]
+    return f"peak {a} > limit {b}"
 
 
 def format_bytes(num_bytes: Optional[float]) -> str:
-    """``1610612736`` → ``'1.50 GiB'``; None → ``'-'``."""
+    """``1610612736`` → ``'1.50 GiB'``, ``3250585`` → ``'3.10 MiB'``; the unit follows the size; None → ``'-'``."""
     if num_bytes is None:
         return "-"
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} TiB"  # pragma: no cover - loop always returns
+    return _bytes_in(num_bytes, _unit_for(float(num_bytes)))
 
 
 def _one_line(exc: BaseException, limit: int = 160) -> str:
