@@ -120,19 +120,19 @@ def test_one_small_batch_raises_naming_the_fix():
 
 
 def test_inputs_are_validated_with_numbers():
-    with pytest.raises(ValueError, match="big_count: 10: must equal sum"):
+    with pytest.raises(ValueError, match="big_count 10 is not allowed; allowed: sum"):
         window_estimates([1.0, 2.0], [4, 4], 1.0, big_count=10)
-    with pytest.raises(ValueError, match="small_counts: 3 values for 2"):
+    with pytest.raises(ValueError, match="small_counts with 3 values for 2"):
         window_estimates([1.0, 2.0], [4, 4, 4], 1.0)
-    with pytest.raises(ValueError, match="every count must be > 0"):
+    with pytest.raises(ValueError, match="small_counts .* is not allowed; allowed: every count > 0"):
         window_estimates([1.0, 2.0], [4, 0], 1.0)
     with pytest.raises(ValueError, match="sources"):
         NoiseConfig(sources=("bogus",))
-    with pytest.raises(ValueError, match="half_life: -1"):
+    with pytest.raises(ValueError, match="half_life -1 is not allowed"):
         NoiseConfig(half_life=-1)
-    with pytest.raises(ValueError, match="confidence: 1.5"):
+    with pytest.raises(ValueError, match="confidence 1.5 is not allowed"):
         NoiseScaleEstimator(confidence=1.5)
-    with pytest.raises(ValueError, match="adam=True needs"):
+    with pytest.raises(ValueError, match="not allowed with adam=True"):
         NoiseScaleMonitor(torch.nn.Linear(2, 2), config=NoiseConfig(adam=True))
 
 
@@ -500,9 +500,17 @@ def test_cli_help_names_the_flags(capsys):
 
 def test_cli_runs_tinygpt_and_writes_csv(tmp_path, capsys):
     out_dir = tmp_path / "noise"
-    code, out, err = _cli(["noise", *TINY, "--micro-batch", "4", "--grad-accum", "3", "--steps", "6",
-                           "--log-every", "3", "--out", str(out_dir)], capsys)
+    threads = torch.get_num_threads()
+    try:
+        code, out, err = _cli(["noise", *TINY, "--micro-batch", "4", "--grad-accum", "3", "--steps", "6",
+                               "--log-every", "3", "--out", str(out_dir), "--threads", "1"], capsys)
+        assert torch.get_num_threads() == 1  # --threads
+    finally:
+        torch.set_num_threads(threads)
     assert code == 0, err
+    assert "nan" not in out and "e+" not in out
+    # the summary follows the curve's columns: the loss's unit (tokens) first, then samples
+    assert out.index("B_simple (micro-batches, per token):") < out.index("B_simple (micro-batches, per sample):")
     import csv
 
     rows = list(csv.DictReader(open(out_dir / "noise.csv")))
@@ -516,11 +524,62 @@ def test_cli_runs_tinygpt_and_writes_csv(tmp_path, capsys):
     assert not list(out_dir.glob(".*tmp*"))  # atomic writes leave no temporary files
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (("--micro-batch", "0"), "--micro-batch 0 is not allowed; allowed: a whole number ≥ 1"),
+    (("--steps", "0"), "--steps 0 is not allowed; allowed: a whole number ≥ 1"),
+    (("--log-every", "-1"), "--log-every -1 is not allowed; allowed: a whole number ≥ 1"),
+    (("--threads", "0"), "--threads 0 is not allowed; allowed: a whole number ≥ 1"),
+    (("--lr", "-1"), "--lr -1 is not allowed; allowed: a finite number ≥ 0"),
+    (("--optimizer", "adam"), "--optimizer adam is not allowed; allowed: adamw or sgd"),
+    (("--optimizer", "sgd", "--adam-variant"),
+     "--adam-variant is not allowed with --optimizer sgd; allowed: --optimizer adamw"),
+    (("--half-life-windows", "0"), "--half-life-windows 0 is not allowed; allowed: a number > 0"),
+])
+def test_cli_bad_flags_are_one_line_naming_the_flag(tmp_path, capsys, argv, expected):
+    code, out, err = _cli(["noise", *TINY, *argv, "--out", str(tmp_path)], capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("error: " + expected) and err.count("\n") == 1, err
+
+
+def test_run_config_errors_name_the_field():
+    from globalbatch.noise import NoiseRunConfig
+
+    with pytest.raises(ValueError, match="^micro_batch 0 is not allowed; allowed: a whole number ≥ 1$"):
+        NoiseRunConfig(micro_batch=0)
+    with pytest.raises(ValueError, match="^optimizer 'adam' is not allowed; allowed: adamw or sgd$"):
+        NoiseRunConfig(optimizer="adam")
+
+
+def test_numbers_and_intervals_read_well():
+    from globalbatch.noise.run import format_interval, format_number
+
+    assert [format_number(x) for x in (10689.3, 1600.2, 262.4, 31.09, 0.4697, 0.0001234, math.nan)] == \
+        ["10,700", "1,600", "262", "31.1", "0.47", "0.000123", "n/a"]
+    assert format_interval(262.0, 1600.2, 10689.3, "") == "262 [1,600, 10,700]"
+    assert format_interval(262.0, math.nan, math.nan, "too_noisy") == "262 (too noisy: interval unbounded)"
+    assert format_interval(212.0, 0.0, 3152.0, "too_noisy") == "212 [0, 3,150] (too noisy)"
+    assert format_interval(math.nan, math.nan, math.nan, "no_windows") == "n/a (no windows yet)"
+    for text in (format_interval(262.0, math.nan, math.nan, ("g_sq_nonpositive",)),):
+        assert "nan" not in text and "unbounded" in text
+
+
+def test_format_estimate_flags_instead_of_nan():
+    from globalbatch.noise import NoiseScaleEstimate, format_estimate
+
+    base = dict(unit="token", confidence=0.95, tr_sigma=1.0, g_sq=1.0, windows=60, skipped_windows=0,
+                effective_windows=20.0, big_count=1024.0, lr=3e-3)
+    ok = NoiseScaleEstimate(b_simple=10689.3, stderr=1234.0, low=1600.2, high=20480.0, flags=(), **base)
+    assert format_estimate(ok) == "10,700 tokens [95% 1,600, 20,500], SE 1,230"
+    bad = NoiseScaleEstimate(b_simple=375.2, stderr=math.nan, low=math.nan, high=math.nan, flags=("too_noisy",),
+                             **base)
+    assert format_estimate(bad) == "375 tokens (too noisy: interval unbounded; not reportable)"
+
+
 def test_cli_one_micro_batch_is_a_clear_error(tmp_path, capsys):
-    code, _, err = _cli(["noise", *TINY, "--grad-accum", "1", "--steps", "2", "--out", str(tmp_path)], capsys)
-    assert code == 2
-    assert "needs at least two batch sizes: use grad_accum_steps ≥ 2 or dp_world_size ≥ 2" in err
-    assert err.count("\n") == 1
+    code, out, err = _cli(["noise", *TINY, "--grad-accum", "1", "--steps", "2", "--out", str(tmp_path)], capsys)
+    assert code == 2 and out == ""  # checked before the header is printed
+    assert err == ("error: --grad-accum 1 on one process gives no second batch size; "
+                   "allowed: --grad-accum ≥ 2, or torchrun with ≥ 2 processes\n")
 
 
 def test_cli_tensorboard_missing_names_the_extra(tmp_path, capsys, monkeypatch):

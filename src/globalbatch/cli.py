@@ -201,22 +201,31 @@ def sweep_cmd(
     """Train every batch × LR on the same data order and token budget, then fit the critical batch."""
     from rich.console import Console
 
+    from ._util import flag_names
     from .plan import parse_count
     from .report import analysis_table
     from .sweep import SweepConfig, analyze_sweep, parse_list, parse_task_args, run_sweep
 
-    cfg = SweepConfig(task=task, task_overrides=parse_task_args(task_arg), batches=parse_list(batches, "--batches", int),
-                      lrs=parse_list(lrs, "--lrs"), budget=parse_count(tokens, "--tokens"), seed=seed, micro_batch=micro_batch,
-                      eval_every=None if eval_every is None else parse_count(eval_every, "--eval-every"), optimizer=optimizer,
-                      noise=noise)
-    console = Console(stderr=True)
-    result = run_sweep(cfg, out, workers=workers, threads=threads, backend=backend, address=address)
+    names = {"task": "--task", "task_overrides": "--task-arg", "batches": "--batches", "lrs": "--lrs",
+             "budget": "--tokens", "seed": "--seed", "micro_batch": "--micro-batch", "eval_every": "--eval-every",
+             "optimizer": "--optimizer", "backend": "--backend", "workers": "--workers", "threads": "--threads",
+             "address": "--address", "out": "--out"}
+    with flag_names(names):
+        cfg = SweepConfig(task=task, task_overrides=parse_task_args(task_arg), batches=parse_list(batches, "--batches", int),
+                          lrs=parse_list(lrs, "--lrs", allowed="numbers > 0, e.g. 3e-4,1e-3"), budget=parse_count(tokens, "--tokens"), seed=seed,
+                          micro_batch=micro_batch,
+                          eval_every=None if eval_every is None else parse_count(eval_every, "--eval-every"),
+                          optimizer=optimizer, noise=noise)
+        console = Console(stderr=True)
+        result = run_sweep(cfg, out, workers=workers, threads=threads, backend=backend, address=address)
     console.print(f"sweep {out}: {len(result.ran)} trial(s) run, {len(result.skipped)} already finished, "
                   f"{result.wall_time_s:,.1f} s ({result.workers} worker(s) × {result.threads_per_worker} thread(s))")
     data, analysis = analyze_sweep(out)
     Console(width=max(Console().width, 140)).print(analysis_table(data, analysis))
     if analysis.recommendation is not None:
         typer.echo(analysis.recommendation.text())
+    for w in analysis.warnings:
+        typer.echo(f"warning: {w}", err=True)
     typer.echo(f"report: globalbatch report {out}")
 
 
@@ -228,19 +237,32 @@ def report_cmd(
     objective: str = typer.Option("time", "--objective", help="time (wall-clock to target) or cost (units to target)."),
     tolerance: float = typer.Option(0.05, "--tolerance", help="Batches within this fraction of the best count as ties; the most data-efficient wins."),
     ema_fraction: float = typer.Option(0.05, "--ema-fraction", help="EMA half-life of the training loss as a fraction of each trial's steps to the target (lag-corrected)."),
-    halflife_steps: Optional[float] = typer.Option(None, "--halflife-steps", help="A fixed EMA half-life in steps instead (biases B_crit low; see docs/critical.md)."),
+    half_life_steps: Optional[float] = typer.Option(None, "--half-life-steps", help="A fixed EMA half-life in steps instead (biases B_crit low; see docs/critical.md)."),
+    halflife_steps_old: Optional[float] = typer.Option(None, "--halflife-steps", hidden=True, help="Old spelling of --half-life-steps."),
 ) -> None:
     """Write PNG plots and a self-contained HTML report of a sweep, with the recommended batch."""
     from rich.console import Console
 
+    from ._util import flag_names
     from .report import analysis_table, write_report
     from .sweep import parse_list
 
-    res = write_report(run_dir, out, targets=None if targets is None else parse_list(targets, "--targets"),
-                       objective=objective, tolerance=tolerance, ema_fraction=ema_fraction, halflife_steps=halflife_steps)
+    if half_life_steps is not None and halflife_steps_old is not None and half_life_steps != halflife_steps_old:
+        raise ValueError(f"--halflife-steps {halflife_steps_old:g} is not allowed with --half-life-steps "
+                         f"{half_life_steps:g}; allowed: one of them (--halflife-steps is the old spelling)")
+    flag_for_half_life = "--half-life-steps" if half_life_steps is not None or halflife_steps_old is None else "--halflife-steps"
+    half_life = half_life_steps if half_life_steps is not None else halflife_steps_old
+    names = {"objective": "--objective", "tolerance": "--tolerance", "ema_fraction": "--ema-fraction",
+             "halflife_steps": flag_for_half_life, "run_dir": "RUN_DIR", "targets": "--targets"}
+    with flag_names(names):
+        res = write_report(run_dir, out, targets=None if targets is None else parse_list(targets, "--targets",
+                                                                                          allowed="loss values, e.g. 3.2,3.0"),
+                           objective=objective, tolerance=tolerance, ema_fraction=ema_fraction, halflife_steps=half_life)
     Console(width=max(Console().width, 140)).print(analysis_table(res.data, res.analysis))
     if res.analysis.recommendation is not None:
         typer.echo(res.analysis.recommendation.text())
+    for w in res.analysis.warnings:
+        typer.echo(f"warning: {w}", err=True)
     typer.echo(f"wrote {res.html} and {len(res.plots)} plot(s)")
 
 
@@ -260,28 +282,40 @@ def noise_cmd(
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also write TensorBoard scalars (pip install 'globalbatch[tensorboard]')."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default cuda when available)."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
 ) -> None:
     """Measure the gradient noise scale B_simple (McCandlish et al. 2018) over a short training run."""
+    import os
+
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
+    from ._util import parse_task_args
     from .noise import NoiseRunConfig, format_estimate, measure_noise
-    from .sweep import parse_task_args
+    from .noise.run import CLI_FLAGS, check_noise_settings, format_interval
 
+    check_noise_settings(micro_batch=micro_batch, grad_accum_steps=grad_accum, steps=steps, lr=lr, optimizer=optimizer,
+                         log_every=log_every, half_life_windows=half_life_windows, adam_variant=adam_variant,
+                         threads=threads, world_size=int(os.environ.get("WORLD_SIZE", "1")), names=CLI_FLAGS)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     cfg = NoiseRunConfig(task=task, task_overrides=parse_task_args(task_arg), micro_batch=micro_batch,
                          grad_accum_steps=grad_accum, steps=steps, lr=lr, optimizer=optimizer, seed=seed,
                          log_every=log_every, half_life_windows=half_life_windows, adam_variant=adam_variant,
                          device=device)
-    console = Console(width=max(Console().width, 110))
+    console = Console(width=max(Console().width, 140))
     console.print(f"noise: {task}, {micro_batch} samples × {grad_accum} accum per rank, {steps} steps, lr {lr:g} "
                   f"({optimizer}); EMA half-life {half_life_windows:g} windows")
 
     def show(row: dict) -> None:
         keys = [k[len("b_simple_"):] for k in row if k.startswith("b_simple_")]
-        parts = [f"{k}={row['b_simple_' + k]:,.4g} [{row['low_' + k]:,.4g}, {row['high_' + k]:,.4g}]" for k in keys]
+        parts = [f"{k}={format_interval(row['b_simple_' + k], row['low_' + k], row['high_' + k], row['flags_' + k])}"
+                 for k in keys]
         console.print(f"step {row['step']:>5}  loss {row['loss']:.4f}  " + "  ".join(parts), markup=False,
-                      highlight=False)
+                      highlight=False, soft_wrap=True)
 
     try:
         result = measure_noise(cfg, out_dir=out, tensorboard=tensorboard, on_row=show)
@@ -296,7 +330,8 @@ def noise_cmd(
     for row in result.rows:
         cells = [str(row["step"]), f"{row['loss']:.4f}", f"{row['lr']:.3g}",
                  f"{row['batch_units']:,} {result.unit}s"]
-        cells += [f"{row['b_simple_' + k]:,.4g} [{row['low_' + k]:,.4g}–{row['high_' + k]:,.4g}]" for k in keys]
+        cells += [format_interval(row["b_simple_" + k], row["low_" + k], row["high_" + k], row["flags_" + k])
+                  for k in keys]
         table.add_row(*[Text(c) for c in cells])  # Text: "[...]" is not rich markup
     console.print(table)
     for key, est in result.final.items():
@@ -304,7 +339,8 @@ def noise_cmd(
         label = {"micro": "micro-batches", "rank": "DP ranks", "micro_adam": "micro-batches, Adam-preconditioned VARIANT",
                  "rank_adam": "DP ranks, Adam-preconditioned VARIANT"}[source]
         console.print(f"B_simple ({label}, per {unit}): {format_estimate(est)}; lr {est.lr:g}, "
-                      f"batch {est.big_count:,.0f} {unit}s, {est.windows} windows", markup=False, highlight=False)
+                      f"batch {est.big_count:,.0f} {unit}s, {est.windows} windows", markup=False, highlight=False,
+                      soft_wrap=True)
     if result.csv_path:
         console.print(f"wrote {result.csv_path}" + (f" and {out}/tb" if tensorboard else ""))
 
@@ -323,22 +359,31 @@ def branch_cmd(
     metric: str = typer.Option("val", "--metric", help="val (validation loss at the end of the window) or train (last quarter's training loss)."),
     test: str = typer.Option("paired", "--test", help="paired (per-seed differences) or welch."),
     optimizer: str = typer.Option("adamw", "--optimizer", help="adamw (LR × √k) or sgd (LR × k)."),
-    out: str = typer.Option("runs/branch", "--out", help="Output directory; rerunning reuses finished branches."),
+    out: str = typer.Option("runs/branch", "--out", help="Output directory; rerunning reuses finished branches (a larger --seeds adds only the new seeds' branches)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the model init and the base run's data order."),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per forward/backward (default min(batch, 16))."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
 ) -> None:
     """Merrill et al. 2025 branch test: the largest k whose k× batch branches are not worse than k = 1."""
+    from ._util import flag_names
     from .branch import BranchConfig, run_branch_test
     from .plan import parse_count
     from .sweep import parse_list, parse_task_args
 
-    cfg = BranchConfig(task=task, task_overrides=parse_task_args(task_arg), base_batch=base_batch, ks=parse_list(ks, "--ks", int),
-                       lr=lr, optimizer=optimizer, branch_at=parse_list(warmup_tokens, "--warmup-tokens", int),
-                       window=parse_count(window_tokens, "--window-tokens"), seeds=seeds, seed=seed, micro_batch=micro_batch,
-                       tolerance=tolerance, alpha=alpha, metric=metric, test=test)
-    result = run_branch_test(cfg, out, threads=threads)
+    names = {"task": "--task", "task_overrides": "--task-arg", "base_batch": "--base-batch", "ks": "--ks", "lr": "--lr",
+             "optimizer": "--optimizer", "branch_at": "--warmup-tokens", "window": "--window-tokens", "seeds": "--seeds",
+             "seed": "--seed", "micro_batch": "--micro-batch", "tolerance": "--tolerance", "alpha": "--alpha",
+             "metric": "--metric", "test": "--test", "threads": "--threads", "out": "--out"}
+    with flag_names(names):
+        cfg = BranchConfig(task=task, task_overrides=parse_task_args(task_arg), base_batch=base_batch,
+                           ks=parse_list(ks, "--ks", int, allowed="whole numbers ≥ 1 including 1, e.g. 1,2,4,8"),
+                           lr=lr, optimizer=optimizer,
+                           branch_at=parse_list(warmup_tokens, "--warmup-tokens", int,
+                                                allowed="unit counts ≥ 1, e.g. 200K or 100K,200K"),
+                           window=parse_count(window_tokens, "--window-tokens"), seeds=seeds, seed=seed,
+                           micro_batch=micro_batch, tolerance=tolerance, alpha=alpha, metric=metric, test=test)
+        result = run_branch_test(cfg, out, threads=threads)
     typer.echo(result.text())
     typer.echo(f"wrote {out}/result.json")
 
@@ -365,6 +410,8 @@ def demo_cmd(
     Console(width=max(Console().width, 140)).print(analysis_table(res.data, res.analysis))
     if res.analysis.recommendation is not None:
         typer.echo(res.analysis.recommendation.text())
+    for w in res.analysis.warnings:
+        typer.echo(f"warning: {w}", err=True)
     typer.echo(f"sweep {result.wall_time_s:,.0f} s, total {time.time() - t0:,.0f} s; report: {res.html}")
 
 

@@ -74,18 +74,19 @@ def window_estimates(small_sq_norms: Any, small_counts: Any, big_sq_norm: Any, b
     sq = _as_tensor(small_sq_norms).reshape(-1)
     counts = _as_tensor(small_counts, sq.device).reshape(-1)
     if sq.numel() != counts.numel():
-        raise ValueError(f"small_counts: {counts.numel()} values for {sq.numel()} small_sq_norms: need one count each")
+        raise ValueError(f"small_counts with {counts.numel()} values for {sq.numel()} small_sq_norms is not allowed; "
+                         f"allowed: one count per small batch ({sq.numel()})")
     k = sq.numel()
     if k < 2:
-        raise ValueError(f"small batches: k={k}: noise scale {NEEDS_TWO_BATCH_SIZES}")
+        raise ValueError(f"small batches k={k} is not allowed; allowed: k ≥ 2 (the noise scale {NEEDS_TWO_BATCH_SIZES})")
     total = counts.sum()
     big = total if big_count is None else _as_tensor(big_count, sq.device).reshape(())
     if counts.device.type == "cpu" and big.device.type == "cpu":  # validation only where it costs no sync
         if bool((counts <= 0).any()):
-            raise ValueError(f"small_counts: {counts.tolist()}: every count must be > 0")
+            raise ValueError(f"small_counts {counts.tolist()} is not allowed; allowed: every count > 0")
         if not math.isclose(float(total), float(big), rel_tol=1e-9):
-            raise ValueError(f"big_count: {float(big):g}: must equal sum(small_counts) = {float(total):g} "
-                             "(the small batches must partition the big one)")
+            raise ValueError(f"big_count {float(big):g} is not allowed; allowed: sum(small_counts) = {float(total):g} "
+                             "(the small batches partition the big one)")
     return _window_from_sums((counts * sq).sum(), torch.tensor(float(k), dtype=torch.float64, device=sq.device),
                              _as_tensor(big_sq_norm, sq.device).reshape(()), big)
 
@@ -199,17 +200,17 @@ class NoiseScaleEstimator:
                  confidence: float = 0.95, min_windows: int = 3, max_relative_stderr: float = 0.5,
                  device: torch.device | str | None = None) -> None:
         if unit not in ("token", "sample"):
-            raise ValueError(f"unit: {unit!r}: expected 'token' or 'sample'")
+            raise ValueError(f"unit {unit!r} is not allowed; allowed: 'token' or 'sample'")
         if half_life is not None and not half_life > 0:
-            raise ValueError(f"half_life: {half_life!r}: must be > 0 units (or None, or math.inf)")
+            raise ValueError(f"half_life {half_life!r} is not allowed; allowed: > 0 units, None or math.inf")
         if not half_life_windows > 0:
-            raise ValueError(f"half_life_windows: {half_life_windows!r}: must be > 0")
+            raise ValueError(f"half_life_windows {half_life_windows!r} is not allowed; allowed: > 0")
         if not 0.0 < confidence < 1.0:
-            raise ValueError(f"confidence: {confidence!r}: must be in (0, 1)")
+            raise ValueError(f"confidence {confidence!r} is not allowed; allowed: 0 < confidence < 1")
         if min_windows < 2:
-            raise ValueError(f"min_windows: {min_windows!r}: must be >= 2 (a variance needs two windows)")
+            raise ValueError(f"min_windows {min_windows!r} is not allowed; allowed: ≥ 2 (a variance needs two windows)")
         if not max_relative_stderr > 0:
-            raise ValueError(f"max_relative_stderr: {max_relative_stderr!r}: must be > 0")
+            raise ValueError(f"max_relative_stderr {max_relative_stderr!r} is not allowed; allowed: > 0")
         self.unit = unit
         self.half_life = half_life
         self.half_life_windows = float(half_life_windows)
@@ -318,7 +319,8 @@ class NoiseScaleEstimator:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("unit", self.unit) != self.unit:
-            raise ValueError(f"unit: {sd.get('unit')!r}: checkpoint is for another unit than {self.unit!r}")
+            raise ValueError(f"checkpoint unit {sd.get('unit')!r} is not allowed; allowed: {self.unit!r} "
+                             "(this estimator's unit)")
         self.state.copy_(sd["state"].to(self.state.device))
         self._started = bool(sd["started"])
 

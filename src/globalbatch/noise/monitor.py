@@ -59,17 +59,17 @@ class NoiseConfig:
             self.sources = (self.sources,)
         bad = [s for s in self.sources if s not in SOURCES]
         if bad or not self.sources:
-            raise ValueError(f"sources: {self.sources!r}: expected a non-empty subset of {SOURCES}")
+            raise ValueError(f"sources {self.sources!r} is not allowed; allowed: a non-empty subset of {SOURCES}")
         if self.half_life is not None and not self.half_life > 0:
-            raise ValueError(f"half_life: {self.half_life!r}: must be > 0 units, None or math.inf")
+            raise ValueError(f"half_life {self.half_life!r} is not allowed; allowed: > 0 units, None or math.inf")
         if not self.half_life_windows > 0:
-            raise ValueError(f"half_life_windows: {self.half_life_windows!r}: must be > 0")
+            raise ValueError(f"half_life_windows {self.half_life_windows!r} is not allowed; allowed: > 0")
         if not 0.0 < self.confidence < 1.0:
-            raise ValueError(f"confidence: {self.confidence!r}: must be in (0, 1)")
+            raise ValueError(f"confidence {self.confidence!r} is not allowed; allowed: 0 < confidence < 1")
         if isinstance(self.min_windows, bool) or not isinstance(self.min_windows, int) or self.min_windows < 2:
-            raise ValueError(f"min_windows: {self.min_windows!r}: must be an int >= 2")
+            raise ValueError(f"min_windows {self.min_windows!r} is not allowed; allowed: an int ≥ 2")
         if not self.max_relative_stderr > 0:
-            raise ValueError(f"max_relative_stderr: {self.max_relative_stderr!r}: must be > 0")
+            raise ValueError(f"max_relative_stderr {self.max_relative_stderr!r} is not allowed; allowed: > 0")
 
 
 def _sq_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -115,11 +115,12 @@ class NoiseScaleMonitor:
                  config: NoiseConfig | None = None, unit: str = "token", process_group: Any = None) -> None:
         self.config = config if config is not None else NoiseConfig()
         if unit not in ("token", "sample"):
-            raise ValueError(f"unit: {unit!r}: expected 'token' or 'sample'")
+            raise ValueError(f"unit {unit!r} is not allowed; allowed: 'token' or 'sample'")
         self.unit = unit
         self.optimizer = optimizer
         if self.config.adam and optimizer is None:
-            raise ValueError("optimizer: None: adam=True needs the Adam/AdamW optimizer (its exp_avg_sq)")
+            raise ValueError("optimizer None is not allowed with adam=True; allowed: the Adam/AdamW optimizer "
+                             "(the variant needs its exp_avg_sq)")
         ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         self.model = model
         self._params = [p for p in model.parameters() if p.requires_grad]
@@ -129,12 +130,12 @@ class NoiseScaleMonitor:
         self._group = process_group if process_group is not None else (model.process_group if ddp else None)
         self.dp_world_size = dist.get_world_size(self._group) if self._group is not None else 1
         if process_group is not None and not ddp:
-            raise ValueError("process_group: given for a plain module: the monitor needs a DDP model to see "
-                             "each rank's gradient before the all-reduce")
+            raise ValueError("process_group is not allowed with a plain module; allowed: a DDP model (the monitor "
+                             "sees each rank's gradient before the all-reduce)")
         self.sources = tuple(s for s in self.config.sources if s != "rank" or self.dp_world_size > 1)
         if not self.sources:
-            raise ValueError(f"sources: {self.config.sources!r}: 'rank' {NEEDS_TWO_BATCH_SIZES} "
-                             f"(dp_world_size={self.dp_world_size}); add 'micro' with grad_accum_steps ≥ 2")
+            raise ValueError(f"sources {self.config.sources!r} is not allowed with dp_world_size {self.dp_world_size}; "
+                             f"allowed: add 'micro' with grad_accum_steps ≥ 2 (the noise scale {NEEDS_TWO_BATCH_SIZES})")
         self._ddp = ddp
         if ddp:
             model.register_comm_hook(self._group, _comm_hook(self))
@@ -223,8 +224,8 @@ class NoiseScaleMonitor:
                 bcs.append((1.0 - beta2 ** step) ** 0.5)
                 epss.append(eps)
         if len(vs) != len(self._params):
-            raise ValueError(f"optimizer: holds {len(vs)} of the model's {len(self._params)} trainable parameters; "
-                             "adam=True needs them all")
+            raise ValueError(f"optimizer holding {len(vs)} of the model's {len(self._params)} trainable parameters is "
+                             "not allowed with adam=True; allowed: an optimizer over all of them")
         if self._precond is None:
             self._precond = [torch.empty_like(p) for p in self._params]
         order = sorted(range(len(vs)), key=lambda j: vs[j][0])
@@ -374,8 +375,8 @@ class NoiseScaleMonitor:
         if k_local == 0:
             raise RuntimeError("window_end() before any micro_backward() in this window")
         if k_local * self.dp_world_size < 2:
-            raise ValueError(f"noise scale {NEEDS_TWO_BATCH_SIZES} (got grad_accum_steps={k_local}, "
-                             f"dp_world_size={self.dp_world_size})")
+            raise ValueError(f"grad_accum_steps {k_local} with dp_world_size {self.dp_world_size} is not allowed; "
+                             f"allowed: ≥ 2 small batches per window (the noise scale {NEEDS_TWO_BATCH_SIZES})")
         self._flush()
         active = self._active()
         grads = [self._params[i].grad for i in active]
@@ -491,8 +492,8 @@ class NoiseScaleMonitor:
         unit = unit or self.unit
         key = f"{source}{'_adam' if adam else ''}/{unit}"
         if key not in self.estimators:
-            raise ValueError(f"estimate: {key!r}: not measured (have {sorted(self.estimators) or 'none'}); "
-                             f"the noise scale {NEEDS_TWO_BATCH_SIZES}")
+            raise ValueError(f"estimate {key!r} is not allowed: not measured; allowed: "
+                             f"{', '.join(sorted(self.estimators)) or 'none yet'} (the noise scale {NEEDS_TWO_BATCH_SIZES})")
         return self.estimators[key].estimate()
 
     def estimates(self) -> dict[str, NoiseScaleEstimate]:

@@ -13,7 +13,8 @@ from globalbatch._util import atomic_write_text
 from globalbatch.noise.estimator import NEEDS_TWO_BATCH_SIZES, NoiseScaleEstimate
 from globalbatch.noise.monitor import NoiseConfig, NoiseScaleMonitor
 
-__all__ = ["NoiseRunConfig", "NoiseRunResult", "measure_noise", "format_estimate"]
+__all__ = ["NoiseRunConfig", "NoiseRunResult", "measure_noise", "format_estimate", "format_number",
+           "format_interval", "check_noise_settings", "CLI_FLAGS"]
 
 @dataclass(kw_only=True)
 class NoiseRunConfig:
@@ -45,18 +46,58 @@ class NoiseRunConfig:
     """``cpu``, ``cuda``...; default cuda when available."""
 
     def __post_init__(self) -> None:
-        for name, low in (("micro_batch", 1), ("grad_accum_steps", 1), ("steps", 1), ("log_every", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"{name}: {v!r}: must be an int >= {low}")
-        if not (self.lr >= 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr: {self.lr!r}: must be a finite number >= 0")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"optimizer: {self.optimizer!r}: expected 'adamw' or 'sgd'")
-        if self.adam_variant and self.optimizer != "adamw":
-            raise ValueError("adam_variant: True: needs optimizer 'adamw' (its exp_avg_sq)")
-        if not self.half_life_windows > 0:
-            raise ValueError(f"half_life_windows: {self.half_life_windows!r}: must be > 0")
+        check_noise_settings(micro_batch=self.micro_batch, grad_accum_steps=self.grad_accum_steps, steps=self.steps,
+                             lr=self.lr, optimizer=self.optimizer, log_every=self.log_every,
+                             half_life_windows=self.half_life_windows, adam_variant=self.adam_variant)
+
+
+CLI_FLAGS = {"micro_batch": "--micro-batch", "grad_accum_steps": "--grad-accum", "steps": "--steps", "lr": "--lr",
+             "optimizer": "--optimizer", "log_every": "--log-every", "half_life_windows": "--half-life-windows",
+             "adam_variant": "--adam-variant", "threads": "--threads"}
+"""How ``globalbatch noise`` spells each setting: its errors name the flag the user typed."""
+
+
+def check_noise_settings(*, micro_batch: int = 8, grad_accum_steps: int = 4, steps: int = 50, lr: float = 1e-3,
+                         optimizer: str = "adamw", log_every: int = 5, half_life_windows: float = 10.0,
+                         adam_variant: bool = False, threads: int | None = None, world_size: int | None = None,
+                         names: dict[str, str] | None = None) -> None:
+    """Raise ``ValueError`` for the first bad setting, in the house style, before anything runs.
+
+    ``names`` maps a setting to how the user wrote it (the CLI passes :data:`CLI_FLAGS`); a
+    setting not in it is named by its field name. ``world_size`` (processes, ``WORLD_SIZE``)
+    enables the check that a window has at least two small batches.
+    """
+    def name(field: str) -> str:
+        return (names or {}).get(field, field)
+
+    def text(field: str, value: Any) -> str:  # a flag's value as typed: --lr -1, not --lr -1.0
+        if not (names and field in names):
+            return repr(value)
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    def whole(value: Any) -> bool:
+        return not isinstance(value, bool) and isinstance(value, int)
+
+    for field, value in (("micro_batch", micro_batch), ("grad_accum_steps", grad_accum_steps), ("steps", steps),
+                         ("log_every", log_every), ("threads", threads)):
+        if (value is not None or field != "threads") and (not whole(value) or value < 1):
+            raise ValueError(f"{name(field)} {text(field, value)} is not allowed; allowed: a whole number ≥ 1")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (lr >= 0 and math.isfinite(lr)):
+        raise ValueError(f"{name('lr')} {text('lr', lr)} is not allowed; allowed: a finite number ≥ 0")
+    if optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"{name('optimizer')} {text('optimizer', optimizer)} is not allowed; allowed: adamw or sgd")
+    if adam_variant and optimizer != "adamw":
+        flag = name("adam_variant") if names and "adam_variant" in names else "adam_variant True"
+        raise ValueError(f"{flag} is not allowed with {name('optimizer')} {text('optimizer', optimizer)}; "
+                         f"allowed: {name('optimizer')} adamw (the variant needs its exp_avg_sq)")
+    if isinstance(half_life_windows, bool) or not isinstance(half_life_windows, (int, float)) \
+            or not half_life_windows > 0:
+        raise ValueError(f"{name('half_life_windows')} {text('half_life_windows', half_life_windows)} is not "
+                         "allowed; allowed: a number > 0 (windows)")
+    if world_size is not None and grad_accum_steps * world_size < 2:
+        other = "torchrun with ≥ 2 processes" if names else "dp_world_size ≥ 2"
+        raise ValueError(f"{name('grad_accum_steps')} {grad_accum_steps} on one process gives no second batch size; "
+                         f"allowed: {name('grad_accum_steps')} ≥ 2, or {other}")
 
 
 @dataclass
@@ -123,9 +164,7 @@ def measure_noise(config: NoiseRunConfig, *, out_dir: str | None = None, tensorb
     from globalbatch.tasks import load_task
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if config.grad_accum_steps * world < 2:
-        raise ValueError(f"grad_accum_steps: {config.grad_accum_steps}: noise scale {NEEDS_TWO_BATCH_SIZES} "
-                         f"(dp_world_size={world})")
+    check_noise_settings(grad_accum_steps=config.grad_accum_steps, world_size=world)
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     own_group = False
     if world > 1 and not dist.is_initialized():
@@ -179,8 +218,9 @@ def measure_noise(config: NoiseRunConfig, *, out_dir: str | None = None, tensorb
                         writer.add_scalar("train/lr", res.lr, step)
                     if on_row is not None:
                         on_row(row)
-        return NoiseRunResult(rows=rows, final=monitor.estimates(), unit=task.unit, dp_world_size=world,
-                              csv_path=csv_path)
+        final = monitor.estimates()
+        final = {**{k: final[k] for k in keys if k in final}, **final}  # the curve's column order: loss unit first
+        return NoiseRunResult(rows=rows, final=final, unit=task.unit, dp_world_size=world, csv_path=csv_path)
     finally:
         if writer is not None:
             writer.close()
@@ -188,16 +228,58 @@ def measure_noise(config: NoiseRunConfig, *, out_dir: str | None = None, tensorb
             dist.destroy_process_group()
 
 
-def format_estimate(e: NoiseScaleEstimate, *, digits: int = 3) -> str:
-    """``1,234 tokens [95% 1,010–1,530], SE 130`` or the flags when not reportable."""
-    def fmt(x: float) -> str:
-        if not math.isfinite(x):
-            return "n/a"
-        return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.{digits}g}"
+def format_number(x: float, digits: int = 3) -> str:
+    """``10689.3`` → ``'10,700'``, ``262.4`` → ``'262'``, ``0.4697`` → ``'0.47'``: ``digits`` significant
+    figures, thousands separators, never an exponent from 1e-4 up; ``'n/a'`` when not finite."""
+    if not math.isfinite(x):
+        return "n/a"
+    if x == 0:
+        return "0"
+    rounded = float(f"{x:.{digits}g}")
+    if abs(rounded) >= 10 ** (digits - 1):
+        return f"{rounded:,.0f}"
+    decimals = digits - 1 - math.floor(math.log10(abs(rounded)))
+    if decimals > 8:  # tiny: keep the exponent rather than a run of zeros
+        return f"{rounded:.{digits - 1}e}"
+    return f"{rounded:.{decimals}f}".rstrip("0").rstrip(".")
 
-    text = f"{fmt(e.b_simple)} {e.unit}s"
-    if math.isfinite(e.low):
-        text += f" [{e.confidence:.0%} {fmt(e.low)}–{fmt(e.high)}], SE {fmt(e.stderr)}"
-    if e.flags:
-        text += f" — not reportable: {', '.join(e.flags)}"
+
+_FLAG_TEXT = {"no_windows": "no windows yet", "few_windows": "few windows", "g_sq_nonpositive": "|G|² ≤ 0: no signal",
+              "too_noisy": "too noisy"}
+
+
+def format_interval(b_simple: float, low: float, high: float, flags: Sequence[str] | str = ()) -> str:
+    """``'262 [160, 1,070]'``, or the flags instead of an interval that is not bounded:
+    ``'262 (too noisy: interval unbounded)'``, ``'262 [0, 3,150] (too noisy)'``."""
+    if isinstance(flags, str):
+        flags = [f for f in flags.split("|") if f]
+    bounded = math.isfinite(low) and math.isfinite(high)
+    text = format_number(b_simple)
+    if bounded:
+        text += f" [{format_number(low)}, {format_number(high)}]"
+    notes = [_FLAG_TEXT.get(f, f) for f in flags]
+    if not bounded and "no_windows" not in flags:
+        if "too_noisy" in flags:
+            notes[notes.index("too noisy")] = "too noisy: interval unbounded"
+        else:
+            notes.append("interval unbounded")
+    return text + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def format_estimate(e: NoiseScaleEstimate, *, digits: int = 3) -> str:
+    """``1,230 tokens [95% 1,010, 1,530], SE 130``, or the flags instead of an unbounded interval:
+    ``262 tokens (too noisy: interval unbounded; not reportable)``."""
+    text = f"{format_number(e.b_simple, digits)} {e.unit}s"
+    if math.isfinite(e.low) and math.isfinite(e.high):
+        text += f" [{e.confidence:.0%} {format_number(e.low, digits)}, {format_number(e.high, digits)}]"
+        if math.isfinite(e.stderr):
+            text += f", SE {format_number(e.stderr, digits)}"
+    notes = [_FLAG_TEXT.get(f, f) for f in e.flags]
+    if not (math.isfinite(e.low) and math.isfinite(e.high)) and "no_windows" not in e.flags:
+        if "too_noisy" in e.flags:
+            notes[notes.index("too noisy")] = "too noisy: interval unbounded"
+        else:
+            notes.append("interval unbounded")
+    if notes:
+        text += f" ({'; '.join(notes)}; not reportable)"
     return text
