@@ -52,7 +52,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from globalbatch._util import atomic_write_json, json_default
+from globalbatch._util import SettingError, atomic_write_json, json_default, load_task_checked
 from globalbatch.sweep import _build_optimizer, _evaluate
 
 __all__ = ["BranchConfig", "KVerdict", "Verdicts", "PointResult", "BranchResult", "branch_verdicts", "run_branch_test", "load_branch_results"]
@@ -98,39 +98,41 @@ class BranchConfig:
     def __post_init__(self) -> None:
         self.ks = sorted(int(k) for k in self.ks)
         self.branch_at = sorted(int(x) for x in self.branch_at)
+        E = SettingError
         if not 0.0 <= self.base_warmup_fraction < 1.0:
-            raise ValueError(f"base_warmup_fraction: {self.base_warmup_fraction}: must be in [0, 1)")
-        if 1 not in self.ks or any(k < 1 for k in self.ks) or len(set(self.ks)) != len(self.ks):
-            raise ValueError(f"ks: {self.ks}: must be distinct integers >= 1 and include 1 (the reference branch)")
-        if len(self.ks) < 2:
-            raise ValueError(f"ks: {self.ks}: need at least one k > 1 to compare with k = 1")
+            raise E("base_warmup_fraction", self.base_warmup_fraction, "0 ≤ base_warmup_fraction < 1")
+        if 1 not in self.ks or any(k < 1 for k in self.ks) or len(set(self.ks)) != len(self.ks) or len(self.ks) < 2:
+            raise E("ks", self.ks, "distinct whole numbers ≥ 1 including 1 (the reference branch) and at least one k > 1, "
+                    "e.g. 1,2,4,8")
         if self.base_batch < 1:
-            raise ValueError(f"base_batch: {self.base_batch}: must be >= 1")
+            raise E("base_batch", self.base_batch, "a whole number ≥ 1")
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr: {self.lr}: must be a finite number > 0")
+            raise E("lr", self.lr, "a finite number > 0")
         if self.optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"optimizer: {self.optimizer!r}: allowed adamw (LR × √k) or sgd (LR × k)")
+            raise E("optimizer", self.optimizer, "adamw (LR × √k), sgd (LR × k)")
         if not self.branch_at or self.branch_at[0] < 1:
-            raise ValueError(f"branch_at: {self.branch_at}: need at least one branch point >= 1 unit")
+            raise E("branch_at", self.branch_at, "one or more branch points ≥ 1 unit")
         if self.window < 1:
-            raise ValueError(f"window: {self.window}: must be >= 1 unit")
+            raise E("window", self.window, "a whole number of units ≥ 1")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise E("micro_batch", self.micro_batch, "a whole number ≥ 1")
         warm = self.base_warmup_units()
         early = [p for p in self.branch_at if p < warm]
         if early:
-            raise ValueError(
-                f"branch_at: {early}: inside the base run's LR warmup (the first {warm:,} units = "
-                f"base_warmup_fraction {self.base_warmup_fraction} × the last branch point {self.branch_at[-1]:,}); "
-                "branches train at the constant peak LR × multiplier, so branch after the warmup")
+            raise E("branch_at", early, "branch points after the base run's LR warmup (branches train at the constant "
+                    "peak LR × multiplier)",
+                    why=f"inside the warmup: the first {warm:,} units = base_warmup_fraction {self.base_warmup_fraction} "
+                        f"× the last branch point {self.branch_at[-1]:,}")
         if self.seeds < 2:
-            raise ValueError(f"seeds: {self.seeds}: the test needs at least 2 seeds per k")
-        if not self.tolerance >= 0:
-            raise ValueError(f"tolerance: {self.tolerance}: must be >= 0")
+            raise E("seeds", self.seeds, "a whole number ≥ 2 (the test needs two seeds per k)")
+        if not self.tolerance >= 0 or not math.isfinite(self.tolerance):
+            raise E("tolerance", self.tolerance, "a loss difference ≥ 0 (Merrill et al.: 0.01)")
         if not 0 < self.alpha < 1:
-            raise ValueError(f"alpha: {self.alpha}: must be in (0, 1)")
+            raise E("alpha", self.alpha, "0 < alpha < 1 (e.g. 0.05)")
         if self.metric not in METRICS:
-            raise ValueError(f"metric: {self.metric!r}: allowed {', '.join(METRICS)}")
+            raise E("metric", self.metric, ", ".join(METRICS))
         if self.test not in TESTS:
-            raise ValueError(f"test: {self.test!r}: allowed {', '.join(TESTS)}")
+            raise E("test", self.test, ", ".join(TESTS))
 
     def base_warmup_units(self) -> int:
         """Units over which the base run warms its LR up (branch points must not be earlier)."""
@@ -358,19 +360,33 @@ def _branch_name(point: int, k: int, seed: int) -> str:
 
 
 def _check_manifest(out: Path, config: BranchConfig) -> None:
+    """Refuse a directory holding a branch test with other run settings; record these ones.
+
+    The seed count may change: seed s's branches do not depend on how many seeds there
+    are, so more seeds add branches (the finished ones are reused) and fewer use a subset.
+    """
     path = out / "manifest.json"
     want = json.loads(json.dumps(config.manifest(), default=json_default))
     if path.is_file():
-        have = json.loads(path.read_text())
-        if have != want:
-            g_have, g_want = have.get("branch", {}), want["branch"]
+        try:
+            have = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise SettingError("out", str(out), "a new directory, or a branch-test directory",
+                               why=f"manifest.json is unreadable: {exc}") from None
+        if not isinstance(have, dict) or not isinstance(have.get("branch"), dict):
+            what = "a sweep" if isinstance(have, dict) and "grid" in have else "no branch test"
+            raise SettingError("out", str(out), "a new directory, or a branch-test directory", why=f"it holds {what}")
+        g_have = {k: v for k, v in have["branch"].items() if k != "seeds"}
+        g_want = {k: v for k, v in want["branch"].items() if k != "seeds"}
+        if g_have != g_want or have.get("version") != want["version"]:
             diffs = [f"{k}: {g_have.get(k)!r} -> {g_want.get(k)!r}" for k in sorted(set(g_have) | set(g_want))
                      if g_have.get(k) != g_want.get(k)]
             if have.get("version") != want["version"]:
                 diffs.append(f"version: {have.get('version')!r} -> {want['version']!r} (branches trained differently)")
-            raise ValueError(f"out: {str(out)!r}: holds a branch test with different settings ({'; '.join(diffs)}); "
-                             "use another --out")
-        return
+            raise SettingError("out", str(out), "a new directory, or the original settings (only --seeds may change)",
+                               why=f"holds a branch test with different settings: {'; '.join(diffs)}")
+        if have == want:
+            return
     atomic_write_json(path, want)
 
 
@@ -379,7 +395,9 @@ def run_branch_test(config: BranchConfig, out_dir: str | os.PathLike, *, threads
     """Run the base run (checkpointing at every branch point) and every branch; resumable.
 
     Finished branches (``branches/<name>.json``) and base checkpoints are reused on a
-    rerun into the same ``out_dir``; changed run settings are an error.
+    rerun into the same ``out_dir``; a different ``seeds`` adds (or leaves out) seeds'
+    branches, any other changed run setting is an error. Settings and the task are
+    checked before anything is written.
     """
     import torch
 
@@ -387,13 +405,18 @@ def run_branch_test(config: BranchConfig, out_dir: str | os.PathLike, *, threads
     from globalbatch.schedule import TokenLRSchedule
     from globalbatch.tasks import load_task
 
+    # Every setting is checked, and the task built, before anything is written.
+    if threads is not None and (isinstance(threads, bool) or int(threads) != threads or threads < 1):
+        raise SettingError("threads", threads, "a whole number ≥ 1")
+    task = load_task_checked(config.task, config.task_overrides)
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise SettingError("out", str(out), "a directory (this is a file)")
     out.mkdir(parents=True, exist_ok=True)
     _check_manifest(out, config)
     if threads is not None:
         torch.set_num_threads(int(threads))
     t_wall = time.time()
-    task = load_task(config.task, **config.task_overrides)
     unit = task.unit
     micro0 = config.micro_batch_for(config.base_batch)
 
@@ -503,9 +526,15 @@ def load_branch_results(out_dir: str | os.PathLike, **decision: Any) -> BranchRe
     out = Path(out_dir)
     path = out / "manifest.json"
     if not path.is_file():
-        raise ValueError(f"out: {str(out)!r}: no manifest.json (not a branch-test directory)")
-    cfg = BranchConfig.from_dict({**json.loads(path.read_text())["branch"], **decision})
-    branches = [json.loads(f.read_text()) for f in sorted((out / "branches").glob("*.json"))]
+        raise SettingError("out", str(out), "a branch-test directory", why="no manifest.json")
+    try:
+        doc = json.loads(path.read_text())
+        stored = doc["branch"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        raise SettingError("out", str(out), "a branch-test directory", why="manifest.json holds no branch test") from None
+    cfg = BranchConfig.from_dict({**stored, **decision})
+    branches = [b for b in (json.loads(f.read_text()) for f in sorted((out / "branches").glob("*.json")))
+                if b.get("seed", 0) < cfg.seeds]
     base_meta = json.loads((out / "base" / "base.json").read_text())
     return _summarise(out, cfg, base_meta.get("unit", "unit"), branches, base_meta, 0.0)
 

@@ -47,6 +47,7 @@ __all__ = [
     "points_for_target",
     "recommend",
     "analyze",
+    "check_analysis_settings",
 ]
 
 
@@ -231,6 +232,9 @@ class HyperbolaFit:
     """Standard deviation of the log-space residuals (≈ relative scatter of S)."""
     batch_range: tuple[float, float]
     """Smallest and largest batch that went into the fit."""
+    degenerate: Optional[str] = None
+    """Why the fit cannot be read as a critical batch (E_min ≈ 0, S_min ≈ 0, non-finite,
+    B_crit pinned at the search bound), or None. A degenerate fit reports no B_crit and no bound."""
 
     def steps(self, batch_size: np.ndarray | float) -> np.ndarray:
         """Predicted steps to target at ``batch_size``."""
@@ -275,6 +279,8 @@ class HyperbolaFit:
 
     def b_crit_text(self, level: float = 0.95) -> str:
         """``"1,600 (95% CI 1,500–1,700)"``, or the one-sided bound when extrapolated."""
+        if self.degenerate is not None:
+            return f"fit failed (degenerate: {self.degenerate}); no bound"
         bound = self.b_crit_bound(level)
         if bound is None:
             lo, hi = self.b_crit_interval(level)
@@ -302,6 +308,21 @@ def zhang_cbs(s_min: float, e_min: float, *, overhead: float = 0.2, base_batch: 
     if base_batch < 0:
         raise ValueError(f"base_batch: {base_batch}: must be >= 0")
     return overhead * e_min / s_min + (1.0 + overhead) * base_batch
+
+
+def _degenerate(s_min: float, e_min: float, b_crit: float, log_b_crit: float, log_bounds: tuple[float, float],
+                b: np.ndarray, s: np.ndarray) -> Optional[str]:
+    """Why a fit says nothing about B_crit, or None (see :attr:`HyperbolaFit.degenerate`)."""
+    if not all(math.isfinite(v) for v in (s_min, e_min, b_crit)):
+        return "non-finite S_min, E_min or B_crit"
+    if s_min <= 0 or s_min < 1e-6 * float(s.min()):
+        return f"S_min = {s_min:.3g} ≤ 0: steps fall faster than 1/batch"
+    min_examples = float((b * s).min())
+    if e_min <= 0 or e_min < 1e-6 * min_examples or log_b_crit <= log_bounds[0] + 1e-3:
+        return f"E_min = {e_min:.3g} ≈ 0: steps do not fall with the batch (every batch saturated)"
+    if log_b_crit >= log_bounds[1] - 1e-3:
+        return "B_crit at the search bound: steps ∝ 1/batch, no saturation seen"
+    return None
 
 
 def _log_model(batch: np.ndarray, log_s_min: float, log_b_crit: float) -> np.ndarray:
@@ -358,6 +379,7 @@ def fit_hyperbola(batch_sizes: Sequence[float], steps: Sequence[float]) -> Hyper
     var_le = pcov[0, 0] + pcov[1, 1] + 2.0 * pcov[0, 1]
     e_min = s_min * b_crit
     return HyperbolaFit(
+        degenerate=_degenerate(s_min, e_min, b_crit, log_b_crit, (lo - 12.0, hi + 12.0), b, s),
         s_min=s_min,
         e_min=e_min,
         b_crit=b_crit,
@@ -437,6 +459,8 @@ class Analysis:
     """EMA half-life as a fraction of each trial's steps to the target (the default smoothing)."""
     halflife_steps: Optional[float] = None
     """A fixed EMA half-life in steps, when one was asked for instead."""
+    warnings: list[str] = field(default_factory=list)
+    """Caveats of the measurement (e.g. in-trial throughput that varied with machine load)."""
 
     def halflife_for(self, n_steps: int) -> float:
         return smoothing_halflife(n_steps, ema_fraction=self.ema_fraction, halflife_steps=self.halflife_steps)
@@ -491,6 +515,9 @@ def points_for_target(
     except ValueError as exc:
         result.fit_error = str(exc)
     else:
+        if fit.degenerate is not None:
+            result.fit_error = f"fit failed (degenerate: {fit.degenerate})"
+            return result
         result.fit = fit
         result.cbs_20 = fit.cbs(overhead=0.2)
         result.se_cbs_20 = 0.2 * fit.se_b_crit
@@ -498,6 +525,25 @@ def points_for_target(
         if result.b_crit_bound is None:
             result.b_crit_ci95 = fit.b_crit_interval(0.95)
     return result
+
+
+OBJECTIVES = ("time", "cost")
+
+
+def check_analysis_settings(*, objective: str = "time", tolerance: float = 0.05, ema_fraction: float = 0.05,
+                            halflife_steps: Optional[float] = None) -> None:
+    """Raise a :class:`~globalbatch._util.SettingError` for the first bad analysis setting."""
+    from globalbatch._util import SettingError
+
+    if objective not in OBJECTIVES:
+        raise SettingError("objective", objective, ", ".join(OBJECTIVES))
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
+        raise SettingError("tolerance", tolerance, "a fraction, 0 ≤ tolerance < 1 (0.05 = within 5%)")
+    if isinstance(ema_fraction, bool) or not isinstance(ema_fraction, (int, float)) or not 0 < ema_fraction < 1:
+        raise SettingError("ema_fraction", ema_fraction, "a fraction, 0 < ema_fraction < 1 (e.g. 0.05)")
+    if halflife_steps is not None and not (isinstance(halflife_steps, (int, float)) and halflife_steps > 0
+                                           and math.isfinite(halflife_steps)):
+        raise SettingError("halflife_steps", halflife_steps, "a number of steps > 0")
 
 
 def smoothing_halflife(n_steps: int, *, ema_fraction: float = 0.05, halflife_steps: Optional[float] = None) -> float:
@@ -563,6 +609,7 @@ def recommend(
     target: float = math.nan,
     unit: str = "example",
     label: Optional[Callable[[float], str]] = None,
+    throughput_source: Optional[Callable[[float], str]] = None,
 ) -> Recommendation:
     """The batch that reaches the target fastest (or cheapest), within a tolerance.
 
@@ -578,11 +625,11 @@ def recommend(
 
     So a bigger batch that is only marginally faster but burns many more tokens loses: this
     is "the highest-throughput batch that reaches the target", not the largest that fits.
+
+    ``throughput_source(batch)`` says where a batch's throughput comes from (e.g. "timed
+    pass"); without it the text says "median over its trials".
     """
-    if objective not in ("time", "cost"):
-        raise ValueError(f"objective: {objective!r}: allowed 'time' or 'cost'")
-    if not 0 <= tolerance < 1:
-        raise ValueError(f"tolerance: {tolerance}: must be in [0, 1) (0.05 = 5%)")
+    check_analysis_settings(objective=objective, tolerance=tolerance)
     pts = list(points)
     if not pts:
         raise ValueError("points: no batch size reached the target; lower the target or raise the token budget")
@@ -616,9 +663,10 @@ def recommend(
     name = label if label is not None else (lambda b: f"batch {b:,.0f}")
 
     def desc(p: BatchPoint) -> str:
-        parts = [f"{name(p.batch_size)} (lr {p.lr:g}): {p.steps:,.1f} steps, {p.examples:,.0f} {unit}s"]
+        parts = [f"{name(p.batch_size)}, lr {p.lr:g}: {p.steps:,.1f} steps, {p.examples:,.0f} {unit}s"]
         if p.examples_per_s:
-            parts.append(f"{p.examples_per_s:,.0f} {unit}/s")
+            source = throughput_source(p.batch_size) if throughput_source is not None else "median over its trials"
+            parts.append(f"{p.examples_per_s:,.0f} {unit}/s ({source})")
         if p.time_s is not None:
             parts.append(f"{p.time_s:,.1f} s")
         if p.cost is not None:
@@ -662,8 +710,16 @@ def analyze(
     tolerance: float = 0.05,
     unit: str = "example",
     label: Optional[Callable[[float], str]] = None,
+    throughput_source: Optional[Callable[[float], str]] = None,
+    warnings: Sequence[str] = (),
 ) -> Analysis:
-    """Fits at every target and the recommendation at the primary (first) target (see :func:`default_targets`)."""
+    """Fits at every target and the recommendation at the primary (first) target (see :func:`default_targets`).
+
+    ``warnings`` (e.g. unreliable throughput) are kept in :attr:`Analysis.warnings` and
+    added to the recommendation's text.
+    """
+    check_analysis_settings(objective=objective, tolerance=tolerance, ema_fraction=ema_fraction,
+                            halflife_steps=halflife_steps)
     curves = list(curves)
     if not curves:
         raise ValueError("curves: empty; nothing to analyze")
@@ -676,11 +732,10 @@ def analyze(
     results = [points_for_target(curves, t, ema_fraction=ema_fraction, halflife_steps=halflife_steps) for t in targets]
     rec = None
     primary = results[0]
-    if primary.points:
-        try:
-            rec = recommend(primary.points, objective=objective, tolerance=tolerance, target=primary.target,
-                            unit=unit, label=label)
-        except ValueError:  # no throughput recorded: the fit stands, no recommendation
-            rec = None
+    no_throughput = objective == "time" and any(p.time_s is None for p in primary.points)
+    if primary.points and not no_throughput:  # without throughput the fit stands, no time recommendation
+        rec = recommend(primary.points, objective=objective, tolerance=tolerance, target=primary.target,
+                        unit=unit, label=label, throughput_source=throughput_source)
+        rec.reasons += [f"warning: {w}" for w in warnings]
     return Analysis(unit=unit, targets=results, primary_target=targets[0], recommendation=rec,
-                    ema_fraction=ema_fraction, halflife_steps=halflife_steps)
+                    ema_fraction=ema_fraction, halflife_steps=halflife_steps, warnings=list(warnings))

@@ -2,7 +2,7 @@
 
 Plots (McCandlish et al. 2018, arXiv 1812.06162, figs. 4–7 show the same views):
 
-1. ``loss_vs_tokens.png`` — the EMA-smoothed training loss of every trial against
+1. ``loss_vs_data.png`` — the EMA-smoothed training loss of every trial against
    consumed units (best LR of each batch drawn bold), validation loss as markers,
    loss targets dashed;
 2. ``steps_vs_examples.png`` — steps against examples to reach each target, one point
@@ -75,6 +75,13 @@ def _save(fig, path: Path) -> str:
     return str(path)
 
 
+def _legend(ax, **kwargs) -> None:
+    """A legend only when the axes have labelled artists (else matplotlib warns on stderr)."""
+    handles, _ = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(**kwargs)
+
+
 def _colors(n: int):
     cmap = _plt().get_cmap("viridis")
     return [cmap(x) for x in np.linspace(0.05, 0.9, max(n, 1))]
@@ -85,7 +92,7 @@ def _best_lr_by_batch(analysis: Analysis) -> dict[float, float]:
     return {p.batch_size: p.lr for p in t.points}
 
 
-def plot_loss_vs_tokens(data: SweepData, analysis: Analysis, path: Path) -> str:
+def plot_loss_vs_data(data: SweepData, analysis: Analysis, path: Path) -> str:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 5))
     units = data.batch_units()
@@ -111,7 +118,7 @@ def plot_loss_vs_tokens(data: SweepData, analysis: Analysis, path: Path) -> str:
     ax.set_xlabel(f"{data.unit}s consumed")
     ax.set_ylabel("training loss (EMA) · validation ○")
     ax.set_title("Loss against consumed data (bold: best LR per batch; dashed: targets)")
-    ax.legend(fontsize=8)
+    _legend(ax, fontsize=8)
     ax.grid(alpha=0.3)
     return _save(fig, path)
 
@@ -140,7 +147,7 @@ def plot_steps_vs_examples(data: SweepData, analysis: Analysis, path: Path) -> s
     ax.set_xlabel(f"{data.unit}s to reach target (E)")
     ax.set_ylabel("optimizer steps to reach target (S)")
     ax.set_title("Steps vs examples: (S/S_min − 1)(E/E_min − 1) = 1  (★ = B_crit: 2·S_min, 2·E_min)")
-    ax.legend(fontsize=8)
+    _legend(ax, fontsize=8)
     ax.grid(alpha=0.3, which="both")
     return _save(fig, path)
 
@@ -174,7 +181,7 @@ def plot_batch_tradeoff(data: SweepData, analysis: Analysis, path: Path) -> str:
     axes[1].plot(tp_b, tp, "o-", color="tab:green", label="timing pass (alone)" if data.timing else "in-trial (median over LRs)")
     if in_b:
         axes[1].plot(in_b, in_tp, "x:", color="grey", label="in-trial (shared cores)")
-    axes[1].legend(fontsize=8)
+    _legend(axes[1], fontsize=8)
     axes[1].set_title(f"throughput ({data.unit}s/s)")
     times = [(p.batch_size, p.time_s) for p in t.points if p.time_s is not None]
     if times:
@@ -191,8 +198,8 @@ def plot_batch_tradeoff(data: SweepData, analysis: Analysis, path: Path) -> str:
         ax.minorticks_off()
         ax.set_xlabel(f"batch ({data.unit}s per step)")
         ax.grid(alpha=0.3, which="both")
-    axes[0].legend(fontsize=8)
-    axes[2].legend(fontsize=8)
+    _legend(axes[0], fontsize=8)
+    _legend(axes[2], fontsize=8)
     fig.tight_layout()
     return _save(fig, path)
 
@@ -216,7 +223,7 @@ def plot_noise_scale(data: SweepData, path: Path) -> Optional[str]:
     ax.set_xlabel(f"{data.unit}s consumed")
     ax.set_ylabel(f"B_simple ({data.unit}s)")
     ax.set_title("Gradient noise scale B_simple = tr(Σ)/|G|² (McCandlish 2018; unflagged estimates)")
-    ax.legend(fontsize=7, ncol=2)
+    _legend(ax, fontsize=7, ncol=2)
     ax.grid(alpha=0.3, which="both")
     return _save(fig, path)
 
@@ -236,7 +243,9 @@ def _fit_rows(data: SweepData, analysis: Analysis) -> list[list[str]]:
     rows = []
     for t in analysis.targets:
         if t.fit is None:
-            rows.append([f"{t.target:.4f}", str(len(t.points)), "–", "–", "–", "–", t.fit_error or ""])
+            failed = (t.fit_error or "").startswith("fit failed")
+            rows.append([f"{t.target:.4f}" + (" (primary)" if t is analysis.targets[0] else ""), str(len(t.points)),
+                         "fit failed" if failed else "–", "no bound" if failed else "–", "–", "–", t.fit_error or ""])
             continue
         f = t.fit
         bound = f.b_crit_bound(0.95)
@@ -343,9 +352,11 @@ def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, 
         b64 = base64.b64encode(Path(path).read_bytes()).decode("ascii")
         imgs.append(f"<figure><img alt='{html.escape(caption)}' src='data:image/png;base64,{b64}'>"
                     f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    warns = "".join(f"<p class='warn'>warning: {html.escape(w)}</p>" for w in analysis.warnings)
     missing = (f"<p class='warn'>{len(data.missing)} trial(s) not finished: {html.escape(', '.join(data.missing))}</p>"
                if data.missing else "")
-    grid = (f"task <code>{html.escape(cfg.task)}</code> {html.escape(json.dumps(cfg.task_overrides))}; batches "
+    overrides = f" {html.escape(json.dumps(cfg.task_overrides))}" if cfg.task_overrides else ""
+    grid = (f"task <code>{html.escape(cfg.task)}</code>{overrides}; batches "
             f"{cfg.batches} samples; lrs {cfg.lrs}; budget {cfg.budget:,} {u}s per trial; seed {cfg.seed}; "
             f"optimizer {cfg.optimizer}; LR warmup {cfg.warmup_fraction:.0%} then {cfg.lr_shape}; "
             + (f"EMA half-life {analysis.halflife_steps:g} steps" if analysis.halflife_steps is not None
@@ -359,7 +370,7 @@ def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, 
 <body>
 <h1>{html.escape(title)}</h1>
 <p>{grid}</p>
-{missing}
+{missing}{warns}
 <h2>Recommendation</h2>
 {rec_html}
 <h2>At the primary target</h2>
@@ -384,9 +395,17 @@ window.addEventListener("load", function () {{
 }});
 </script>
 <p class="foot">Generated {time.strftime('%Y-%m-%d %H:%M:%S')} by globalbatch from {html.escape(data.out_dir)}.
-Throughput is measured inside each trial (evaluation excluded) and shares the machine with concurrent trials.</p>
+{html.escape(_throughput_note(data))}</p>
 </body></html>
 """
+
+
+def _throughput_note(data: SweepData) -> str:
+    if data.timing:
+        return ("Throughput, time and cost to target come from the sequential timing pass (each batch alone, all "
+                "threads, its best LR); the in-trial units/s were measured while trials shared the cores.")
+    return ("Throughput is measured inside each trial (evaluation excluded), median over each batch's LRs, "
+            "while trials shared the machine.")
 
 
 def write_report(
@@ -412,7 +431,7 @@ def write_report(
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
     plots: list[tuple[str, str]] = [
-        ("Loss against consumed data per batch", plot_loss_vs_tokens(data, analysis, out / "loss_vs_tokens.png")),
+        ("Loss against consumed data per batch", plot_loss_vs_data(data, analysis, out / "loss_vs_data.png")),
         ("Steps against examples with the fitted hyperbola", plot_steps_vs_examples(data, analysis, out / "steps_vs_examples.png")),
         ("Units to target, throughput and wall-clock against batch", plot_batch_tradeoff(data, analysis, out / "batch_tradeoff.png")),
     ]
@@ -426,3 +445,4 @@ def write_report(
     atomic_write_text(out / "report.html", page)
     return ReportResult(html=str(out / "report.html"), plots=[p for _, p in plots], analysis_json=str(out / "analysis.json"),
                         analysis=analysis, data=data)
+plot_loss_vs_tokens = plot_loss_vs_data  # the old name

@@ -55,7 +55,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from globalbatch._util import (  # noqa: F401 (atomic_write_*, read_jsonl, parse_*: re-exported)
+    SettingError,
     atomic_write_json,
+    load_task_checked,
     atomic_write_text,
     parse_list,
     parse_task_args,
@@ -141,35 +143,40 @@ class SweepConfig:
     micro-batch is capped at batch ÷ 2."""
 
     def __post_init__(self) -> None:
+        E = SettingError
+        if not self.batches or any(isinstance(b, bool) or int(b) != b or b < 1 for b in self.batches) \
+                or len(set(self.batches)) != len(self.batches):
+            raise E("batches", list(self.batches), "distinct whole numbers ≥ 1, e.g. 16,32,64")
         self.batches = [int(b) for b in self.batches]
+        if not self.lrs or any(not (float(x) > 0 and math.isfinite(float(x))) for x in self.lrs) \
+                or len(set(self.lrs)) != len(self.lrs):
+            raise E("lrs", [float(x) for x in self.lrs], "distinct finite numbers > 0, e.g. 3e-4,1e-3")
         self.lrs = [float(x) for x in self.lrs]
-        if not self.batches:
-            raise ValueError("batches: []: give at least one batch size, e.g. 16,32,64")
-        if any(b < 1 for b in self.batches) or len(set(self.batches)) != len(self.batches):
-            raise ValueError(f"batches: {self.batches}: must be distinct integers >= 1")
-        if not self.lrs or any(not (x > 0 and math.isfinite(x)) for x in self.lrs) or len(set(self.lrs)) != len(self.lrs):
-            raise ValueError(f"lrs: {self.lrs}: must be distinct finite numbers > 0")
-        if isinstance(self.budget, bool) or int(self.budget) != self.budget or self.budget < 1:
-            raise ValueError(f"budget: {self.budget!r}: must be a whole number of units >= 1")
+        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)) or int(self.budget) != self.budget \
+                or self.budget < 1:
+            raise E("budget", self.budget, "a whole number of units ≥ 1, e.g. 2M")
         self.budget = int(self.budget)
-        if self.seed < 0:
-            raise ValueError(f"seed: {self.seed}: must be >= 0")
+        if isinstance(self.seed, bool) or int(self.seed) != self.seed or self.seed < 0:
+            raise E("seed", self.seed, "a whole number ≥ 0")
         if self.micro_batch is not None:
-            bad = [b for b in self.batches if b % self.micro_batch and b > self.micro_batch]
-            if self.micro_batch < 1 or bad:
-                raise ValueError(
-                    f"micro_batch: {self.micro_batch}: must be >= 1 and divide every batch larger than it (not {bad})"
-                )
+            bad = [b for b in self.batches if b % self.micro_batch and b > self.micro_batch] if self.micro_batch >= 1 else []
+            if self.micro_batch < 1:
+                raise E("micro_batch", self.micro_batch, "a whole number ≥ 1")
+            if bad:
+                raise E("micro_batch", self.micro_batch, "a whole number ≥ 1 that divides every batch larger than it",
+                        why=f"does not divide batch {', '.join(map(str, bad))}")
         if self.eval_every is not None and self.eval_every < 1:
-            raise ValueError(f"eval_every: {self.eval_every}: must be >= 1 unit")
+            raise E("eval_every", self.eval_every, "a whole number of units ≥ 1")
         if self.max_val_samples < 1:
-            raise ValueError(f"max_val_samples: {self.max_val_samples}: must be >= 1")
+            raise E("max_val_samples", self.max_val_samples, "a whole number ≥ 1")
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer: {self.optimizer!r}: allowed {', '.join(OPTIMIZERS)}")
+            raise E("optimizer", self.optimizer, ", ".join(OPTIMIZERS))
         if not 0.0 <= self.warmup_fraction < 1.0:
-            raise ValueError(f"warmup_fraction: {self.warmup_fraction}: must be in [0, 1)")
+            raise E("warmup_fraction", self.warmup_fraction, "0 ≤ warmup_fraction < 1")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm: {self.max_grad_norm}: must be > 0 or None")
+            raise E("max_grad_norm", self.max_grad_norm, "a number > 0, or None (no clipping)")
+        if not isinstance(self.task_overrides, dict):
+            raise E("task_overrides", self.task_overrides, "a dict of task overrides")
 
     def micro_batch_for(self, batch: int) -> int:
         """Samples per micro-batch for a trial of ``batch`` samples."""
@@ -480,10 +487,8 @@ def _check_manifest(out: Path, config: SweepConfig) -> None:
         if have != want:
             g_have, g_want = have.get("grid", {}), want["grid"]
             diffs = [f"{k}: {g_have.get(k)!r} -> {g_want.get(k)!r}" for k in sorted(set(g_have) | set(g_want)) if g_have.get(k) != g_want.get(k)]
-            raise ValueError(
-                f"out: {str(out)!r}: holds a sweep with a different grid ({'; '.join(diffs) or 'version'}); "
-                "use another --out or the original grid"
-            )
+            raise SettingError("out", str(out), "a new directory, or the original grid to resume",
+                               why=f"holds a sweep with a different grid: {'; '.join(diffs) or 'version'}")
         return
     atomic_write_json(path, want)
 
@@ -577,17 +582,28 @@ def run_sweep(
             trials (after ``timing_warmup`` untimed ones), alone on all the sweep's threads;
             0 disables it (the analysis then falls back to the in-trial units/s).
     """
+    # Every setting is checked, and the task built with its overrides, before anything is
+    # written: a rejected run leaves no manifest behind to refuse the corrected rerun.
     if timing_steps < 0 or timing_warmup < 0:
-        raise ValueError(f"timing_steps/timing_warmup: {timing_steps}/{timing_warmup}: must be >= 0")
+        raise SettingError("timing_steps", timing_steps if timing_steps < 0 else timing_warmup, "a whole number ≥ 0")
     if backend not in BACKENDS:
-        raise ValueError(f"backend: {backend!r}: allowed {', '.join(BACKENDS)}")
-    if workers is not None and workers < 1:
-        raise ValueError(f"workers: {workers}: must be >= 1")
-    if threads is not None and threads < 1:
-        raise ValueError(f"threads: {threads}: must be >= 1")
+        raise SettingError("backend", backend, ", ".join(BACKENDS))
+    if workers is not None and (isinstance(workers, bool) or workers < 1):
+        raise SettingError("workers", workers, "a whole number ≥ 1")
+    if threads is not None and (isinstance(threads, bool) or threads < 1):
+        raise SettingError("threads", threads, "a whole number ≥ 1")
     if address is not None and backend != "ray":
-        raise ValueError(f"address: {address!r}: only with --backend ray")
+        raise SettingError("address", address, "an address only with backend ray")
+    if backend == "ray":
+        try:
+            import ray  # noqa: F401
+            from ray import tune  # noqa: F401
+        except ImportError:
+            raise SettingError("backend", "ray", f"local, or ray after {RAY_HINT}", why="Ray Tune is not installed") from None
+    unit = load_task_checked(config.task, config.task_overrides).unit  # fails here, not in a worker
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise SettingError("out", str(out), "a directory (this is a file)")
     out.mkdir(parents=True, exist_ok=True)
     _check_manifest(out, config)
     trials = config.trials()
@@ -600,9 +616,6 @@ def run_sweep(
     requested = workers if workers is not None else min(len(trials), cores)
     threads = threads if threads is not None else max(1, cores // requested)
     n_workers = max(1, min(len(pending) or 1, requested))
-    from globalbatch.tasks import load_task
-
-    unit = load_task(config.task, **config.task_overrides).unit  # fails here, not in a worker, on a bad task
     t0 = time.time()
     cfg_dict = asdict(config)
     if pending:
@@ -748,7 +761,7 @@ def _run_ray(cfg: dict, pending: Sequence[TrialSpec], out: Path, n_workers: int,
         import ray
         from ray import tune
     except ImportError:
-        raise ValueError(f"backend: 'ray': Ray Tune is not installed; {RAY_HINT}") from None
+        raise SettingError("backend", "ray", f"local, or ray after {RAY_HINT}", why="Ray Tune is not installed") from None
     started_here = False
     if not ray.is_initialized():
         kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
@@ -829,6 +842,40 @@ class SweepData:
                  if int(s["batch"]) == int(batch) and s.get("units_per_s") and math.isfinite(s["units_per_s"]) and s["units_per_s"] > 0]
         return float(statistics.median(rates)) if rates else None
 
+    def _batch_of(self, units: float) -> Optional[int]:
+        pairs = list(self.batch_units().items())
+        return min(pairs, key=lambda kv: abs(kv[1] - units))[0] if pairs else None
+
+    def throughput_source(self, units: float) -> str:
+        """Where the analysis' throughput of the batch with ``units`` per step comes from."""
+        b = self._batch_of(units)
+        t = self.timing.get(int(b)) if b is not None else None
+        if t is not None and t.get("units_per_s") and math.isfinite(t["units_per_s"]) and t["units_per_s"] > 0:
+            return "timed pass"
+        return "in-trial, median over its LRs"
+
+    def throughput_warnings(self, max_ratio: float = 1.5) -> list[str]:
+        """One line per batch whose in-trial units/s differs by more than ``max_ratio``× across its LRs.
+
+        Throughput does not depend on the LR, so such a spread is machine load (trials
+        competing for the cores, or something else running): the in-trial numbers are
+        unreliable, and the timing pass — when recorded — is what the analysis uses.
+        """
+        out = []
+        for b in sorted(self.batch_units()):
+            rates = {float(s["lr"]): float(s["units_per_s"]) for s in self.summaries.values()
+                     if int(s["batch"]) == b and s.get("units_per_s") and math.isfinite(s["units_per_s"])
+                     and s["units_per_s"] > 0}
+            if len(rates) < 2:
+                continue
+            lo, hi = min(rates.values()), max(rates.values())
+            if hi > max_ratio * lo:
+                spread = ", ".join(f"lr {lr:g}: {r:,.0f}" for lr, r in sorted(rates.items()))
+                used = "the timed pass is used" if b in self.timing else "time to target uses their median"
+                out.append(f"batch {b}: in-trial {self.unit}s/s vary {hi / lo:.1f}× across its LRs ({spread}) — "
+                           f"machine load, not the LR; {used}")
+        return out
+
     def batch_units(self) -> dict[int, float]:
         """Mean loss-bearing units per step at each batch (samples), over its trials."""
         out: dict[int, list[float]] = {}
@@ -849,10 +896,21 @@ def load_sweep(out_dir: str | os.PathLike) -> SweepData:
     """Read ``manifest.json`` and every finished trial; unfinished ones are listed in ``missing``."""
     out = Path(out_dir)
     manifest = out / "manifest.json"
+    allowed = "a sweep directory (written by globalbatch sweep)"
     if not manifest.is_file():
-        raise ValueError(f"run_dir: {str(out)!r}: no manifest.json (not a sweep directory)")
-    grid = json.loads(manifest.read_text())["grid"]
-    config = SweepConfig.from_dict(grid)
+        raise SettingError("run_dir", str(out), allowed, why="no manifest.json")
+    try:
+        doc = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SettingError("run_dir", str(out), allowed, why=f"manifest.json is unreadable: {exc}") from None
+    if isinstance(doc, dict) and "grid" not in doc and "branch" in doc:
+        raise SettingError("run_dir", str(out), allowed, why="it is a branch test, not a sweep")
+    if not isinstance(doc, dict) or not isinstance(doc.get("grid"), dict):
+        raise SettingError("run_dir", str(out), allowed, why="manifest.json has no sweep grid")
+    try:
+        config = SweepConfig.from_dict(doc["grid"])
+    except (TypeError, ValueError) as exc:
+        raise SettingError("run_dir", str(out), allowed, why=f"manifest.json holds an invalid grid: {exc}") from None
     trials: dict[str, list[dict]] = {}
     summaries: dict[str, dict] = {}
     missing = []
@@ -913,15 +971,19 @@ def analyze_sweep(
     tolerance: float = 0.05,
 ):
     """Load a sweep and run :func:`globalbatch.critical.analyze` on it; returns ``(data, analysis)``."""
-    from globalbatch.critical import analyze
+    from globalbatch.critical import analyze, check_analysis_settings
 
+    check_analysis_settings(objective=objective, tolerance=tolerance, ema_fraction=ema_fraction,
+                            halflife_steps=halflife_steps)
     data = load_sweep(out_dir)
     curves = curves_from_sweep(data)
     if not curves:
-        raise ValueError(f"run_dir: {data.out_dir!r}: no finished trial yet ({len(data.missing)} pending)")
+        raise SettingError("run_dir", data.out_dir, "a sweep with at least one finished trial",
+                           why=f"no finished trial yet, {len(data.missing)} pending")
     analysis = analyze(
         curves, targets=targets, n_targets=n_targets, n_tighter=n_tighter, ema_fraction=ema_fraction, halflife_steps=halflife_steps,
         objective=objective, tolerance=tolerance, unit=data.unit, label=data.label,
+        throughput_source=data.throughput_source, warnings=data.throughput_warnings(),
     )
     return data, analysis
 
