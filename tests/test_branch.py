@@ -83,11 +83,11 @@ def test_identical_losses_do_not_divide_by_zero():
 
 def test_config_errors_name_fields():
     base = dict(branch_at=[1000], window=1000)
-    with pytest.raises(ValueError, match="ks: \\[2, 4\\]"):
+    with pytest.raises(ValueError, match="ks \\[2, 4\\] is not allowed"):
         BranchConfig(ks=[2, 4], **base)
-    with pytest.raises(ValueError, match="seeds: 1"):
+    with pytest.raises(ValueError, match="seeds 1 is not allowed"):
         BranchConfig(seeds=1, **base)
-    with pytest.raises(ValueError, match="metric: 'ema'"):
+    with pytest.raises(ValueError, match="metric 'ema' is not allowed; allowed: val, train"):
         BranchConfig(metric="ema", **base)
     assert BranchConfig(lr=1e-3, **base).lr_for(4) == pytest.approx(2e-3)  # Adam: √k
     assert BranchConfig(lr=1e-3, optimizer="sgd", **base).lr_for(4) == pytest.approx(4e-3)  # SGD: k
@@ -138,7 +138,41 @@ def test_cli_branch(tmp_path, capsys):
     assert "critical k = " in out.out and (tmp_path / "result.json").is_file()
     with pytest.raises(SystemExit) as exc:
         main(["branch", "--ks", "2,4", "--out", str(tmp_path / "x")])
-    assert exc.value.code == 2 and "ks: [2, 4]: must be distinct integers >= 1 and include 1" in capsys.readouterr().err
+    assert exc.value.code == 2 and capsys.readouterr().err.startswith("error: --ks 2,4 is not allowed; allowed: ")
+    # More seeds on a rerun: only the new seed's branches train, the finished ones are reused.
+    before = {f.name: f.stat().st_mtime_ns for f in (tmp_path / "branches").glob("*.json")}
+    more = list(args)
+    more[more.index("--seeds") + 1] = "3"
+    with pytest.raises(SystemExit) as exc:
+        main(more)
+    out = capsys.readouterr()
+    assert exc.value.code == 0, out.err
+    after = {f.name: f.stat().st_mtime_ns for f in (tmp_path / "branches").glob("*.json")}
+    assert {n: t for n, t in after.items() if n in before} == before and sorted(set(after) - set(before)) == \
+        ["p600_k1_s2.json", "p600_k2_s2.json"]
+    assert "3 seeds" in out.out
+    assert load_branch_results(tmp_path).points[0].verdicts[0].n == 3
+    assert load_branch_results(tmp_path, seeds=2).points[0].verdicts[0].n == 2  # a subset of the seeds
+
+
+def test_cli_branch_checks_everything_before_writing(tmp_path, capsys):
+    """--threads 0 and a bad --task-arg: one error line, exit 2, no manifest (the corrected rerun is not refused)."""
+    from globalbatch.cli import main
+
+    base = ["branch", "--task", "mnist", "--out", str(tmp_path / "b")]
+    for extra, want in [(["--threads", "0"], "error: --threads 0 is not allowed; allowed: a whole number ≥ 1"),
+                        (["--task-arg", "hiden=3"], "error: --task-arg hiden=3 is not allowed"),
+                        (["--warmup-tokens", "0"], "error: --warmup-tokens 0 is not allowed"),
+                        (["--seeds", "1"], "error: --seeds 1 is not allowed"),
+                        (["--micro-batch", "0"], "error: --micro-batch 0 is not allowed; allowed: a whole number ≥ 1")]:
+        with pytest.raises(SystemExit) as exc:
+            main(base + extra)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.startswith(want) and len(err.strip().splitlines()) == 1, (extra, err)
+        assert not (tmp_path / "b" / "manifest.json").exists()
+    with pytest.raises(ValueError, match="threads 0 is not allowed"):
+        run_branch_test(BranchConfig(branch_at=[1000], window=1000), tmp_path / "c", threads=0, progress=False)
+    assert not (tmp_path / "c").exists()
 
 
 def test_a_mean_beyond_tolerance_fails_even_when_not_significant():
@@ -155,7 +189,7 @@ def test_a_mean_beyond_tolerance_fails_even_when_not_significant():
 
 
 def test_branch_points_inside_the_base_warmup_are_an_error():
-    with pytest.raises(ValueError, match="branch_at: \\[100\\]: inside the base run's LR warmup"):
+    with pytest.raises(ValueError, match=r"branch_at \[100\] is not allowed \(inside the warmup"):
         BranchConfig(branch_at=[100, 10_000], window=1000, base_warmup_fraction=0.05)
     assert BranchConfig(branch_at=[500, 10_000], window=1000).base_warmup_units() == 500
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -52,15 +53,15 @@ def numeric_records(trial_dir: Path) -> list[dict]:
 
 
 def test_config_errors_name_field_and_value():
-    with pytest.raises(ValueError, match=r"batches: \[4, 4\]"):
+    with pytest.raises(ValueError, match=r"batches \[4, 4\] is not allowed; allowed: distinct whole numbers ≥ 1"):
         tiny_config(batches=[4, 4])
     with pytest.raises(ValueError, match="lrs"):
         tiny_config(lrs=[-1.0])
-    with pytest.raises(ValueError, match="budget: 0"):
+    with pytest.raises(ValueError, match="budget 0 is not allowed"):
         tiny_config(budget=0)
-    with pytest.raises(ValueError, match="micro_batch: 3"):
+    with pytest.raises(ValueError, match="micro_batch 3 is not allowed"):
         tiny_config(micro_batch=3)
-    with pytest.raises(ValueError, match="optimizer: 'lamb'"):
+    with pytest.raises(ValueError, match="optimizer 'lamb' is not allowed; allowed: adamw, sgd"):
         tiny_config(optimizer="lamb")
     assert tiny_config(batches=[4, 48], micro_batch=16).micro_batch_for(48) == 16
     assert tiny_config(batches=[4, 24]).micro_batch_for(24) == 8  # gcd(24, 16)
@@ -70,8 +71,12 @@ def test_config_errors_name_field_and_value():
 def test_parse_helpers():
     assert parse_list("16,32, 1K", "--batches", int) == [16, 32, 1000]
     assert parse_list("3e-4,1e-3", "--lrs") == [3e-4, 1e-3]
-    with pytest.raises(ValueError, match="--lrs: 'fast'"):
+    with pytest.raises(ValueError, match="--lrs 'fast' is not allowed"):
         parse_list("1e-3,fast", "--lrs")
+    with pytest.raises(ValueError, match="^--batches -16 is not allowed; allowed: whole numbers ≥ 1"):
+        parse_list("8,-16", "--batches", int)
+    with pytest.raises(ValueError, match="^--batches 0 is not allowed"):
+        parse_list("0", "--batches", int)
     assert parse_task_args(["d_model=64", "corpus_dir=/x"]) == {"d_model": 64, "corpus_dir": "/x"}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_task_args(["d_model"])
@@ -135,7 +140,7 @@ def test_rerun_skips_finished_trials_and_changed_grid_is_an_error(reference_swee
     out, _, _ = reference_sweep
     again = run_sweep(tiny_config(), out, workers=1, threads=1, progress=False)
     assert again.ran == [] and len(again.skipped) == 4
-    with pytest.raises(ValueError, match=r"different grid \(lrs: \[0.001, 0.003\] -> \[0.001, 0.01\]\)"):
+    with pytest.raises(ValueError, match=r"different grid: lrs: \[0.001, 0.003\] -> \[0.001, 0.01\]"):
         run_sweep(tiny_config(lrs=[1e-3, 1e-2]), out, workers=1, progress=False)
 
 
@@ -292,19 +297,77 @@ def test_cli_sweep_then_report(tmp_path, capsys):
     code, out, err = _cli(["sweep", *TINY_ARGS, "--batches", "4,8,16", "--lrs", "1e-3,3e-3", "--tokens", "2K",
                            "--workers", "1", "--threads", "1", "--eval-every", "1K", "--out", str(tmp_path)], capsys)
     assert code == 0, err
-    assert "recommend batch" in out and "critical batch per target" in out and "6 trial(s) run" in err
+    assert "recommend batch" in out and "critical batch per target" in out and "6 trial(s) run" in " ".join(err.split())
+    # Each batch's line names its LR without doubled brackets and says where its throughput comes from.
+    assert re.search(r"batch 4 \(≈[\d,]+ tokens\), lr [\d.e-]+: .* token/s \(timed pass\)", out), out
     code, out, err = _cli(["report", str(tmp_path), "--objective", "cost"], capsys)
     assert code == 0, err
     assert (tmp_path / "report" / "report.html").is_file() and "objective: cost to target" in out
+    assert "No artists with labels" not in err
+    # Analysis settings: one error line, exit 2 (the ValueError used to be swallowed: exit 0, no recommendation).
+    for args, want in [(["--objective", "speed"], "error: --objective 'speed' is not allowed; allowed: time, cost"),
+                       (["--tolerance", "-1"], "error: --tolerance -1 is not allowed; allowed: a fraction, 0 ≤ tolerance < 1"),
+                       (["--tolerance", "5"], "error: --tolerance 5 is not allowed; allowed: a fraction, 0 ≤ tolerance < 1"),
+                       (["--half-life-steps", "0"], "error: --half-life-steps 0 is not allowed; allowed: a number of steps > 0"),
+                       (["--halflife-steps", "-2"], "error: --halflife-steps -2 is not allowed; allowed: a number of steps > 0")]:
+        code, out, err = _cli(["report", str(tmp_path), *args], capsys)
+        assert code == 2 and err.strip().startswith(want), (args, err)
+    for flag in ("--half-life-steps", "--halflife-steps"):  # the new spelling and the hidden old one
+        code, out, err = _cli(["report", str(tmp_path), flag, "2"], capsys)
+        assert code == 0 and "EMA half-life 2 steps" in (tmp_path / "report" / "report.html").read_text(), err
 
 
 def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
     code, _, err = _cli(["sweep", "--batches", "4,x", "--out", str(tmp_path)], capsys)
-    assert code == 2 and err.strip() == "error: --batches: 'x': not a whole number (list like 16,32,64)"
-    code, _, err = _cli(["sweep", *TINY_ARGS, "--batches", "4", "--backend", "slurm", "--out", str(tmp_path)], capsys)
-    assert code == 2 and "backend: 'slurm': allowed local, ray" in err
+    assert code == 2 and err.strip() == "error: --batches 'x' is not allowed; allowed: whole numbers ≥ 1, e.g. 16,32,64"
+    cases = {
+        ("--batches", "8,-16"): "error: --batches -16 is not allowed; allowed: whole numbers ≥ 1, e.g. 16,32,64",
+        ("--batches", "4,4"): "error: --batches 4,4 is not allowed; allowed: distinct whole numbers ≥ 1, e.g. 16,32,64",
+        ("--backend", "slurm"): "error: --backend 'slurm' is not allowed; allowed: local, ray",
+        ("--micro-batch", "0"): "error: --micro-batch 0 is not allowed; allowed: a whole number ≥ 1",
+        ("--tokens", "0"): "error: --tokens 0 is not allowed; allowed: a whole number of units ≥ 1, e.g. 2M",
+        ("--lrs", "-1"): "error: --lrs -1 is not allowed; allowed: distinct finite numbers > 0, e.g. 3e-4,1e-3",
+        ("--threads", "0"): "error: --threads 0 is not allowed; allowed: a whole number ≥ 1",
+        ("--optimizer", "lamb"): "error: --optimizer 'lamb' is not allowed; allowed: adamw, sgd",
+    }
+    for (flag, value), want in cases.items():
+        code, _, err = _cli(["sweep", *TINY_ARGS, "--batches", "4", flag, value, "--out", str(tmp_path / "x")], capsys)
+        assert code == 2 and err.strip() == want, (flag, err)
+    assert not (tmp_path / "x" / "manifest.json").exists()
     code, _, err = _cli(["report", str(tmp_path / "nope")], capsys)
-    assert code == 2 and "no manifest.json" in err
+    assert code == 2 and "no manifest.json" in err and err.startswith("error: RUN_DIR ")
+
+
+def test_a_rejected_sweep_writes_no_manifest_so_the_corrected_rerun_runs(tmp_path, capsys):
+    """The tester's case: a bad --task-arg exited 2 but left a manifest, refusing the corrected rerun."""
+    out = tmp_path / "s"
+    code, _, err = _cli(["sweep", *TINY_ARGS, "--task-arg", "hiden=3", "--batches", "4", "--lrs", "1e-3",
+                         "--tokens", "200", "--out", str(out)], capsys)
+    assert code == 2 and err.startswith("error: --task-arg hiden=3 is not allowed") and "hiden" in err
+    assert len(err.strip().splitlines()) == 1 and not (out / "manifest.json").exists()
+    code, _, err = _cli(["sweep", *TINY_ARGS, "--batches", "4", "--lrs", "1e-3", "--tokens", "200", "--workers", "1",
+                         "--threads", "1", "--out", str(out)], capsys)
+    assert code == 0, err
+    with pytest.raises(ValueError, match="threads 0 is not allowed"):
+        run_sweep(tiny_config(), tmp_path / "t", threads=0, progress=False)
+    with pytest.raises(ValueError, match="task"):
+        run_sweep(tiny_config(task="nope"), tmp_path / "t", progress=False)
+    assert not (tmp_path / "t").exists()
+
+
+def test_load_sweep_rejects_a_branch_dir_and_a_malformed_manifest(tmp_path, capsys):
+    (tmp_path / "b").mkdir()
+    atomic_write_json(tmp_path / "b" / "manifest.json", {"version": 2, "branch": {"task": "tinygpt"}})
+    with pytest.raises(ValueError, match="is a branch test, not a sweep"):
+        load_sweep(tmp_path / "b")
+    code, _, err = _cli(["report", str(tmp_path / "b")], capsys)
+    assert code == 2 and err.startswith("error: RUN_DIR ") and "branch test, not a sweep" in err
+    assert "allowed: a sweep directory" in err
+    for text in ("{not json", "[1, 2]", '{"grid": {"batches": "x"}}'):
+        (tmp_path / "m").mkdir(exist_ok=True)
+        (tmp_path / "m" / "manifest.json").write_text(text)
+        code, _, err = _cli(["report", str(tmp_path / "m")], capsys)
+        assert code == 2 and err.startswith("error: RUN_DIR ") and "Traceback" not in err, (text, err)
 
 
 def test_noise_scale_is_logged_at_evaluations(tmp_path):

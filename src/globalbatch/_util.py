@@ -175,7 +175,11 @@ def load_task_checked(task: str, overrides: Mapping[str, Any]):
     except ValueError as exc:
         if not overrides or str(exc).startswith(("task:", "task ")):
             raise SettingError("task", task, "tinygpt, mnist or package.module:function", why=str(exc)) from None
-        shown = " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in overrides.items())
+        import re
+
+        named = [k for k in overrides if re.search(rf"(^|\.){re.escape(str(k))}:", str(exc))]  # the bad one(s)
+        shown = " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in overrides.items()
+                         if not named or k in named)
         raise SettingError("task_overrides", _Raw(shown), f"overrides task {task!r} accepts ({exc})") from None
 
 
