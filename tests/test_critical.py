@@ -284,3 +284,52 @@ def test_recommend_breaks_time_ties_by_cost_when_costs_are_known():
         p.cost = p.examples * usd_per_token
     # 2M and 4M tie on time within 5%; with costs known the cheaper (4M), not the fewer tokens (2M), wins.
     assert recommend(pts, objective="time", tolerance=0.05).batch_size == 4e6
+
+
+def test_analyze_rejects_bad_settings_instead_of_dropping_the_recommendation():
+    """`report --objective speed` used to exit 0 without a recommendation (the ValueError was swallowed)."""
+    curves = [Curve(batch_size=b, lr=1e-3, examples=b * np.arange(1, 201), loss=3.0 - 1e-5 * b * np.arange(200),
+                    examples_per_s=1.0) for b in (8, 16, 32, 64)]
+    with pytest.raises(ValueError, match="^objective 'speed' is not allowed; allowed: time, cost$"):
+        analyze(curves, objective="speed")
+    for bad in (-1, 5, 1.0):
+        with pytest.raises(ValueError, match=f"^tolerance {bad:g} is not allowed; allowed: a fraction, 0 ≤ tolerance < 1"):
+            analyze(curves, tolerance=bad)
+    with pytest.raises(ValueError, match="ema_fraction 0 is not allowed"):
+        analyze(curves, ema_fraction=0.0)
+    with pytest.raises(ValueError, match="halflife_steps -1 is not allowed"):
+        analyze(curves, halflife_steps=-1.0)
+    # Without throughput a time objective has no recommendation, but the fits stand.
+    slow = [Curve(batch_size=c.batch_size, lr=c.lr, examples=c.examples, loss=c.loss) for c in curves]
+    a = analyze(slow, targets=[2.99])
+    assert a.recommendation is None and a.targets[0].points
+    assert analyze(slow, targets=[2.99], objective="cost").recommendation is not None
+
+
+def test_degenerate_fit_reports_failure_not_a_huge_bound():
+    """The tester's tinygpt case: steps flat in the batch gave `B_crit < 7,893,433,799,950,81…` and E_min = 0."""
+    batches = np.array([127.0, 253.0, 507.0])
+    for seed in (0, 1):  # flat steps with noise: the fit drives B_crit to the bottom of its range
+        fit = fit_hyperbola(batches, np.full(3, 27.0) * np.exp(np.random.default_rng(seed).normal(0, 0.03, 3)))
+        assert fit.degenerate is not None and "E_min" in fit.degenerate
+        assert fit.b_crit_text().startswith("fit failed (degenerate: ") and fit.b_crit_text().endswith("no bound")
+    flat = fit_hyperbola(BATCHES, np.full(BATCHES.size, 50.0) * np.exp(np.random.default_rng(0).normal(0, 0.03, BATCHES.size)))
+    assert flat.degenerate is not None and "E_min" in flat.degenerate  # was ('upper', 4e300)
+    # Through the analysis: the same loss per step at every batch (steps independent of B): no fit, no CBS,
+    # no bound, the reason in fit_error.
+    curves = [Curve(batch_size=b, lr=1e-3, examples=b * np.arange(1, 301), loss=2.0 + 3.0 / (1.0 + np.arange(300) / 10.0),
+                    examples_per_s=1.0) for b in (64.0, 128.0, 256.0, 512.0)]
+    t = points_for_target(curves, 3.0)
+    assert len(t.points) == 4 and t.fit is None and t.cbs_20 is None and t.b_crit_bound is None
+    assert t.fit_error.startswith("fit failed (degenerate: ")
+    # Exact hyperbola data are never degenerate.
+    assert fit_hyperbola(BATCHES, hyperbola_steps(BATCHES)).degenerate is None
+
+
+def test_recommendation_names_the_lr_and_the_throughput_source():
+    pts = seeds_points()
+    rec = recommend(pts, unit="token", label=lambda b: f"batch {b / 1e6:g}M (≈{b:,.0f} tokens)",
+                    throughput_source=lambda b: "timed pass")
+    line = next(r for r in rec.reasons if r.startswith("  batch 2M"))
+    assert line.startswith("  batch 2M (≈2,000,000 tokens), lr ") and "token/s (timed pass)" in line and ") (lr" not in line
+    assert "(median over its trials)" in recommend(pts, unit="token").text()

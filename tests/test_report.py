@@ -98,7 +98,7 @@ def test_report_recovers_known_b_crit_end_to_end(report):
 
 def test_report_files_and_html_embed_every_plot(report):
     names = [Path(p).name for p in report.plots]
-    assert names == ["loss_vs_tokens.png", "steps_vs_examples.png", "batch_tradeoff.png", "noise_scale.png"]
+    assert names == ["loss_vs_data.png", "steps_vs_examples.png", "batch_tradeoff.png", "noise_scale.png"]
     page = Path(report.html).read_text()
     parser = _Images()
     parser.feed(page)
@@ -121,7 +121,7 @@ def test_no_noise_plot_without_b_simple_and_partial_sweep_is_reported(tmp_path):
     write_synthetic_sweep(tmp_path, with_noise_scale=False)
     shutil.rmtree(tmp_path / "trials" / "b512_lr0.003")  # an unfinished trial
     res = write_report(tmp_path, tmp_path / "r")
-    assert [Path(p).name for p in res.plots] == ["loss_vs_tokens.png", "steps_vs_examples.png", "batch_tradeoff.png"]
+    assert [Path(p).name for p in res.plots] == ["loss_vs_data.png", "steps_vs_examples.png", "batch_tradeoff.png"]
     assert load_sweep(tmp_path).missing == ["b512_lr0.003"]
     assert "1 trial(s) not finished: b512_lr0.003" in Path(res.html).read_text()
 
@@ -209,3 +209,36 @@ def test_extrapolated_b_crit_is_reported_as_a_one_sided_bound(tmp_path):
     assert t.fit is not None and t.b_crit_bound is not None and t.b_crit_bound[0] == "lower" and t.b_crit_ci95 is None
     page = Path(res.html).read_text()
     assert "lower bound; all batches in the perfect-scaling regime" in page and "one-sided 95%: B_crit &gt;" in page
+
+
+def test_no_legend_warning_when_nothing_is_labelled(tmp_path):
+    """A target nobody reaches leaves no labelled artist: matplotlib's 'No artists with labels' must not leak."""
+    import warnings
+
+    write_synthetic_sweep(tmp_path, with_noise_scale=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any UserWarning fails the test
+        res = write_report(tmp_path, tmp_path / "r", targets=[0.5])
+    assert res.analysis.recommendation is None and res.analysis.targets[0].points == []
+
+
+def test_header_throughput_source_and_load_warning(tmp_path):
+    """No empty `{}` after the task; the recommendation says where its throughput comes from; a >1.5× in-trial
+    spread across one batch's LRs is a warning (machine load), in the text and on the page."""
+    write_synthetic_sweep(tmp_path, with_noise_scale=False)
+    f = tmp_path / "trials" / "b32_lr0.003" / "summary.json"
+    s = json.loads(f.read_text())
+    s["units_per_s"] *= 2.1
+    atomic_write_json(f, s)
+    res = write_report(tmp_path, tmp_path / "r", n_targets=1)
+    page = Path(res.html).read_text()
+    assert "task <code>tinygpt</code>; batches" in page and "{}" not in page.split("<h2>")[0]
+    text = res.analysis.recommendation.text()
+    assert "(in-trial, median over its LRs)" in text and ") (lr" not in text and "), lr 0.001:" in text
+    assert len(res.analysis.warnings) == 1 and res.analysis.warnings[0].startswith("batch 32: in-trial tokens/s vary 2.1×")
+    assert "warning: batch 32: in-trial tokens/s vary 2.1×" in text and "warning: batch 32" in page
+    for b in (16, 32, 64, 128, 256, 512):
+        atomic_write_json(tmp_path / "timing" / f"b{b}.json", {"batch": b, "units_per_s": 1000.0 * b})
+    res = write_report(tmp_path, tmp_path / "r2", n_targets=1)
+    assert "(timed pass)" in res.analysis.recommendation.text() and "the timed pass is used" in res.analysis.warnings[0]
+    assert "timing pass" in Path(res.html).read_text()

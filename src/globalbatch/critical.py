@@ -318,7 +318,10 @@ def _degenerate(s_min: float, e_min: float, b_crit: float, log_b_crit: float, lo
     if s_min <= 0 or s_min < 1e-6 * float(s.min()):
         return f"S_min = {s_min:.3g} ≤ 0: steps fall faster than 1/batch"
     min_examples = float((b * s).min())
-    if e_min <= 0 or e_min < 1e-6 * min_examples or log_b_crit <= log_bounds[0] + 1e-3:
+    # E_min below one example, or B_crit a thousandth of the smallest swept batch: the fit
+    # found no dependence of the steps on the batch and pushed B_crit towards zero.
+    if (e_min <= 0 or e_min < 1.0 or e_min < 1e-6 * min_examples or b_crit < 1e-3 * float(b.min())
+            or log_b_crit <= log_bounds[0] + 1e-3):
         return f"E_min = {e_min:.3g} ≈ 0: steps do not fall with the batch (every batch saturated)"
     if log_b_crit >= log_bounds[1] - 1e-3:
         return "B_crit at the search bound: steps ∝ 1/batch, no saturation seen"
