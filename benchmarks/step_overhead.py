@@ -56,13 +56,13 @@ def paired_ratio(a: list[float], b: list[float], rng: random.Random, reps: int =
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pairs", type=int, default=60, help="timed windows (each runs driver, hand, hand-control)")
+    ap.add_argument("--pairs", type=int, default=40, help="timed windows (each runs driver, hand, hand-control)")
     ap.add_argument("--warmup", type=int, default=4, help="untimed windows first")
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--n-layer", type=int, default=2)
-    ap.add_argument("--d-model", type=int, default=64)
-    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--n-layer", type=int, default=4, help="default: the built-in tinygpt (4 layers, width 128, context 128)")
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
