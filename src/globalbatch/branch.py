@@ -282,7 +282,6 @@ def _train(task, model, opt, driver, order, batch: int, micro: int, until_units:
     """Train until ``driver.trained_units >= until_units`` (the base run) or for exactly
     ``n_steps`` windows of ``batch`` samples (a branch); returns (token-weighted training
     loss of the windows from index ``tail_from_step`` on, seconds, the sample ids drawn)."""
-    import torch  # noqa: F401
 
     tail_loss = tail_units = 0.0
     drawn: list[int] = []
@@ -403,7 +402,6 @@ def run_branch_test(config: BranchConfig, out_dir: str | os.PathLike, *, threads
 
     from globalbatch.step import StepConfig, StepDriver, load_checkpoint, save_checkpoint
     from globalbatch.schedule import TokenLRSchedule
-    from globalbatch.tasks import load_task
 
     # Every setting is checked, and the task built, before anything is written.
     if threads is not None and (isinstance(threads, bool) or int(threads) != threads or threads < 1):

@@ -47,12 +47,11 @@ import json
 import math
 import os
 import platform
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from globalbatch._util import (  # noqa: F401 (atomic_write_*, read_jsonl, parse_*: re-exported)
     SettingError,
