@@ -11,7 +11,7 @@ import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Mapping, Optional, Sequence
 
 __all__ = ["atomic_write_text", "atomic_write_json", "json_default", "read_jsonl", "parse_list", "parse_task_args",
            "SettingError", "flag_names"]
@@ -67,20 +67,29 @@ def flag_names(names: Mapping[str, str]) -> Iterator[None]:
 # ---------------------------------------------------------------------------
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` via a same-directory temporary file, fsync and ``os.replace``."""
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> None:
+    """Call ``write(f)`` on a same-directory temporary file, fsync it and ``os.replace`` it onto ``path``.
+
+    A crash at any moment leaves either the old file or the new one, never a partial one.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically (:func:`atomic_write`)."""
+    data = text.encode("utf-8")
+    atomic_write(path, lambda f: f.write(data))
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:

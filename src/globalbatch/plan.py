@@ -148,30 +148,20 @@ def solve_geometry(
     target = missing[0]
     if target == "global_batch":
         g = m * a * d
-    elif target == "grad_accum_steps":
-        denom = m * d
-        if g % denom:
-            raise ValueError(
-                f"global batch {g} is not divisible by micro_batch {m} × dp {d} = {denom}"
-                + _nearest_hint(g, denom)
-            )
-        a = g // denom
-    elif target == "micro_batch":
-        denom = a * d
-        if g % denom:
-            raise ValueError(
-                f"global batch {g} is not divisible by grad_accum {a} × dp {d} = {denom}"
-                + _nearest_hint(g, denom)
-            )
-        m = g // denom
     else:
-        denom = m * a
+        # The two given factors, in the order the message names them.
+        factors = [(label, value) for key, label, value in (
+            ("micro_batch", "micro_batch", m), ("grad_accum_steps", "grad_accum", a), ("dp_world_size", "dp", d),
+        ) if key != target]
+        (name1, f1), (name2, f2) = factors
+        denom = f1 * f2
         if g % denom:
             raise ValueError(
-                f"global batch {g} is not divisible by micro_batch {m} × grad_accum {a} = {denom}"
-                + _nearest_hint(g, denom)
+                f"global batch {g} is not divisible by {name1} {f1} × {name2} {f2} = {denom}" + _nearest_hint(g, denom)
             )
-        d = g // denom
+        solved = g // denom
+        m, a, d = (solved if key == target else v for key, v in
+                   (("micro_batch", m), ("grad_accum_steps", a), ("dp_world_size", d)))
     return BatchGeometry(global_batch=g, micro_batch=m, grad_accum_steps=a, dp_world_size=d)
 
 

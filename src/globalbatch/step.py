@@ -50,13 +50,13 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from globalbatch._util import atomic_write
 from globalbatch.plan import BatchGeometry, solve_geometry
 from globalbatch.schedule import (
     BatchSchedule,
@@ -721,18 +721,7 @@ def save_checkpoint(
             "rng": {"per_rank": per_rank},
             "extra": extra,
         }
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
+        atomic_write(path, lambda f: torch.save(state, f))
     if distributed:
         dist.barrier()
 
