@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from globalbatch.critical import Analysis, ema_smooth
-from globalbatch._util import atomic_write_json, atomic_write_text
+from globalbatch._util import atomic_write, atomic_write_json, atomic_write_text
 from globalbatch.sweep import SweepData, analyze_sweep
 
 __all__ = ["ReportResult", "write_report", "analysis_table", "batch_label", "render_html"]
@@ -68,9 +68,7 @@ def _plt():
 
 
 def _save(fig, path: Path) -> str:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
     _plt().close(fig)
     return str(path)
 
