@@ -1,0 +1,108 @@
+"""The one optimizer registry: one recipe per name, the same defaults in every command.
+
+Every harness command (sweep trials and the timing pass, branch, noise, the probe's task
+runner, the examples) builds its optimizer here, so ``noise --optimizer adamw`` and
+``sweep --noise`` measure with the same update. The table (names, defaults, LR scaling rule)
+imports no torch, so ``globalbatch plan`` can name and check an optimizer; building one
+imports torch lazily.
+
+Parameter groups: weight decay applies to matrices (``p.ndim ≥ 2``) only; biases and
+normalization weights (1-D) get none — the convention of GPT-2/3 and of the LARS/LAMB papers.
+With ``weight_decay=0`` (the harness default) there is a single group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+__all__ = ["OptimizerRecipe", "OPTIMIZERS", "optimizer_names", "register_optimizer", "build_optimizer",
+           "decay_param_groups", "lr_scaling_rule"]
+
+
+@dataclass(frozen=True)
+class OptimizerRecipe:
+    """How one named optimizer is built."""
+
+    name: str
+    """The name a command line or config uses (``--optimizer adamw``)."""
+    description: str
+    """One line for ``--help`` and docs/tasks.md's optimizer table."""
+    factory: str
+    """``module:attribute`` of the optimizer class; imported only when built."""
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword defaults beyond ``lr`` and ``weight_decay`` (betas, momentum, ...)."""
+    lr_scaling: str = "sqrt"
+    """The LR rule across batch sizes this optimizer family follows: ``sqrt`` (Adam-type) or ``linear`` (SGD)."""
+    build: Callable[..., Any] | None = None
+    """Optional ``(param_groups, lr=, weight_decay=, **defaults) -> Optimizer`` instead of the class."""
+
+
+OPTIMIZERS: dict[str, OptimizerRecipe] = {}
+
+
+def register_optimizer(recipe: OptimizerRecipe) -> OptimizerRecipe:
+    """Add (or replace) a recipe; returns it."""
+    if recipe.lr_scaling not in ("sqrt", "linear"):
+        raise ValueError(f"lr_scaling {recipe.lr_scaling!r} is not allowed; allowed: sqrt, linear")
+    OPTIMIZERS[recipe.name] = recipe
+    return recipe
+
+
+register_optimizer(OptimizerRecipe(
+    name="adamw", description="AdamW, betas 0.9/0.95, eps 1e-8 (decoupled weight decay on matrices)",
+    factory="torch.optim:AdamW", defaults={"betas": (0.9, 0.95), "eps": 1e-8}, lr_scaling="sqrt"))
+register_optimizer(OptimizerRecipe(
+    name="sgd", description="SGD with momentum 0.9 (weight decay on matrices)",
+    factory="torch.optim:SGD", defaults={"momentum": 0.9}, lr_scaling="linear"))
+
+
+def optimizer_names() -> tuple[str, ...]:
+    return tuple(OPTIMIZERS)
+
+
+def lr_scaling_rule(name: str) -> str:
+    """``sqrt`` or ``linear``: how this optimizer's LR should follow the batch size."""
+    return _recipe(name).lr_scaling
+
+
+def _recipe(name: str) -> OptimizerRecipe:
+    try:
+        return OPTIMIZERS[name]
+    except KeyError:
+        raise ValueError(f"optimizer {name!r} is not allowed; allowed: {', '.join(OPTIMIZERS)}") from None
+
+
+def decay_param_groups(params_or_model: Any, weight_decay: float) -> list[dict[str, Any]]:
+    """Parameter groups: decay on ``ndim ≥ 2`` tensors, none on biases and norm weights.
+
+    Accepts a module, an iterable of parameters, or ready-made parameter groups (returned as is).
+    """
+    if hasattr(params_or_model, "parameters") and callable(params_or_model.parameters):
+        params = [p for p in params_or_model.parameters() if p.requires_grad]
+    else:
+        params = list(params_or_model)
+        if params and isinstance(params[0], dict):
+            return params
+    if not weight_decay:
+        return [{"params": params, "weight_decay": 0.0}]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": float(weight_decay)}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(name: str, params_or_model: Any, *, lr: float, weight_decay: float = 0.0, **overrides: Any):
+    """Build the optimizer ``name`` over a model's parameters (or given params/groups) with its recipe's defaults."""
+    import importlib
+
+    recipe = _recipe(name)
+    groups = decay_param_groups(params_or_model, weight_decay)
+    kwargs = {**recipe.defaults, **overrides}
+    if recipe.build is not None:
+        return recipe.build(groups, lr=lr, weight_decay=weight_decay, **kwargs)
+    module, attr = recipe.factory.split(":")
+    cls = getattr(importlib.import_module(module), attr)
+    return cls(groups, lr=lr, **kwargs)
