@@ -22,6 +22,7 @@ from globalbatch._util import SettingError, load_task_checked
 from globalbatch.lab.device import check_device
 from globalbatch.lab.rundir import check_manifest, remove_stale_tmp
 from globalbatch.lab.sweep.config import BACKENDS, RAY_HINT, SweepConfig, TrialSpec
+from globalbatch.lab.sweep.lr_edges import edge_cells, finished_summaries
 from globalbatch.lab.sweep.timing import run_timing_pass
 from globalbatch.lab.sweep.trial import run_trial, trial_done
 
@@ -178,24 +179,38 @@ def run_sweep(
     n_workers = max(1, min(len(pending) or 1, requested))
     t0 = time.time()
     cfg_dict = asdict(config)
-    if pending:
-        with _Progress(out, pending, config.budget, unit, progress):
+    ran: list[TrialSpec] = []
+
+    def run_cells(cells: Sequence[TrialSpec]) -> None:
+        with _Progress(out, cells, config.budget, unit, progress):
             if backend == "ray":
-                _run_ray(cfg_dict, pending, out, n_workers, threads, address)
+                _run_ray(cfg_dict, cells, out, max(1, min(len(cells), requested)), threads, address)
             elif requested == 1:
                 import torch
 
                 old = torch.get_num_threads()
                 try:
-                    for t in pending:
+                    for t in cells:
                         run_trial(cfg_dict, asdict(t), str(out), threads=threads)
                 finally:
                     torch.set_num_threads(old)
             else:
-                _run_pool(cfg_dict, pending, out, n_workers, threads)
+                _run_pool(cfg_dict, cells, out, max(1, min(len(cells), requested)), threads)
+        ran.extend(cells)
+
+    if pending:
+        run_cells(pending)
+    # LR grid per batch: while the best LR of a batch sits at an edge of what it ran, one more
+    # LR beyond it (every seed); derived from the finished results, so a resume repeats it.
+    while True:
+        extra = [t for t in edge_cells(config, finished_summaries(out, config))
+                 if not trial_done(out / "trials" / t.name, t)]
+        if not extra:
+            break
+        run_cells(extra)
     for t in trials:  # an orphan of a killed earlier run may have left one after this run began
         remove_stale_tmp(out / "trials" / t.name)
-    summaries = [json.loads((out / "trials" / t.name / "summary.json").read_text()) for t in trials]
+    summaries = finished_summaries(out, config)
     timing: dict[int, dict] = {}
     t_timing = time.time()
     if timing_steps > 0:
@@ -203,7 +218,7 @@ def run_sweep(
         timing = run_timing_pass(config, out, summaries, threads=min(cores, max(1, requested * threads)),
                                  steps=timing_steps, warmup=timing_warmup)
     return SweepResult(
-        out_dir=str(out), summaries=summaries, ran=[t.name for t in pending], skipped=[t.name for t in done],
+        out_dir=str(out), summaries=summaries, ran=[t.name for t in ran], skipped=[t.name for t in done],
         wall_time_s=time.time() - t0, workers=n_workers, threads_per_worker=threads, timing=timing,
         timing_s=time.time() - t_timing,
     )
