@@ -10,6 +10,7 @@ Errors: any ``ValueError`` (or click usage error) becomes one line on stderr,
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Optional
 
@@ -192,6 +193,45 @@ def probe_cmd(
             console.print(f"[yellow]{choice.role}:[/yellow] {choice.error}")
 
 
+def _parse_seeds(text: str) -> list[int]:
+    """``"0,1,2"`` → ``[0, 1, 2]``; one error line naming --seeds otherwise."""
+    from ._util import SettingError
+
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    try:
+        vals = [int(t) for t in items]
+    except ValueError:
+        vals = []
+    if not vals or any(v < 0 for v in vals) or len(set(vals)) != len(vals):
+        raise SettingError("seeds", text, "distinct whole numbers ≥ 0, comma-separated, e.g. 0,1,2")
+    return vals
+
+
+def _parse_units(text: str, flag: str) -> int:
+    """``"10K"`` → 10000, ``"0"`` → 0 (a count of units that may be zero)."""
+    from .plan import parse_count
+
+    return 0 if str(text).strip() in ("0", "0.0") else parse_count(text, flag)
+
+
+def _print_seed_analysis(data, sa) -> None:
+    """The tables over seeds, the recommendation and the warnings, on the terminal."""
+    from rich.console import Console
+
+    from .lab.report import seed_tables
+
+    Console(width=max(Console().width, 160)).print(seed_tables(data, sa))
+    if sa.joint is not None:
+        j = sa.joint
+        typer.echo(f"joint fit over targets and seeds: B_crit(L) = {j.b_ref:,.0f}·(L/{j.loss_ref:.3f})^{j.k:.2f} "
+                   f"(SE of the exponent {j.se_k:.2f}; Kaplan α_B = {j.alpha_b:.2f}); "
+                   f"{sa.monotone_share():.0%} of seed × target cells monotone")
+    if sa.recommendation is not None:
+        typer.echo(sa.recommendation.text())
+    for w in sa.warnings:
+        typer.echo(f"warning: {w}", err=True)
+
+
 @app.command("sweep", short_help="Batch × LR sweep at equal tokens; fit the critical batch.")
 def sweep_cmd(
     task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt, mnist or package.module:function."),
@@ -203,9 +243,16 @@ def sweep_cmd(
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads per trial (default cores ÷ workers); keep it when resuming."),
     backend: str = typer.Option("local", "--backend", help="local (spawned processes) or ray (Ray Tune; pip install 'globalbatch[ray]')."),
     address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address (with --backend ray)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the model init and of the shared data order."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the model init and of the shared data order (one seed; see --seeds)."),
+    seeds: Optional[str] = typer.Option(None, "--seeds", help="Seeds, comma-separated, e.g. 0,1,2: every cell runs per seed (resumable); the report states the spread."),
+    warmup: Optional[str] = typer.Option(None, "--warmup", help="LR warmup in the task's units (tokens), e.g. 10K; default 5% of the budget."),
+    lr_rule: str = typer.Option("auto", "--lr-rule", help="LR grid per batch: auto (the optimizer's rule), sqrt, linear or none (one grid for all)."),
+    base_batch: Optional[int] = typer.Option(None, "--base-batch", help="The batch at which --lrs hold (default the smallest)."),
+    lr_edge_extend: int = typer.Option(2, "--lr-edge-extend", help="Extra LRs per side run when a batch's best LR sits at an edge of its grid."),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per forward/backward (default min(batch, 16))."),
-    eval_every: Optional[str] = typer.Option(None, "--eval-every", help="Units between validation evaluations (default budget ÷ 8)."),
+    eval_every: Optional[str] = typer.Option(None, "--eval-every", help="Units between held-out evaluations (default: --eval-points log-spaced ones)."),
+    eval_points: int = typer.Option(32, "--eval-points", help="Log-spaced held-out evaluations per trial (≥ 30 for a sound read-out)."),
+    val_samples: int = typer.Option(512, "--val-samples", help="Held-out samples per evaluation (a fixed random draw, the same for every trial)."),
     optimizer: str = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + _OPTIMIZERS + "."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
     noise: bool = typer.Option(False, "--noise", help="Also log the gradient noise scale B_simple at every evaluation (the report plots it)."),
@@ -218,16 +265,21 @@ def sweep_cmd(
     from ._util import flag_names
     from .plan import parse_count
     from ._util import parse_list, parse_task_args
-    from .lab.report import analysis_table
-    from .lab.sweep import SweepConfig, analyze_sweep, run_sweep
+    from .lab.sweep import SweepConfig, analyze_sweep_seeds, run_sweep
 
     names = {"task": "--task", "task_overrides": "--task-arg", "batches": "--batches", "lrs": "--lrs",
              "budget": "--tokens", "seed": "--seed", "micro_batch": "--micro-batch", "eval_every": "--eval-every",
              "optimizer": "--optimizer", "backend": "--backend", "workers": "--workers", "threads": "--threads",
-             "address": "--address", "out": "--out", "device": "--device", "precision": "--precision"}
+             "address": "--address", "out": "--out", "device": "--device", "precision": "--precision",
+             "seeds": "--seeds", "warmup": "--warmup", "lr_rule": "--lr-rule", "base_batch": "--base-batch",
+             "lr_edge_extend": "--lr-edge-extend", "eval_points": "--eval-points", "max_val_samples": "--val-samples"}
     with flag_names(names):
         cfg = SweepConfig(task=task, task_overrides=parse_task_args(task_arg), batches=parse_list(batches, "--batches", int),
                           lrs=parse_list(lrs, "--lrs", allowed="numbers > 0, e.g. 3e-4,1e-3"), budget=parse_count(tokens, "--tokens"), seed=seed,
+                          seeds=None if seeds is None else _parse_seeds(seeds),
+                          warmup=None if warmup is None else _parse_units(warmup, "--warmup"),
+                          lr_rule=lr_rule, base_batch=base_batch, lr_edge_extend=lr_edge_extend,
+                          eval_points=eval_points, max_val_samples=val_samples,
                           micro_batch=micro_batch,
                           eval_every=None if eval_every is None else parse_count(eval_every, "--eval-every"),
                           optimizer=optimizer, noise=noise, device=device, precision=precision)
@@ -235,12 +287,8 @@ def sweep_cmd(
         result = run_sweep(cfg, out, workers=workers, threads=threads, backend=backend, address=address)
     console.print(f"sweep {out}: {len(result.ran)} trial(s) run, {len(result.skipped)} already finished, "
                   f"{result.wall_time_s:,.1f} s ({result.workers} worker(s) × {result.threads_per_worker} thread(s))")
-    data, analysis = analyze_sweep(out)
-    Console(width=max(Console().width, 140)).print(analysis_table(data, analysis))
-    if analysis.recommendation is not None:
-        typer.echo(analysis.recommendation.text())
-    for w in analysis.warnings:
-        typer.echo(f"warning: {w}", err=True)
+    data, sa = analyze_sweep_seeds(out)
+    _print_seed_analysis(data, sa)
     typer.echo(f"report: globalbatch report {out}")
 
 
@@ -254,13 +302,15 @@ def report_cmd(
     ema_fraction: float = typer.Option(0.05, "--ema-fraction", help="EMA half-life of the training loss as a fraction of each trial's steps to the target (lag-corrected)."),
     half_life_steps: Optional[float] = typer.Option(None, "--half-life-steps", help="A fixed EMA half-life in steps instead (biases B_crit low; see docs/critical.md)."),
     halflife_steps_old: Optional[float] = typer.Option(None, "--halflife-steps", hidden=True, help="Old spelling of --half-life-steps."),
+    readout: str = typer.Option("heldout", "--readout", help="heldout (monotone fit of the held-out evaluations) or train (EMA of the training loss, window ≥ 2% of the budget)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the analysis over seeds as JSON (and write nothing)."),
 ) -> None:
     """Write PNG plots and a self-contained HTML report of a sweep, with the recommended batch."""
     from rich.console import Console
 
     from ._util import flag_names
     from ._util import parse_list
-    from .lab.report import analysis_table, write_report
+    from .lab.report import write_report
 
     if half_life_steps is not None and halflife_steps_old is not None and half_life_steps != halflife_steps_old:
         raise ValueError(f"--halflife-steps {halflife_steps_old:g} is not allowed with --half-life-steps "
@@ -268,16 +318,20 @@ def report_cmd(
     flag_for_half_life = "--half-life-steps" if half_life_steps is not None or halflife_steps_old is None else "--halflife-steps"
     half_life = half_life_steps if half_life_steps is not None else halflife_steps_old
     names = {"objective": "--objective", "tolerance": "--tolerance", "ema_fraction": "--ema-fraction",
-             "halflife_steps": flag_for_half_life, "run_dir": "RUN_DIR", "targets": "--targets"}
+             "halflife_steps": flag_for_half_life, "run_dir": "RUN_DIR", "targets": "--targets", "readout": "--readout"}
     with flag_names(names):
-        res = write_report(run_dir, out, targets=None if targets is None else parse_list(targets, "--targets",
-                                                                                          allowed="loss values, e.g. 3.2,3.0"),
-                           objective=objective, tolerance=tolerance, ema_fraction=ema_fraction, halflife_steps=half_life)
-    Console(width=max(Console().width, 140)).print(analysis_table(res.data, res.analysis))
-    if res.analysis.recommendation is not None:
-        typer.echo(res.analysis.recommendation.text())
-    for w in res.analysis.warnings:
-        typer.echo(f"warning: {w}", err=True)
+        target_list = None if targets is None else parse_list(targets, "--targets", allowed="loss values, e.g. 3.2,3.0")
+        if as_json:
+            from .lab.report import seed_json
+            from .lab.sweep import analyze_sweep_seeds
+
+            data, sa = analyze_sweep_seeds(run_dir, targets=target_list, readout=readout, objective=objective,
+                                           tolerance=tolerance)
+            typer.echo(json.dumps(seed_json(data, sa), indent=2, allow_nan=False, default=float))
+            return
+        res = write_report(run_dir, out, targets=target_list, objective=objective, tolerance=tolerance,
+                           ema_fraction=ema_fraction, halflife_steps=half_life, readout=readout, seed_targets=target_list)
+    _print_seed_analysis(res.data, res.seed_analysis)
     typer.echo(f"wrote {res.html} and {len(res.plots)} plot(s)")
 
 
@@ -429,7 +483,7 @@ def demo_cmd(
 
     from ._util import SettingError, flag_names
     from .lab.device import check_device
-    from .lab.report import analysis_table, write_report
+    from .lab.report import write_report
     from .lab.sweep import demo_config, run_sweep
 
     t0 = time.time()
@@ -439,15 +493,12 @@ def demo_cmd(
         if workers is not None and workers < 1:
             raise SettingError("workers", workers, "a whole number ≥ 1")
         console = Console(stderr=True)
-        console.print(f"demo: tinygpt {cfg.task_overrides}, batches {cfg.batches}, lrs {cfg.lrs}, "
+        console.print(f"demo: tinygpt {cfg.task_overrides}, batches {cfg.batches}, lrs {cfg.lrs} at batch "
+                      f"{min(cfg.batches)} ({cfg.lr_rule_resolved()} rule), seeds {cfg.seed_list()}, "
                       f"{cfg.budget:,} tokens per trial, {cfg.device} {cfg.precision}")
         result = run_sweep(cfg, out, workers=workers)
     res = write_report(out)
-    Console(width=max(Console().width, 140)).print(analysis_table(res.data, res.analysis))
-    if res.analysis.recommendation is not None:
-        typer.echo(res.analysis.recommendation.text())
-    for w in res.analysis.warnings:
-        typer.echo(f"warning: {w}", err=True)
+    _print_seed_analysis(res.data, res.seed_analysis)
     typer.echo(f"sweep {result.wall_time_s:,.0f} s, total {time.time() - t0:,.0f} s; report: {res.html}")
 
 

