@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per trial (1 on a loaded machine)")
     ap.add_argument("--budget", type=int, default=None, help="units per trial (default: the demo's)")
     ap.add_argument("--batches", default=None, help="comma-separated batches (default: the demo's)")
     args = ap.parse_args(argv)
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
           + (f" — REDUCED: {'; '.join(reduced)}" if reduced else ""))
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
     t0 = time.time()
-    res = run_sweep(cfg, out, workers=args.workers, progress=False)
+    res = run_sweep(cfg, out, workers=args.workers, threads=args.threads, progress=False)
     print(f"sweep: {len(res.ran)} trials run now, {len(res.skipped)} reused, {time.time() - t0:,.0f} s wall "
           f"(load average {os.getloadavg()[0]:.1f} at the end)")
 

@@ -26,7 +26,7 @@ TINY = dict(n_layer=1, d_model=16, n_head=2, seq_len=16, max_corpus_bytes=100_00
 
 def tiny_config(**kw) -> SweepConfig:
     base = dict(task="tinygpt", task_overrides=TINY, batches=[4, 8], lrs=[1e-3, 3e-3], budget=6000,
-                max_val_samples=16, eval_every=2000)
+                max_val_samples=16, eval_every=2000, lr_rule="none", lr_edge_extend=0)
     base.update(kw)
     return SweepConfig(**base)
 
@@ -96,7 +96,7 @@ def reference_sweep(tmp_path_factory):
 
 def test_sweep_records_every_step_and_eval(reference_sweep):
     out, res, _ = reference_sweep
-    assert sorted(res.ran) == sorted(["b4_lr0.001", "b4_lr0.003", "b8_lr0.001", "b8_lr0.003"])
+    assert sorted(res.ran) == sorted(["b4_lr0.001_s0", "b4_lr0.003_s0", "b8_lr0.001_s0", "b8_lr0.003_s0"])
     data = load_sweep(out)
     assert not data.missing and data.unit == "token"
     for name, recs in data.trials.items():
@@ -122,9 +122,9 @@ def test_same_data_order_for_every_trial(reference_sweep):
     out, _, _ = reference_sweep
     data = load_sweep(out)
     units = {n: [r["batch_units"] for r in recs if r["kind"] == "step"] for n, recs in data.trials.items()}
-    assert units["b4_lr0.001"] == units["b4_lr0.003"]
+    assert units["b4_lr0.001_s0"] == units["b4_lr0.003_s0"]
     # Batch 8's first step holds exactly batch 4's first two steps' samples.
-    assert units["b8_lr0.001"][0] == units["b4_lr0.001"][0] + units["b4_lr0.001"][1]
+    assert units["b8_lr0.001_s0"][0] == units["b4_lr0.001_s0"][0] + units["b4_lr0.001_s0"][1]
 
 
 def test_rerun_skips_finished_trials_and_changed_grid_is_an_error(reference_sweep):
@@ -230,7 +230,7 @@ def test_sigkill_mid_trial_then_resume_equals_uninterrupted(tmp_path, reference_
     for e in events:
         if e["event"] == "done":
             done_counts[e["trial"]] = done_counts.get(e["trial"], 0) + 1
-    assert done_counts == {n: 1 for n in ("b4_lr0.001", "b4_lr0.003", "b8_lr0.001", "b8_lr0.003")}
+    assert done_counts == {n: 1 for n in ("b4_lr0.001_s0", "b4_lr0.003_s0", "b8_lr0.001_s0", "b8_lr0.003_s0")}
     for name, finished_at in finished_before.items():  # finished results were not redone
         assert json.loads((out / "trials" / name / "summary.json").read_text())["finished_at"] == finished_at
     assert not list(out.glob("trials/*/metrics.jsonl.tmp-*"))
@@ -250,18 +250,18 @@ def test_ray_backend_without_ray_names_the_extra(tmp_path, monkeypatch):
 def test_ray_backend_runs_a_trial_through_tune(tmp_path):
     pytest.importorskip("ray", reason="the dev extra installs ray[tune]; this runs the sweep through Ray Tune")
     res = run_sweep(tiny_config(batches=[4], lrs=[1e-3]), tmp_path, backend="ray", workers=1, threads=1, progress=False)
-    assert res.ran == ["b4_lr0.001"] and load_sweep(tmp_path).summaries["b4_lr0.001"]["completed"]
+    assert res.ran == ["b4_lr0.001_s0"] and load_sweep(tmp_path).summaries["b4_lr0.001_s0"]["completed"]
     # the same trial through the local backend gives the same losses: Ray only schedules
     local = tmp_path / "local"
     run_sweep(tiny_config(batches=[4], lrs=[1e-3]), local, backend="local", workers=1, threads=1, progress=False)
-    ray_losses = [r.get("loss") for r in load_sweep(tmp_path).trials["b4_lr0.001"] if r.get("kind") == "step"]
-    local_losses = [r.get("loss") for r in load_sweep(local).trials["b4_lr0.001"] if r.get("kind") == "step"]
+    ray_losses = [r.get("loss") for r in load_sweep(tmp_path).trials["b4_lr0.001_s0"] if r.get("kind") == "step"]
+    local_losses = [r.get("loss") for r in load_sweep(local).trials["b4_lr0.001_s0"] if r.get("kind") == "step"]
     assert ray_losses and ray_losses == local_losses
 
 
 def test_run_trial_removes_stale_tmp_of_dead_writers(tmp_path):
     cfg = tiny_config(batches=[4], lrs=[1e-3], budget=200)
-    d = tmp_path / "trials" / "b4_lr0.001"
+    d = tmp_path / "trials" / "b4_lr0.001_s0"
     d.mkdir(parents=True)
     stale = d / "metrics.jsonl.tmp-999999999"
     stale.write_text('{"kind": "header"}\n{"kind": "st')
@@ -365,7 +365,7 @@ def test_noise_scale_is_logged_at_evaluations(tmp_path):
     cfg = tiny_config(batches=[4], lrs=[3e-3], budget=3000, eval_every=1000, noise=True)
     assert cfg.micro_batch_for(4) == 2  # two micro-batches per step for the two-batch estimator
     run_sweep(cfg, tmp_path, workers=1, threads=1, progress=False)
-    recs = load_sweep(tmp_path).trials["b4_lr0.003"]
+    recs = load_sweep(tmp_path).trials["b4_lr0.003_s0"]
     logged = [r for r in recs if "b_simple" in r]
     assert len(logged) == 3 and all(r["kind"] == "step" for r in logged)
     assert all(isinstance(r["b_simple_flags"], list) for r in logged)

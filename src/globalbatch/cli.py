@@ -232,6 +232,25 @@ def _print_seed_analysis(data, sa) -> None:
         typer.echo(f"warning: {w}", err=True)
 
 
+def _print_report(res) -> None:
+    """The analysis over seeds when there is one, else the first seed's training-loss analysis."""
+    if res.seed_analysis is not None:
+        _print_seed_analysis(res.data, res.seed_analysis)
+        for w in res.analysis.warnings:
+            if w not in res.seed_analysis.warnings:
+                typer.echo(f"warning: {w}", err=True)
+        return
+    from rich.console import Console
+
+    from .lab.report import analysis_table
+
+    Console(width=max(Console().width, 140)).print(analysis_table(res.data, res.analysis))
+    if res.analysis.recommendation is not None:
+        typer.echo(res.analysis.recommendation.text())
+    for w in res.analysis.warnings:
+        typer.echo(f"warning: {w}", err=True)
+
+
 @app.command("sweep", short_help="Batch × LR sweep at equal tokens; fit the critical batch.")
 def sweep_cmd(
     task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt, mnist or package.module:function."),
@@ -331,7 +350,7 @@ def report_cmd(
             return
         res = write_report(run_dir, out, targets=target_list, objective=objective, tolerance=tolerance,
                            ema_fraction=ema_fraction, halflife_steps=half_life, readout=readout, seed_targets=target_list)
-    _print_seed_analysis(res.data, res.seed_analysis)
+    _print_report(res)
     typer.echo(f"wrote {res.html} and {len(res.plots)} plot(s)")
 
 
@@ -498,7 +517,7 @@ def demo_cmd(
                       f"{cfg.budget:,} tokens per trial, {cfg.device} {cfg.precision}")
         result = run_sweep(cfg, out, workers=workers)
     res = write_report(out)
-    _print_seed_analysis(res.data, res.seed_analysis)
+    _print_report(res)
     typer.echo(f"sweep {result.wall_time_s:,.0f} s, total {time.time() - t0:,.0f} s; report: {res.html}")
 
 

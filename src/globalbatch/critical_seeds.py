@@ -69,15 +69,35 @@ def _fit_at(curve: Curve, examples: float) -> float:
     return float(np.interp(math.log(examples), np.log(e), y))
 
 
+def _smoothed_as_eval(c: Curve, min_window_examples: Optional[float]) -> Curve:
+    """A copy of ``c`` whose "held-out" points are its lag-corrected, EMA-smoothed training loss (for targets)."""
+    from dataclasses import replace
+
+    from globalbatch.critical import ema_smooth
+
+    n = c.loss.size
+    half = max(0.5, 0.05 * n, (min_window_examples or 0.0) / c.batch_size)
+    sm, lag = ema_smooth(c.loss, half)
+    at = np.unique(np.round(np.geomspace(1, max(n - 1, 1), 60)).astype(int))
+    steps = np.maximum(at - lag[at], 0.0)
+    ex = np.interp(steps, np.arange(0, n + 1, dtype=float), np.concatenate([[0.0], c.examples]))
+    keep = ex > 0
+    return replace(c, eval_examples=ex[keep], eval_steps=steps[keep], eval_loss=sm[at][keep])
+
+
 def common_targets(curves: Sequence[Curve], n_targets: int = 5, *, margin: float = 0.08,
-                   top: float = 0.75) -> list[float]:
+                   top: float = 0.75, readout: str = "heldout",
+                   min_window_examples: Optional[float] = None) -> list[float]:
     """``n_targets`` held-out losses, loosest first, that every batch × seed reaches with a margin.
 
     floor = the worst (highest) over batches and seeds of the best final loss over that
     batch's LRs (monotone fit); ceiling = the lowest over batches and seeds of the best loss
     at the end of LR warmup (at the first evaluation when there is no warmup). Targets are
     evenly spaced from floor + ``top``·(ceiling − floor) down to floor + ``margin``·(ceiling − floor).
+    With ``readout="train"`` the curves are the lag-corrected EMA of the training loss.
     """
+    if readout == "train":
+        curves = [_smoothed_as_eval(c, min_window_examples) for c in curves if c.loss.size]
     cells: dict[tuple[float, int], list[Curve]] = {}
     for c in curves:
         if c.eval_loss is not None:
@@ -86,6 +106,7 @@ def common_targets(curves: Sequence[Curve], n_targets: int = 5, *, margin: float
         raise ValueError("curves: no held-out evaluations; use readout='train'")
     floor = max(min(_fit_at(c, float(c.eval_examples.max())) for c in cs) for cs in cells.values())
     ceiling = min(min(_fit_at(c, max(c.warmup_examples, float(c.eval_examples[c.eval_examples > 0].min())))
+                      if (c.eval_examples > 0).any() else math.inf
                       for c in cs) for cs in cells.values())
     if not (math.isfinite(floor) and math.isfinite(ceiling)) or ceiling <= floor:
         raise ValueError(f"targets: no common loss range (after warmup {ceiling:.4g}, worst final {floor:.4g}): "
@@ -204,11 +225,14 @@ def target_over_seeds(curves: Sequence[Curve], target: float, *, readout: str = 
     if len(good) >= 2:
         rng = _rng(rng_seed)
         boots = []
+        cache: dict[tuple, Optional[float]] = {}  # the median depends only on the multiset drawn
         for _ in range(N_BOOT):
-            draw = list(rng.choice(good, size=len(good), replace=True))
-            f = _median_steps_fit(st, draw)
-            if _usable(f):
-                boots.append(f.b_crit)
+            draw = tuple(sorted(int(x) for x in rng.choice(good, size=len(good), replace=True)))
+            if draw not in cache:
+                f = _median_steps_fit(st, list(draw))
+                cache[draw] = f.b_crit if _usable(f) else None
+            if cache[draw] is not None:
+                boots.append(cache[draw])
         if len(boots) >= N_BOOT // 2:
             st.b_crit_boot = (float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5)))
     return st
@@ -324,13 +348,16 @@ def fit_joint(points: Sequence[tuple[float, int, float, float]], *, n_boot: int 
     seeds = sorted({row[3] for row in rows})
     if len(seeds) >= 2 and n_boot > 0:
         rng = _rng(rng_seed)
+        cache: dict[tuple, Optional[tuple[float, float]]] = {}  # least squares depends only on the multiset drawn
         for _ in range(n_boot):
-            draw = rng.choice(seeds, size=len(seeds), replace=True)
-            boot_rows = [(i, b, s, 0) for d in draw for i, b, s, seed in rows if seed == d]
-            rb = _joint_once(boot_rows, targets, loss_ref)
-            if rb is not None:
-                fit.boot_log_b_ref.append(float(rb.x[nt]))
-                fit.boot_k.append(float(rb.x[nt + 1]))
+            draw = tuple(sorted(int(x) for x in rng.choice(seeds, size=len(seeds), replace=True)))
+            if draw not in cache:
+                boot_rows = [(i, b, s, 0) for d in draw for i, b, s, seed in rows if seed == d]
+                rb = _joint_once(boot_rows, targets, loss_ref) if len(set(draw)) > 0 else None
+                cache[draw] = None if rb is None else (float(rb.x[nt]), float(rb.x[nt + 1]))
+            if cache[draw] is not None:
+                fit.boot_log_b_ref.append(cache[draw][0])
+                fit.boot_k.append(cache[draw][1])
     return fit
 
 
@@ -464,7 +491,7 @@ def analyze_seeds(curves: Sequence[Curve], *, targets: Optional[Sequence[float]]
     if not curves:
         raise ValueError("curves: empty; nothing to analyze")
     if targets is None:
-        targets = common_targets(curves, n_targets)
+        targets = common_targets(curves, n_targets, readout=readout, min_window_examples=min_window_examples)
     targets = sorted((float(t) for t in targets), reverse=True)  # loosest first; the last is the primary
     seeds = sorted({c.seed for c in curves})
     results = [target_over_seeds(curves, t, readout=readout, min_window_examples=min_window_examples) for t in targets]

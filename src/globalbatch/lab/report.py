@@ -553,8 +553,20 @@ def write_report(
         readout, seed_targets: of the analysis over seeds (:func:`analyze_sweep_seeds`); the
             other settings are the first seed's training-loss analysis.
     """
-    _, seed_analysis = analyze_sweep_seeds(run_dir, targets=seed_targets, readout=readout, objective=objective,
-                                           tolerance=tolerance)
+    seed_analysis, seed_note = None, None
+    try:
+        _, seed_analysis = analyze_sweep_seeds(run_dir, targets=seed_targets, readout=readout, objective=objective,
+                                               tolerance=tolerance)
+    except ValueError as exc:  # e.g. a sweep of an older version, without held-out evaluations
+        if readout == "heldout" and "too few held-out evaluations" in str(exc):
+            try:
+                _, seed_analysis = analyze_sweep_seeds(run_dir, targets=seed_targets, readout="train",
+                                                       objective=objective, tolerance=tolerance)
+                seed_note = "this sweep has too few held-out evaluations: the analysis over seeds reads the training loss"
+            except ValueError as exc2:
+                seed_note = f"no analysis over seeds: {exc2}"
+        else:
+            seed_note = f"no analysis over seeds: {exc}"
     data, analysis = analyze_sweep(run_dir, targets=targets, n_targets=n_targets, n_tighter=n_tighter, ema_fraction=ema_fraction,
                                    halflife_steps=halflife_steps,
                                    objective=objective, tolerance=tolerance)
@@ -565,13 +577,17 @@ def write_report(
         ("Steps against examples with the fitted hyperbola", plot_steps_vs_examples(data, analysis, out / "steps_vs_examples.png")),
         ("Units to target, throughput and wall-clock against batch", plot_batch_tradeoff(data, analysis, out / "batch_tradeoff.png")),
     ]
-    plots.insert(0, ("Critical batch against the loss, per seed, with the joint fit",
-                     plot_b_crit_vs_loss(data, seed_analysis, out / "b_crit_vs_loss.png")))
+    if seed_note is not None:
+        analysis.warnings.append(seed_note)
+    if seed_analysis is not None:
+        plots.append(("Critical batch against the loss, per seed, with the joint fit",
+                      plot_b_crit_vs_loss(data, seed_analysis, out / "b_crit_vs_loss.png")))
     noise = plot_noise_scale(data, out / "noise_scale.png")
     if noise is not None:
         plots.append(("Gradient noise scale against consumed data", noise))
     summary = {"analysis": analysis.to_dict(), "batch_units": data.batch_units(), "missing": data.missing,
-               "grid": data.config.manifest()["grid"], "seeds": seed_json(data, seed_analysis)}
+               "grid": data.config.manifest()["grid"],
+               "seeds": seed_json(data, seed_analysis) if seed_analysis is not None else None}
     atomic_write_json(out / "analysis.json", summary)
     page = render_html(data, analysis, plots, seed_analysis=seed_analysis)
     atomic_write_text(out / "report.html", page)
