@@ -284,7 +284,9 @@ def sweep_cmd(
     from ._util import flag_names
     from .plan import parse_count
     from ._util import parse_list, parse_task_args
-    from .lab.sweep import SweepConfig, analyze_sweep_seeds, run_sweep
+    from types import SimpleNamespace
+
+    from .lab.sweep import SweepConfig, analyze_sweep, run_sweep
 
     names = {"task": "--task", "task_overrides": "--task-arg", "batches": "--batches", "lrs": "--lrs",
              "budget": "--tokens", "seed": "--seed", "micro_batch": "--micro-batch", "eval_every": "--eval-every",
@@ -306,8 +308,13 @@ def sweep_cmd(
         result = run_sweep(cfg, out, workers=workers, threads=threads, backend=backend, address=address)
     console.print(f"sweep {out}: {len(result.ran)} trial(s) run, {len(result.skipped)} already finished, "
                   f"{result.wall_time_s:,.1f} s ({result.workers} worker(s) × {result.threads_per_worker} thread(s))")
-    data, sa = analyze_sweep_seeds(out)
-    _print_seed_analysis(data, sa)
+    from .lab.report import seed_analysis_or_note
+
+    sa, note = seed_analysis_or_note(out)
+    data, analysis = analyze_sweep(out)
+    if note is not None:
+        analysis.warnings.append(note)
+    _print_report(SimpleNamespace(data=data, analysis=analysis, seed_analysis=sa))
     typer.echo(f"report: globalbatch report {out}")
 
 
@@ -341,12 +348,18 @@ def report_cmd(
     with flag_names(names):
         target_list = None if targets is None else parse_list(targets, "--targets", allowed="loss values, e.g. 3.2,3.0")
         if as_json:
-            from .lab.report import seed_json
-            from .lab.sweep import analyze_sweep_seeds
+            from ._util import SettingError
+            from .lab.report import seed_analysis_or_note, seed_json
+            from .lab.sweep import load_sweep
 
-            data, sa = analyze_sweep_seeds(run_dir, targets=target_list, readout=readout, objective=objective,
-                                           tolerance=tolerance)
-            typer.echo(json.dumps(seed_json(data, sa), indent=2, allow_nan=False, default=float))
+            sa, note = seed_analysis_or_note(run_dir, targets=target_list, readout=readout, objective=objective,
+                                             tolerance=tolerance)
+            if sa is None:
+                raise SettingError("run_dir", run_dir, "a sweep whose batches share a loss range", why=note)
+            doc = seed_json(load_sweep(run_dir), sa)
+            if note is not None:
+                doc["warnings"].append(note)
+            typer.echo(json.dumps(doc, indent=2, allow_nan=False, default=float))
             return
         res = write_report(run_dir, out, targets=target_list, objective=objective, tolerance=tolerance,
                            ema_fraction=ema_fraction, halflife_steps=half_life, readout=readout, seed_targets=target_list)

@@ -532,6 +532,25 @@ def _throughput_note(data: SweepData) -> str:
             "while trials shared the machine.")
 
 
+def seed_analysis_or_note(run_dir: str | os.PathLike, *, targets: Optional[Sequence[float]] = None,
+                          readout: str = "heldout", objective: str = "time",
+                          tolerance: float = 0.05) -> tuple[Optional[SeedAnalysis], Optional[str]]:
+    """The analysis over seeds, falling back to the training read-out for a sweep without enough held-out
+    evaluations (older sweeps, ``--eval-every`` runs); ``(None, why)`` when there is none."""
+    try:
+        return analyze_sweep_seeds(run_dir, targets=targets, readout=readout, objective=objective,
+                                   tolerance=tolerance)[1], None
+    except ValueError as exc:
+        if readout == "heldout" and "too few held-out evaluations" in str(exc):
+            try:
+                _, sa = analyze_sweep_seeds(run_dir, targets=targets, readout="train", objective=objective,
+                                            tolerance=tolerance)
+                return sa, "this sweep has too few held-out evaluations: the analysis over seeds reads the training loss"
+            except ValueError as exc2:
+                return None, f"no analysis over seeds: {exc2}"
+        return None, f"no analysis over seeds: {exc}"
+
+
 def write_report(
     run_dir: str | os.PathLike,
     out_dir: Optional[str | os.PathLike] = None,
@@ -553,20 +572,8 @@ def write_report(
         readout, seed_targets: of the analysis over seeds (:func:`analyze_sweep_seeds`); the
             other settings are the first seed's training-loss analysis.
     """
-    seed_analysis, seed_note = None, None
-    try:
-        _, seed_analysis = analyze_sweep_seeds(run_dir, targets=seed_targets, readout=readout, objective=objective,
-                                               tolerance=tolerance)
-    except ValueError as exc:  # e.g. a sweep of an older version, without held-out evaluations
-        if readout == "heldout" and "too few held-out evaluations" in str(exc):
-            try:
-                _, seed_analysis = analyze_sweep_seeds(run_dir, targets=seed_targets, readout="train",
-                                                       objective=objective, tolerance=tolerance)
-                seed_note = "this sweep has too few held-out evaluations: the analysis over seeds reads the training loss"
-            except ValueError as exc2:
-                seed_note = f"no analysis over seeds: {exc2}"
-        else:
-            seed_note = f"no analysis over seeds: {exc}"
+    seed_analysis, seed_note = seed_analysis_or_note(run_dir, targets=seed_targets, readout=readout,
+                                                     objective=objective, tolerance=tolerance)
     data, analysis = analyze_sweep(run_dir, targets=targets, n_targets=n_targets, n_tighter=n_tighter, ema_fraction=ema_fraction,
                                    halflife_steps=halflife_steps,
                                    objective=objective, tolerance=tolerance)
