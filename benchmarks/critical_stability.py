@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads per trial (1 on a loaded machine)")
     ap.add_argument("--budget", type=int, default=None, help="units per trial (default: the demo's)")
     ap.add_argument("--batches", default=None, help="comma-separated batches (default: the demo's)")
+    ap.add_argument("--analyze-only", action="store_true", help="analyse the finished trials in --out, run nothing")
     args = ap.parse_args(argv)
 
     from globalbatch.lab.sweep import analyze_sweep_seeds, run_sweep
@@ -56,9 +57,18 @@ def main(argv=None) -> int:
           + (f" — REDUCED: {'; '.join(reduced)}" if reduced else ""))
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
     t0 = time.time()
-    res = run_sweep(cfg, out, workers=args.workers, threads=args.threads, progress=False)
-    print(f"sweep: {len(res.ran)} trials run now, {len(res.skipped)} reused, {time.time() - t0:,.0f} s wall "
-          f"(load average {os.getloadavg()[0]:.1f} at the end)")
+    if not args.analyze_only:
+        res = run_sweep(cfg, out, workers=args.workers, threads=args.threads, progress=False)
+        print(f"sweep: {len(res.ran)} trials run now, {len(res.skipped)} reused, {time.time() - t0:,.0f} s wall "
+              f"(load average {os.getloadavg()[0]:.1f} at the end)")
+    from globalbatch.lab.sweep import load_sweep
+
+    data = load_sweep(out)
+    done_seeds = sorted({int(s.get("seed", 0)) for s in data.summaries.values()})
+    cpu = sum(float(s.get("train_time_s", 0)) + float(s.get("eval_time_s", 0)) for s in data.summaries.values())
+    print(f"finished trials: {len(data.summaries)} (missing base cells: {len(data.missing)}), seeds with trials "
+          f"{done_seeds}; trial time summed {cpu:,.0f} s (1 thread each; eval share "
+          f"{sum(float(s.get('eval_time_s', 0)) for s in data.summaries.values()) / max(cpu, 1e-9):.0%})")
 
     for readout in ("heldout", "train"):
         data, sa = analyze_sweep_seeds(out, readout=readout)
