@@ -141,6 +141,7 @@ def test_common_targets_are_reached_by_every_cell_and_none_in_warmup():
 def test_non_monotone_cells_are_flagged_and_left_out_of_the_fit():
     assert is_monotone([1, 2, 4], [10, 6, 4], [10, 12, 16])
     assert not is_monotone([1, 2, 4], [10, 12, 4], [10, 24, 16])  # batch 2 slower than batch 1
+    assert is_monotone([1, 2, 4], [10, 5.2, 2.5], [10, 10.4, 10])  # perfect scaling: E flat, its noise ignored
     curves = _curves([0, 1, 2])
     bad = next(c for c in curves if c.seed == 1 and c.batch_size == 1000.0)
     bad.eval_loss = bad.eval_loss + 0.3  # that batch now needs far more steps than batch 500

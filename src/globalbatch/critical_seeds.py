@@ -12,8 +12,8 @@ read-out). This module reads a sweep run with several seeds:
    margin (on the monotone fit of its best LR's held-out curve), none of them reached
    before the end of LR warmup; the batch set is the same at every target.
 2. **Per target**: steps- and examples-to-target per batch and seed (best LR of each),
-   a monotonicity check per seed (steps must not rise with the batch, examples must not
-   fall, 3 % slack), the hyperbola fit per seed, their median and range, and a fit of the
+   a monotonicity check per seed (steps must not rise with the batch; examples
+   are not checked: flat in the perfect-scaling regime; 3 % slack), the hyperbola fit per seed, their median and range, and a fit of the
    median steps with a bootstrap over seeds. Non-monotone cells are flagged and left out
    of every fit.
 3. **Jointly** (:func:`fit_joint`): log S = a_t + log(1 + B_crit(L_t)/B) with
@@ -126,11 +126,15 @@ def common_targets(curves: Sequence[Curve], n_targets: int = 5, *, margin: float
 
 def is_monotone(batches: Sequence[float], steps: Sequence[float], examples: Sequence[float],
                 slack: float = MONOTONE_SLACK) -> bool:
-    """Steps non-increasing and examples non-decreasing in the batch (within ``slack``)."""
+    """Steps non-increasing in the batch (within ``slack``).
+
+    Examples are not checked: in the perfect-scaling regime E is flat in B and its noise
+    decides the sign (measured on MNIST: a 3 % rule on E flagged 88 % of the cells whose
+    steps halve cleanly with every doubling of the batch). ``examples`` is kept for callers.
+    """
     order = np.argsort(batches)
     s = np.asarray(steps, dtype=float)[order]
-    e = np.asarray(examples, dtype=float)[order]
-    return bool(np.all(s[1:] <= s[:-1] * (1 + slack)) and np.all(e[1:] >= e[:-1] * (1 - slack)))
+    return bool(np.all(s[1:] <= s[:-1] * (1 + slack)))
 
 
 def _usable(fit: Optional[HyperbolaFit]) -> bool:
