@@ -81,6 +81,14 @@ def plan_cmd(
     sync_every_micro_step: bool = typer.Option(False, "--sync-every-micro-step", help="All-reduce on every micro-step (no no_sync)."),
     compute: Optional[str] = typer.Option(None, "--compute", help="Training FLOPs C for the DeepSeek prior (default 6·N·D)."),
     loss: Optional[float] = typer.Option(None, "--loss", help="Loss in nats/token for the Kaplan B_crit prior."),
+    memory: Optional[str] = typer.Option(None, "--memory", help="Device memory, e.g. 80GiB: predict the largest micro-batch and show the memory breakdown (needs --params and --activation-bytes-per-sample, or --task)."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="With --memory: sgd, sgd-momentum, adamw or adafactor (default adamw)."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="With --memory: fp32 or bf16-mixed (bf16 weights/grads, fp32 master; default fp32)."),
+    sharding: Optional[str] = typer.Option(None, "--sharding", help="With --memory: none, zero1, zero2, zero3 or fsdp, over --dp ranks (default none)."),
+    activation_bytes: Optional[str] = typer.Option(None, "--activation-bytes-per-sample", help="With --memory: activation bytes per sample, e.g. 1.5GiB (else measured with --task)."),
+    checkpoint_divisor: Optional[float] = typer.Option(None, "--checkpoint-divisor", help="With --memory: activation checkpointing divides activations by this (default 1: none)."),
+    task: Optional[str] = typer.Option(None, "--task", help="With --memory: measure params and activations of this task (tinygpt, mnist or package.module:function; needs torch)."),
+    task_arg: list[str] = typer.Option([], "--task-arg", help="With --task: override KEY=VALUE (repeatable), e.g. d_model=64."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys."),
 ) -> None:
     """State the whole batch geometry of a run, check it, and say what follows from it."""
@@ -91,6 +99,24 @@ def plan_cmd(
 
     def count(text: Optional[str], flag: str) -> Optional[float]:
         return None if text is None else float(P.parse_count(text, flag))
+
+    memory_flags = {"--optimizer": optimizer, "--precision": precision, "--sharding": sharding,
+                    "--activation-bytes-per-sample": activation_bytes, "--checkpoint-divisor": checkpoint_divisor,
+                    "--task": task, "--task-arg": task_arg or None}
+    memory_inputs = None
+    if memory is None:
+        for flag, value in memory_flags.items():
+            if value is not None:
+                raise ValueError(f"{flag} {value if not isinstance(value, list) else ','.join(value)} is not allowed "
+                                 "without --memory; allowed: add --memory DEVICE_BYTES, e.g. --memory 80GiB")
+    else:
+        memory_inputs = _memory_inputs(memory, params=params, dp=dp, optimizer=optimizer, precision=precision,
+                                       sharding=sharding, activation_bytes=activation_bytes,
+                                       checkpoint_divisor=checkpoint_divisor, task=task, task_arg=task_arg)
+    geometry_given = config is not None or any(v is not None for v in (global_batch, micro_batch, grad_accum))
+    if memory_inputs is not None and not geometry_given:
+        _print_memory(memory_inputs, None, as_json)
+        return
 
     flags = {
         "global_batch": global_batch, "micro_batch": micro_batch, "grad_accum_steps": grad_accum,
@@ -105,6 +131,13 @@ def plan_cmd(
         "no_sync": False if sync_every_micro_step else None,
     }
     report = make_plan(config, flags, dp_world_size=dp, round_down=round_down)
+    if memory_inputs is not None:
+        report["memory"] = _memory_section(memory_inputs, report.get("micro_batch"))
+        if not report["memory"]["fits"]:
+            report["warnings"].append(
+                f"micro_batch {report['memory']['breakdown']['micro_batch']} needs "
+                f"{report['memory']['breakdown']['total_bytes'] / 2**30:,.2f} GiB, more than --memory {memory}; "
+                f"the largest that fits is {report['memory']['largest_micro_batch']}")
     if as_json:
         typer.echo(json.dumps(report, indent=2, sort_keys=True))
     else:
@@ -112,10 +145,89 @@ def plan_cmd(
 
         console = Console(width=max(Console().width, 120))  # the arithmetic column reads best unwrapped
         console.print(plan_table(report))
+        if memory_inputs is not None:
+            from .memory import memory_table
+
+            console.print(memory_table(report["memory"]))
         if report["priors"]:
             console.print("priors are scaling-law predictions, not measurements: measure with `globalbatch sweep`/`noise`.")
     for w in report["warnings"]:
         typer.echo(f"warning: {w}", err=True)
+
+
+def _memory_inputs(memory: str, *, params: Optional[str], dp: Optional[int], optimizer: Optional[str],
+                   precision: Optional[str], sharding: Optional[str], activation_bytes: Optional[str],
+                   checkpoint_divisor: Optional[float], task: Optional[str], task_arg: list[str]) -> tuple:
+    """Check every ``plan --memory`` flag (before anything is printed), then measure the task if one is given."""
+    from ._util import SettingError, flag_names, parse_task_args
+    from .memory import Activations, MemoryConfig
+    from .plan import parse_bytes, parse_count
+
+    device_bytes = parse_bytes(memory, "--memory")
+    if device_bytes < 1:
+        raise ValueError(f"--memory {memory} is not allowed; allowed: a device memory of at least 1 byte")
+    if task is not None and (params is not None or activation_bytes is not None):
+        given = "--params" if params is not None else "--activation-bytes-per-sample"
+        raise ValueError(f"{given} is not allowed with --task {task}: the task's model gives it; "
+                         "allowed: --task, or --params with --activation-bytes-per-sample")
+    if task is None:
+        if params is None:
+            raise ValueError("--memory needs --params (e.g. 7B) or --task; allowed: add one of them")
+        if activation_bytes is None:
+            raise ValueError("--memory needs --activation-bytes-per-sample (e.g. 1.5GiB) or --task to measure it; "
+                             "allowed: add one of them")
+    if task_arg and task is None:
+        raise ValueError("--task-arg is not allowed without --task; allowed: add --task, e.g. --task tinygpt")
+    per_sample = None
+    if activation_bytes is not None:
+        per_sample = parse_bytes(activation_bytes, "--activation-bytes-per-sample")
+        if per_sample < 1:
+            raise ValueError(f"--activation-bytes-per-sample {activation_bytes} is not allowed; allowed: at least 1 byte")
+    names = {"params": "--params", "optimizer": "--optimizer", "precision": "--precision", "sharding": "--sharding",
+             "dp_world_size": "--dp", "checkpoint_divisor": "--checkpoint-divisor"}
+    common = dict(optimizer=optimizer or "adamw", precision=precision or "fp32", sharding=sharding or "none",
+                  dp_world_size=1 if dp is None else dp,
+                  checkpoint_divisor=1.0 if checkpoint_divisor is None else checkpoint_divisor)
+    with flag_names(names):
+        MemoryConfig(params=1 if params is None else parse_count(params, "--params"), **common)  # check the flags
+    if task is None:
+        cfg = MemoryConfig(params=parse_count(params, "--params"), **common)
+        return device_bytes, cfg, Activations(bytes_per_sample=float(per_sample), source="given")
+    from ._util import load_task_checked
+    from .probe.activations import task_memory_inputs
+
+    with flag_names({"task": "--task", "task_overrides": "--task-arg"}):
+        try:
+            task_obj = load_task_checked(task, parse_task_args(task_arg))
+        except SettingError:
+            raise
+        except ValueError as exc:
+            raise SettingError("task", task, "tinygpt, mnist or package.module:function", why=str(exc)) from None
+    n, shapes, acts = task_memory_inputs(task_obj, device="cpu")
+    return device_bytes, MemoryConfig(params=n, param_shapes=shapes, **common), acts
+
+
+def _memory_section(inputs: tuple, micro_batch: Optional[int]) -> dict:
+    from .memory import memory_report
+
+    device_bytes, cfg, acts = inputs
+    return memory_report(cfg, acts, device_bytes, micro_batch=micro_batch)
+
+
+def _print_memory(inputs: tuple, micro_batch: Optional[int], as_json: bool) -> None:
+    import json
+
+    report = _memory_section(inputs, micro_batch)
+    if as_json:
+        typer.echo(json.dumps({"memory": report}, indent=2, sort_keys=True))
+        return
+    from rich.console import Console
+
+    from .memory import memory_table
+
+    Console(width=max(Console().width, 120)).print(memory_table(report))
+    if report["largest_micro_batch"] == 0:
+        typer.echo("warning: not even micro-batch 1 fits: the static bytes alone exceed --memory", err=True)
 
 
 @app.command("probe", short_help="Find the largest micro-batch that fits and the fastest one.")

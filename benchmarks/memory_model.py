@@ -1,0 +1,67 @@
+"""Memory model vs probe: the predicted largest micro-batch of tinygpt at 3 model sizes against the probe's.
+
+For each size: (1) the memory model (globalbatch.memory) predicts the largest micro-batch under
+--memory-limit from the parameter count (AdamW, fp32: 16 bytes/param) and activations measured from
+two forward+backward peaks (micro-batch 8 and 16); (2) the probe (real AdamW steps) measures it.
+Prints a markdown table: predicted, measured, error, and the formula's static bytes against the
+intercept of the probe's fitted line.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/memory_model.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from globalbatch.memory import MemoryConfig, breakdown, largest_micro_batch
+from globalbatch.plan import parse_bytes
+from globalbatch.probe import probe_task
+from globalbatch.probe.activations import task_memory_inputs
+from globalbatch.tasks import load_task
+
+SIZES = [  # (task overrides, memory limit)
+    ({"n_layer": 2, "d_model": 64, "n_head": 4}, "128MiB"),
+    ({"n_layer": 4, "d_model": 128, "n_head": 4}, "512MiB"),
+    ({"n_layer": 4, "d_model": 384, "n_head": 6}, "512MiB"),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps-per-trial", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    for overrides, limit_text in SIZES:
+        limit = parse_bytes(limit_text)
+        task = load_task("tinygpt", **overrides)
+        t0 = time.perf_counter()
+        params, shapes, acts = task_memory_inputs(task, device="cpu")
+        cfg = MemoryConfig(params=params, optimizer="adamw", precision="fp32", param_shapes=shapes)
+        predicted = largest_micro_batch(cfg, acts, limit)
+        static = breakdown(cfg, acts, 0)
+        t1 = time.perf_counter()
+        result = probe_task(task, memory_limit_bytes=limit, device="cpu", steps_per_trial=args.steps_per_trial)
+        t2 = time.perf_counter()
+        measured = result.largest_fit
+        line = result.memory_model
+        rows.append((overrides, limit_text, params, acts.bytes_per_sample, static.static_bytes,
+                     line.intercept_bytes if line else float("nan"),
+                     line.bytes_per_sample if line else float("nan"), predicted, measured,
+                     (predicted - measured) / measured, result.num_trials, t1 - t0, t2 - t1))
+        print(rows[-1], flush=True)
+    mib = 2 ** 20
+    print("\n| tinygpt | limit | params | act/sample (fwd+bwd, 8→16) | probe slope | formula static + workspace | "
+          "probe intercept | predicted | measured | error | probe trials |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for o, lim, n, aps, st, icpt, slope, pred, meas, err, trials, tp, tr in rows:
+        name = f"{o['n_layer']}×{o['d_model']}"
+        print(f"| {name} | {lim} | {n:,} | {aps / mib:.3f} MiB | {slope / mib:.3f} MiB | {st / mib:.2f} MiB | "
+              f"{icpt / mib:.2f} MiB | {pred} | {meas} | {err:+.1%} | {trials} |")
+
+
+if __name__ == "__main__":
+    main()
