@@ -284,6 +284,12 @@ def probe_cmd(
     limited = limit_text(result, max_micro_batch=max_micro_batch, global_batch=global_batch, dp_world_size=dp,
                          flag_names=True)
     console.print(f"largest that fits: {result.largest_fit} (limited by {limited})")
+    if result.predicted_micro_batch is not None:
+        error = (result.predicted_micro_batch - result.largest_fit) / result.largest_fit
+        console.print(f"predicted before running: {result.predicted_micro_batch} (measured {result.largest_fit}, "
+                      f"error {error:+.1%}; {result.predicted_note})")
+    for conflict in result.conflicts:
+        console.print(f"[yellow]intermittent out of memory:[/yellow] {conflict}")
     console.print(f"fastest: {result.fastest} (smallest within {result.tolerance:.0%} of the best throughput)")
     for choice in result.choices:
         if choice.geometry is not None:

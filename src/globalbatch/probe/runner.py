@@ -305,8 +305,19 @@ def probe_task(
 
     unit = getattr(task, "unit", None)
     count_tokens = (lambda batch: None) if unit == "sample" else task.tokens_in
+    predicted, predicted_note = None, ""
+    if memory_limit_bytes is not None:  # predict before running: the memory model, fwd+bwd at 8 and 16
+        from globalbatch.memory import MemoryConfig, largest_micro_batch
+        from globalbatch.probe.activations import measure_activations
+
+        acts = measure_activations(model, make_batch, loss_fn)
+        n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        predicted = min(largest_micro_batch(MemoryConfig(params=n, optimizer="adamw", precision="fp32"), acts,
+                                            memory_limit_bytes), cap)
+        predicted_note = (f"memory model: {n:,} params × 16 B (fp32 AdamW) + activations "
+                          f"{acts.bytes_per_sample / 2**20:,.3f} MiB/sample ({acts.source})")
     result = probe(model, make_batch, loss_fn, global_batch=global_batch, dp_world_size=dp_world_size,
                    memory_limit_bytes=memory_limit_bytes, max_micro_batch=max_micro_batch,
                    steps_per_trial=steps_per_trial, tolerance=tolerance, count_tokens=count_tokens)
-    return dataclasses.replace(result, unit=unit)
+    return dataclasses.replace(result, unit=unit, predicted_micro_batch=predicted, predicted_note=predicted_note)
 

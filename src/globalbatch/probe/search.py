@@ -376,7 +376,8 @@ class _Search:
         """One choice per role; may run one more trial to verify a suggested divisor."""
         per_rank = global_batch // dp_world_size
         # Largest: the largest divisor of global ÷ dp at or below the largest fit, verified by a run.
-        largest = self._choice("largest", self.lo, global_batch, dp_world_size, self._largest_divisor(per_rank))
+        divisor = self._largest_divisor(per_rank)  # first: a verification that fails may lower lo
+        largest = self._choice("largest", self.lo, global_batch, dp_world_size, divisor)
         fastest = choose_fastest(self.trials, self.config.tolerance)
         if fastest is None:
             return (largest,)
