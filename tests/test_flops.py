@@ -173,3 +173,25 @@ def test_step_keeps_one_host_sync(monkeypatch):
     res = _window(drv, mbs)
     assert calls == {"tolist": 1, "item": 0}
     assert res.model_flops == 40.0
+
+
+def test_cpu_attention_is_counted_with_the_cuda_kernels_formulas():
+    """FlopCounterMode's registry lacks the CPU SDPA ops (counted 0 before); ours adds torch's own formulas."""
+    from torch.nn import functional as F
+    from torch.utils import flop_counter as fc
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return F.scaled_dot_product_attention(x * self.scale, x, x, is_causal=True)
+
+    b, h, s, d = 2, 4, 16, 8
+    x = torch.randn(b, h, s, d)
+    got = count_flops(Attn(), x, lambda m, batch: m(batch).sum())
+    shape = (b, h, s, d)
+    forward = fc.sdpa_flop_count(shape, shape, shape)
+    assert forward == 2 * (2 * b * h * s * s * d)  # QKᵀ and AV
+    assert got == forward + fc.sdpa_backward_flop_count(shape, shape, shape, shape)
