@@ -58,7 +58,7 @@ def main() -> None:
     # the same peak measured again after the run: the spread says how loaded the machine was
     from globalbatch import flops as F
 
-    F._MEASURED.clear()
+    F._MEASURED.clear()  # the measurement is cached per process
     peak_after = measure_matmul_peak("fp32", size=512, repeats=10)
     n_non_emb = sum(p.numel() for name, p in model.named_parameters() if "emb" not in name)
     cfg = task.config if hasattr(task, "config") else None
@@ -66,7 +66,6 @@ def main() -> None:
     d = getattr(cfg, "d_model", 128)
     T = task.seq_len
     per_token_formula = transformer_flops_per_token(params_non_embedding=n_non_emb, n_layer=L, seq_len=T, d_model=d)
-    full_width = [k for k in counter.cache if True]
     print(f"threads {args.threads}, micro {args.micro_batch}, global {args.global_batch}, {len(timed)} timed steps")
     print(f"matmul peak fp32 512: {peak_before / 1e9:.2f} GFLOP/s before, {peak_after / 1e9:.2f} after")
     print(f"model FLOP/s median {statistics.median(r.model_flops_per_s for r in timed) / 1e9:.2f} G; "
@@ -75,7 +74,7 @@ def main() -> None:
           f"last window {timed[-1].global_units} valid of {padded_tokens} padded tokens")
     counted_per_token = timed[-1].model_flops / padded_tokens
     print(f"FLOPs per padded token: counted {counted_per_token:,.0f}; formula 6N+12LdT {per_token_formula:,.0f} "
-          f"(N non-embedding {n_non_emb:,}); {len(full_width)} shapes counted")
+          f"(N non-embedding {n_non_emb:,}); {len(counter.cache)} shape(s) counted")
 
 
 if __name__ == "__main__":
