@@ -29,22 +29,49 @@ SIZES = [  # (task overrides, memory limit)
 ]
 
 
+def _probe_with(task, limit: int, optimizer: str, steps_per_trial: int):
+    """probe_task's batches and loss, with another optimizer (plain SGD, or SGD with momentum 0.9)."""
+    from itertools import islice
+
+    from globalbatch.probe import probe
+
+    model = task.build_model(0)
+    pool = list(islice(task.sample_order(0), 8192))
+    momentum = 0.9 if optimizer == "sgd-momentum" else 0.0
+
+    def make_batch(n):
+        return task.collate([pool[i % len(pool)] for i in range(n)], "cpu")
+
+    def loss_fn(m, batch):
+        loss_sum, count = task.loss_sum(m, batch)
+        return loss_sum / count.clamp(min=1)
+
+    return probe(model, make_batch, loss_fn, memory_limit_bytes=limit, steps_per_trial=steps_per_trial,
+                 optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=momentum))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps-per-trial", type=int, default=1)
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "sgd-momentum"],
+                    help="the probe's optimizer and the model's state term (the probe_task default is AdamW)")
+    ap.add_argument("--sizes", default="0,1,2", help="which of the 3 sizes to run, e.g. 2")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
-    for overrides, limit_text in SIZES:
+    for overrides, limit_text in [SIZES[int(i)] for i in args.sizes.split(",")]:
         limit = parse_bytes(limit_text)
         task = load_task("tinygpt", **overrides)
         t0 = time.perf_counter()
         params, shapes, acts = task_memory_inputs(task, device="cpu")
-        cfg = MemoryConfig(params=params, optimizer="adamw", precision="fp32", param_shapes=shapes)
+        cfg = MemoryConfig(params=params, optimizer=args.optimizer, precision="fp32", param_shapes=shapes)
         predicted = largest_micro_batch(cfg, acts, limit)
         static = breakdown(cfg, acts, 0)
         t1 = time.perf_counter()
-        result = probe_task(task, memory_limit_bytes=limit, device="cpu", steps_per_trial=args.steps_per_trial)
+        if args.optimizer == "adamw":
+            result = probe_task(task, memory_limit_bytes=limit, device="cpu", steps_per_trial=args.steps_per_trial)
+        else:
+            result = _probe_with(task, limit, args.optimizer, args.steps_per_trial)
         t2 = time.perf_counter()
         measured = result.largest_fit
         line = result.memory_model
