@@ -195,3 +195,27 @@ def test_cpu_attention_is_counted_with_the_cuda_kernels_formulas():
     forward = fc.sdpa_flop_count(shape, shape, shape)
     assert forward == 2 * (2 * b * h * s * s * d)  # QKᵀ and AV
     assert got == forward + fc.sdpa_backward_flop_count(shape, shape, shape, shape)
+
+
+def test_sequence_flops_from_two_counts_match_every_counted_shape():
+    """tinygpt (matmuls + attention): α·w + β·w² from widths 16 and 32 equals FlopCounterMode at other shapes."""
+    from globalbatch.flops import SequenceFlops
+    from globalbatch.tasks import load_task
+
+    task = load_task("tinygpt", n_layer=2, d_model=32, n_head=2, seq_len=64, max_corpus_bytes=200_000)
+    model = task.build_model(0)
+
+    def loss(m, batch):
+        loss_sum, count = task.loss_sum(m, batch)
+        return loss_sum
+
+    def batch_of(b, w):
+        ids = torch.randint(0, 256, (b, w))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    seq = SequenceFlops(model, lambda w: batch_of(1, w), loss, widths=(16, 32))
+    assert seq.quadratic > 0  # attention is there
+    for b, w in ((1, 7), (3, 64), (5, 41)):
+        assert seq(b, w) == pytest.approx(count_flops(model, batch_of(b, w), loss), rel=1e-12)
+    with pytest.raises(ValueError, match="widths"):
+        SequenceFlops(model, lambda w: batch_of(1, w), loss, widths=(32, 16))

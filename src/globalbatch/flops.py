@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 from globalbatch._util import SettingError
 
 __all__ = ["PEAK_FLOPS", "transformer_flops_per_token", "table_peak_flops", "measure_matmul_peak",
-           "peak_flops_per_s", "count_flops", "FlopsCounter", "mfu", "PeakFlops"]
+           "peak_flops_per_s", "count_flops", "FlopsCounter", "SequenceFlops", "mfu", "PeakFlops"]
 
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     # dense peak FLOP/s per device (NVIDIA data sheets, SXM; the sparsity figures are 2× these)
@@ -204,6 +204,34 @@ class FlopsCounter:
         if key not in self.cache:
             self.cache[key] = count_flops(self.model, batch, self.loss_fn)
         return self.cache[key]
+
+
+class SequenceFlops:
+    """FLOPs of a ``(batch, width)`` token batch from two counts: ``batch × (α·width + β·width²)``.
+
+    A transformer's matmul FLOPs grow linearly with the tokens and its attention FLOPs with
+    width², so counting one sequence at two widths (FlopCounterMode, :func:`count_flops`)
+    determines α and β, and every other shape follows without another count: exact for
+    models whose only counted ops are matmuls and attention (tested against :class:`FlopsCounter`).
+    Useful for ragged batches, where every micro-batch may have a new padded width.
+
+    ``make_batch(width)`` builds a batch of one sequence of that width.
+    """
+
+    def __init__(self, model: Any, make_batch: Callable[[int], Any], loss_fn: Callable[[Any, Any], Any], *,
+                 widths: tuple[int, int]) -> None:
+        w1, w2 = widths
+        if not (isinstance(w1, int) and isinstance(w2, int) and 1 <= w1 < w2):
+            raise SettingError("widths", widths, "two whole widths 1 ≤ w1 < w2, e.g. (64, 128)")
+        f1, f2 = count_flops(model, make_batch(w1), loss_fn), count_flops(model, make_batch(w2), loss_fn)
+        # f = α·w + β·w²  →  f/w = α + β·w: a line through (w1, f1/w1), (w2, f2/w2)
+        self.quadratic = (f2 / w2 - f1 / w1) / (w2 - w1)
+        self.linear = f1 / w1 - self.quadratic * w1
+        self.widths = widths
+
+    def __call__(self, batch_size: int, width: int) -> float:
+        """Forward + backward FLOPs of ``batch_size`` sequences padded to ``width`` tokens."""
+        return batch_size * (self.linear * width + self.quadratic * width * width)
 
 
 def mfu(model_flops_per_s: float, peak_flops_per_s: float, devices: int = 1) -> float:
