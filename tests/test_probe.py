@@ -765,3 +765,32 @@ def test_intermittent_oom_on_a_smaller_size_is_reported_and_decided(releases, ca
     largest = result.choices[0]
     assert largest.micro_batch == 64 and largest.suggested_micro_batch == 45
     assert result.to_dict()["conflicts"] == list(result.conflicts)
+
+
+def test_probe_task_reports_valid_tokens_and_mfu(one_thread):
+    """Each fitting trial carries its counted FLOPs and its non-padding tokens; MFU is against the peak."""
+    from globalbatch.flops import count_flops
+    from globalbatch.probe import probe_task
+    from globalbatch.tasks import load_task
+
+    overrides = {"n_layer": 1, "d_model": 32, "n_head": 2, "seq_len": 32}
+    result = probe_task("tinygpt", max_micro_batch=8, steps_per_trial=1, device="cpu", task_overrides=overrides)
+    assert result.peak_flops_per_s is not None and result.peak_flops_source.startswith("measured: cpu")
+    task = load_task("tinygpt", **overrides)
+    model = task.build_model(0)
+    for t in result.trials:
+        assert t.fits and t.model_flops_per_step > 0
+        assert t.valid_tokens_per_step <= t.tokens_per_step
+        assert 0 < t.mfu(result.peak_flops_per_s) < 1
+        assert t.model_flops_per_s() == pytest.approx(t.model_flops_per_step / t.step_time_s)
+    # the counted FLOPs are FlopCounterMode's for the same batch (probe_task: the first samples of the order)
+    from itertools import islice
+
+    pool = list(islice(task.sample_order(0), 8))
+    batch = task.collate(pool[:8], "cpu")
+    expected = count_flops(model, batch, lambda m, b: task.loss_sum(m, b)[0])
+    assert result.by_size()[-1].model_flops_per_step == expected
+    assert result.by_size()[-1].valid_tokens_per_step == int(task.loss_sum(model, batch)[1])  # the loss count
+    row = result.to_dict()["trials"][0]
+    assert row["mfu"] == pytest.approx(result.trials[0].mfu(result.peak_flops_per_s))
+    assert row["valid_tokens_per_s"] == result.trials[0].valid_tokens_per_s()

@@ -278,9 +278,12 @@ def probe_cmd(
         return
     from rich.console import Console
 
-    console = Console(width=max(Console().width, 110))
+    console = Console(width=max(Console().width, 130))
     budget = f", memory limit {format_bytes(limit)}" if limit is not None else ""
     console.print(probe_table(result, title=f"globalbatch probe: {task}{budget}, {result.num_trials} trials"))
+    if result.peak_flops_per_s is not None:
+        console.print(f"MFU: model FLOPs (forward + backward, FlopCounterMode) per median step over the peak "
+                      f"{result.peak_flops_per_s / 1e9:,.1f} GFLOP/s ({result.peak_flops_source})")
     limited = limit_text(result, max_micro_batch=max_micro_batch, global_batch=global_batch, dp_world_size=dp,
                          flag_names=True)
     console.print(f"largest that fits: {result.largest_fit} (limited by {limited})")

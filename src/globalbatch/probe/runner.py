@@ -82,13 +82,15 @@ class TrainStepRunner:
                  loss_fn: Callable[[nn.Module, Any], torch.Tensor], *,
                  optimizer_factory: Optional[Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = None,
                  count_tokens: Optional[Callable[[Any], Optional[int]]] = None,
-                 config: Optional[TrialConfig] = None) -> None:
+                 config: Optional[TrialConfig] = None,
+                 count_step: Optional[Callable[[Any], tuple[Optional[float], Optional[int]]]] = None) -> None:
         self.model = model
         self.make_batch = make_batch
         self.loss_fn = loss_fn
         self.optimizer_factory = optimizer_factory or _default_optimizer
         self.count_tokens = count_tokens or _default_count_tokens
         self.config = config or TrialConfig()
+        self.count_step = count_step  # batch -> (model FLOPs, valid tokens): run after the timed steps
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
 
@@ -170,9 +172,12 @@ class TrainStepRunner:
                     start = time.perf_counter()
                     self._step(batch, optimizer)
                     step_times_s.append(time.perf_counter() - start)
+            flops, valid = (None, None)
+            if self.count_step is not None:  # after the peak and the timing: it runs one more forward + backward
+                flops, valid = self.count_step(batch)
             return TrialResult(micro_batch=micro_batch, peak_memory_bytes=peak,
                                step_time_s=float(np.median(step_times_s)), tokens_per_step=tokens,
-                               capacity_bytes=capacity)
+                               capacity_bytes=capacity, model_flops_per_step=flops, valid_tokens_per_step=valid)
         finally:
             optimizer.state.clear()
             del optimizer
@@ -212,6 +217,7 @@ def probe(
     count_tokens: Optional[Callable[[Any], Optional[int]]] = None,
     cpu_memory: str = "tensors",
     use_memory_model: bool = True,
+    count_step: Optional[Callable[[Any], tuple[Optional[float], Optional[int]]]] = None,
 ) -> ProbeResult:
     """Probe ``model`` on its current device; leave its weights, RNG and memory as they were.
 
@@ -232,9 +238,11 @@ def probe(
         count_tokens: ``batch -> tokens``; default ``batch["input_ids"].numel()`` when present.
         cpu_memory: ``"tensors"`` or ``"rss"`` (see :mod:`globalbatch.probe`).
         use_memory_model: cut the search with the fitted memory line.
+        count_step: ``batch -> (model FLOPs of one forward + backward, valid tokens)``, run once per
+            fitting trial after its timed steps (for MFU and valid tokens/s); None: not counted.
     """
     runner = TrainStepRunner(
-        model, make_batch, loss_fn, optimizer_factory=optimizer_factory, count_tokens=count_tokens,
+        model, make_batch, loss_fn, optimizer_factory=optimizer_factory, count_tokens=count_tokens, count_step=count_step,
         config=TrialConfig(steps_per_trial=steps_per_trial, warmup_steps=warmup_steps,
                            memory_limit_bytes=memory_limit_bytes, cpu_memory=cpu_memory))
     with _restored(model):
@@ -318,6 +326,38 @@ def probe_task(
                           f"{acts.bytes_per_sample / 2**20:,.3f} MiB/sample ({acts.source})")
     result = probe(model, make_batch, loss_fn, global_batch=global_batch, dp_world_size=dp_world_size,
                    memory_limit_bytes=memory_limit_bytes, max_micro_batch=max_micro_batch,
-                   steps_per_trial=steps_per_trial, tolerance=tolerance, count_tokens=count_tokens)
-    return dataclasses.replace(result, unit=unit, predicted_micro_batch=predicted, predicted_note=predicted_note)
+                   steps_per_trial=steps_per_trial, tolerance=tolerance, count_tokens=count_tokens,
+                   count_step=_task_step_counter(task, model, unit))
+    peak = _peak_or_none(torch_device)
+    return dataclasses.replace(result, unit=unit, predicted_micro_batch=predicted, predicted_note=predicted_note,
+                               peak_flops_per_s=None if peak is None else peak.flops_per_s,
+                               peak_flops_source="" if peak is None else peak.source)
+
+
+def _task_step_counter(task: Any, model: nn.Module, unit: Optional[str]) -> Callable[[Any], tuple[Optional[float], Optional[int]]]:
+    """``batch -> (FLOPs, valid tokens)`` in one counted forward + backward; valid tokens are the loss count."""
+    from globalbatch.flops import count_flops
+
+    def count(batch: Any) -> tuple[Optional[float], Optional[int]]:
+        seen: list[int] = []
+
+        def loss(m: nn.Module, b: Any) -> torch.Tensor:
+            loss_sum, n = task.loss_sum(m, b)
+            seen.append(int(n))  # host read: outside the timed steps
+            return loss_sum
+
+        flops = float(count_flops(model, batch, loss))
+        return flops, (seen[-1] if seen and unit != "sample" else None)
+
+    return count
+
+
+def _peak_or_none(device: torch.device) -> Any:
+    """The device's peak FLOP/s (measured matmul on CPU, the table on CUDA); None when unknown."""
+    from globalbatch.flops import peak_flops_per_s
+
+    try:
+        return peak_flops_per_s(device=str(device), dtype="fp32")
+    except ValueError:
+        return None
 

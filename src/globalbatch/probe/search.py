@@ -175,6 +175,9 @@ class ProbeResult:
     """The memory model's prediction of ``largest_fit`` (``globalbatch.memory``), when one was made."""
     predicted_note: str = ""
     """How ``predicted_micro_batch`` was made (which trials, which model)."""
+    peak_flops_per_s: Optional[float] = None
+    """Peak FLOP/s of one device for the trials' MFU (``globalbatch.flops.peak_flops_per_s``); None: unknown."""
+    peak_flops_source: str = ""
 
     @property
     def num_trials(self) -> int:
@@ -200,8 +203,10 @@ class ProbeResult:
             "conflicts": list(self.conflicts),
             "predicted_micro_batch": self.predicted_micro_batch,
             "predicted_note": self.predicted_note,
+            "peak_flops_per_s": self.peak_flops_per_s,
+            "peak_flops_source": self.peak_flops_source,
             "memory_model": None if self.memory_model is None else dataclasses.asdict(self.memory_model),
-            "trials": [t.to_dict() for t in self.trials],
+            "trials": [dict(t.to_dict(), mfu=t.mfu(self.peak_flops_per_s)) for t in self.trials],
             "choices": [
                 {"role": c.role, "micro_batch": c.micro_batch, "geometry": geo(c.geometry), "error": c.error,
                  "suggested_micro_batch": c.suggested_micro_batch,
