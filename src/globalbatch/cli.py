@@ -111,15 +111,15 @@ def plan_cmd(
     }
     report = make_plan(config, flags, dp_world_size=dp, round_down=round_down)
     if as_json:
-        typer.echo(json.dumps(report, indent=2, sort_keys=True))
+        typer.echo(json.dumps(report.to_dict(), indent=2, sort_keys=True))
     else:
         from rich.console import Console
 
         console = Console(width=max(Console().width, 120))  # the arithmetic column reads best unwrapped
         console.print(plan_table(report))
-        if report["priors"]:
+        if report.priors:
             console.print("priors are scaling-law predictions, not measurements: measure with `globalbatch sweep`/`noise`.")
-    for w in report["warnings"]:
+    for w in report.warnings:
         typer.echo(f"warning: {w}", err=True)
 
 
