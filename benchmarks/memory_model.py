@@ -18,9 +18,9 @@ import torch
 
 from globalbatch.memory import MemoryConfig, breakdown, largest_micro_batch
 from globalbatch.plan import parse_bytes
-from globalbatch.probe import probe_task
+from globalbatch.lab.probe_run import probe_task
 from globalbatch.probe.activations import task_memory_inputs
-from globalbatch.tasks import load_task
+from globalbatch.lab.tasks import load_task
 
 SIZES = [  # (task overrides, memory limit)
     ({"n_layer": 2, "d_model": 64, "n_head": 4}, "128MiB"),

@@ -18,7 +18,7 @@ import torch
 
 from globalbatch.flops import FlopsCounter, measure_matmul_peak, transformer_flops_per_token
 from globalbatch.step import StepConfig, StepDriver
-from globalbatch.tasks import load_task
+from globalbatch.lab.tasks import load_task
 
 
 def main() -> None:

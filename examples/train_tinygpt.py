@@ -31,8 +31,10 @@ import torch.distributed as dist
 from globalbatch.flops import SequenceFlops, peak_flops_per_s
 from globalbatch.plan import fmt_int
 from globalbatch.schedule import TokenLRSchedule, constant_batch, parse_step_schedule
-from globalbatch.step import StepConfig, StepDriver, load_checkpoint, save_checkpoint, unwrap_model
-from globalbatch.tasks import load_task
+from globalbatch.checkpoint import load_checkpoint, save_checkpoint
+from globalbatch.optim import build_optimizer
+from globalbatch.step import StepConfig, StepDriver, unwrap_model
+from globalbatch.lab.tasks import load_task
 
 
 PROG = "train_tinygpt.py"
@@ -145,7 +147,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         if world > 1:
             model = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[device.index] if device.type == "cuda" else None)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+        optimizer = build_optimizer("adamw", model, lr=args.lr, weight_decay=0.1)  # the registry's AdamW (betas 0.9/0.95)
 
         schedule = (parse_step_schedule(args.batch_schedule, unit="token", lr_rule="sqrt")
                     if args.batch_schedule else constant_batch(args.global_batch))
@@ -160,8 +162,8 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         except ValueError:
             peak = None
         config = StepConfig(micro_batch=args.micro_batch, batch_schedule=schedule, max_grad_norm=args.max_grad_norm,
-                            peak_flops_per_s=None if peak is None else peak.flops_per_s)
-        driver = StepDriver(model, optimizer, config, lr_schedule=lr_schedule)
+                            lr_schedule=lr_schedule, peak_flops_per_s=None if peak is None else peak.flops_per_s)
+        driver = StepDriver(model, optimizer, config)
     except ValueError as e:
         return fail(str(e))
 

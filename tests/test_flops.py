@@ -200,7 +200,7 @@ def test_cpu_attention_is_counted_with_the_cuda_kernels_formulas():
 def test_sequence_flops_from_two_counts_match_every_counted_shape():
     """tinygpt (matmuls + attention): α·w + β·w² from widths 16 and 32 equals FlopCounterMode at other shapes."""
     from globalbatch.flops import SequenceFlops
-    from globalbatch.tasks import load_task
+    from globalbatch.lab.tasks import load_task
 
     task = load_task("tinygpt", n_layer=2, d_model=32, n_head=2, seq_len=64, max_corpus_bytes=200_000)
     model = task.build_model(0)

@@ -94,7 +94,7 @@ def test_bad_config_names_the_field(kw, match):
 
 def test_measured_prediction_matches_the_probe_on_tiny_tinygpt():
     """The model's prediction (formula + fwd/bwd activations at 8, 16) against the probe's measured largest."""
-    from globalbatch.probe import probe_task
+    from globalbatch.lab.probe_run import probe_task
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -63,7 +63,7 @@ def measure_activations(model: nn.Module, make_batch: Callable[[int], Any],
 
 def task_memory_inputs(task: Any, *, seed: int = 0, device: Optional[str] = None,
                        points: Sequence[int] = DEFAULT_POINTS) -> tuple[int, tuple[tuple[int, ...], ...], Activations]:
-    """(trainable params, their shapes, measured activations) of a :mod:`globalbatch.tasks` task object."""
+    """(trainable params, their shapes, measured activations) of a :mod:`globalbatch.lab.tasks` task object."""
     torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = task.build_model(seed).to(torch_device)
     pool = list(islice(task.sample_order(seed), min(max(points), task.num_train_samples)))
