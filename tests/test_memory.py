@@ -105,7 +105,7 @@ def test_measured_prediction_matches_the_probe_on_tiny_tinygpt():
         torch.set_num_threads(threads)
     assert result.predicted_micro_batch is not None
     assert abs(result.predicted_micro_batch - result.largest_fit) <= 0.1 * result.largest_fit
-    assert "16 B (fp32 AdamW)" in result.predicted_note
+    assert "16 B (fp32 weights, AdamW)" in result.predicted_note
 
 
 # --------------------------------------------------------------------------- CLI

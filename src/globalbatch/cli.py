@@ -462,7 +462,8 @@ def noise_cmd(
         keys = [k[len("b_simple_"):] for k in row if k.startswith("b_simple_")]
         parts = [f"{k}={format_interval(row['b_simple_' + k], row['low_' + k], row['high_' + k], row['flags_' + k])}"
                  for k in keys]
-        console.print(f"step {row['step']:>5}  loss {row['loss']:.4f}  " + "  ".join(parts), markup=False,
+        rate = _rate_text(row)
+        console.print(f"step {row['step']:>5}  loss {row['loss']:.4f}  " + "  ".join(parts) + rate, markup=False,
                       highlight=False, soft_wrap=True)
 
     try:
@@ -473,11 +474,13 @@ def noise_cmd(
         return  # not rank 0
     table = Table(title=f"B_simple curve ({result.unit}-mean loss; interval {next(iter(result.final.values())).confidence:.0%} Fieller)")
     keys = [k[len("b_simple_"):] for k in result.rows[0] if k.startswith("b_simple_")]
-    for col in ["step", "loss", "lr", "batch"] + keys:
+    for col in ["step", "loss", "lr", "batch", "valid tok/s", "MFU"] + keys:
         table.add_column(col, justify="right")
     for row in result.rows:
         cells = [str(row["step"]), f"{row['loss']:.4f}", f"{row['lr']:.3g}",
-                 f"{row['batch_units']:,} {result.unit}s"]
+                 f"{row['batch_units']:,} {result.unit}s",
+                 "–" if row["valid_tokens_per_s"] != row["valid_tokens_per_s"] else f"{row['valid_tokens_per_s']:,.0f}",
+                 "–" if row["mfu"] != row["mfu"] else f"{row['mfu']:.1%}"]
         cells += [format_interval(row["b_simple_" + k], row["low_" + k], row["high_" + k], row["flags_" + k])
                   for k in keys]
         table.add_row(*[Text(c) for c in cells])  # Text: "[...]" is not rich markup
@@ -491,6 +494,16 @@ def noise_cmd(
                       soft_wrap=True)
     if result.csv_path:
         console.print(f"wrote {result.csv_path}" + (f" and {out}/tb" if tensorboard else ""))
+
+
+def _rate_text(row: dict) -> str:
+    """``  1,234 valid tok/s  MFU 12.3%`` for a noise row (nothing for what is not known)."""
+    parts = []
+    if row.get("valid_tokens_per_s") == row.get("valid_tokens_per_s") and row.get("valid_tokens_per_s") is not None:
+        parts.append(f"{row['valid_tokens_per_s']:,.0f} valid tok/s")
+    if row.get("mfu") == row.get("mfu") and row.get("mfu") is not None:
+        parts.append(f"MFU {row['mfu']:.1%}")
+    return ("  " + "  ".join(parts)) if parts else ""
 
 
 @app.command("branch", short_help="Branch test (Merrill et al. 2025): the largest safe batch multiple k.")

@@ -72,18 +72,18 @@ class PeakFlops:
     """``table: H100 bf16``, ``measured: cpu fp32 matmul 512``, or ``given``."""
 
 
-_MEASURED: dict[tuple[str, str, int], float] = {}
+_MEASURED: dict[tuple[str, str, int, int], float] = {}
 
 
 def measure_matmul_peak(dtype: str = "fp32", *, size: int = 512, repeats: int = 5, device: str = "cpu") -> float:
     """Best FLOP/s of ``repeats`` timed square matmuls (2·n³ FLOPs each) on ``device``; cached per process.
 
     The best, not the median: the peak is what the hardware can do, and a shared CPU only ever
-    makes a run slower. It uses the threads torch is set to use.
+    makes a run slower. It uses (and is cached per) the threads torch is set to use.
     """
     import torch
 
-    key = (device, dtype, size)
+    key = (device, dtype, size, torch.get_num_threads())  # the peak of this thread count
     if key in _MEASURED:
         return _MEASURED[key]
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,

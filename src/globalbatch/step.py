@@ -678,6 +678,7 @@ class StepDriver:
         loss_fn: Callable[[nn.Module, Any], tuple[torch.Tensor, Any]],
         *,
         samples_per_micro: Optional[Sequence[int]] = None,
+        flops_per_micro: Optional[Sequence[float]] = None,
     ) -> StepResult:
         """One whole window: ``loss_fn(model, micro)`` → ``(loss_sum, count)`` per micro-batch, then :meth:`step`."""
         n = len(micro_batches)
@@ -685,10 +686,13 @@ class StepDriver:
             raise ValueError("micro_batches is empty; allowed: at least one micro-batch per window")
         if samples_per_micro is not None and len(samples_per_micro) != n:
             raise ValueError(f"samples_per_micro has {len(samples_per_micro)} entries for {n} micro-batches")
+        if flops_per_micro is not None and len(flops_per_micro) != n:
+            raise ValueError(f"flops_per_micro has {len(flops_per_micro)} entries for {n} micro-batches")
         for i, micro in enumerate(micro_batches):
             with self.micro_step(last=i == n - 1):
                 loss_sum, count = loss_fn(self.model, micro)
-                self.backward(loss_sum, count, samples=None if samples_per_micro is None else samples_per_micro[i])
+                self.backward(loss_sum, count, samples=None if samples_per_micro is None else samples_per_micro[i],
+                              flops=None if flops_per_micro is None else flops_per_micro[i])
         return self.step()
 
     # ------------------------------------------------------------------ state
