@@ -44,6 +44,8 @@ class MemoryModel:
     """Activation (and batch) bytes added per sample."""
     sizes: tuple[int, ...]
     """The micro-batch sizes the line was fitted on."""
+    max_residual_bytes: float = 0.0
+    """Largest distance of a fitted peak from the line (0 for two points, or for exactly linear peaks)."""
 
     def peak_bytes(self, micro_batch: int) -> float:
         return self.intercept_bytes + self.bytes_per_sample * micro_batch
@@ -83,7 +85,9 @@ def fit_memory_model(trials: Iterable[TrialResult], *, max_points: int = 3) -> O
     design = np.stack([np.ones_like(x), x - x0], axis=1)
     (offset, slope), *_ = np.linalg.lstsq(design, y - y0, rcond=None)
     intercept = y0 + offset - slope * x0
-    return MemoryModel(intercept_bytes=float(intercept), bytes_per_sample=float(slope), sizes=tuple(sizes))
+    residual = float(np.max(np.abs(y - (intercept + slope * x))))
+    return MemoryModel(intercept_bytes=float(intercept), bytes_per_sample=float(slope), sizes=tuple(sizes),
+                       max_residual_bytes=residual)
 
 
 

@@ -325,6 +325,11 @@ class _Search:
         """(candidate, expected to fit) from the memory line, if it lands in [lo, upper)."""
         if self.model is None or self.misses >= self.config.max_prediction_misses or self.lo < 1:
             return None
+        if len(self.model.sizes) < 3 or not self.model.max_residual_bytes <= 0.5 * self.model.bytes_per_sample:
+            # Two points always lie on a line; three that do not lie on one to within half a sample (a
+            # staircase of allocator blocks, noise) make a prediction that misses as often as it hits:
+            # bisect instead.
+            return None
         budget = self.budget_bytes()
         if budget is None:
             return None
