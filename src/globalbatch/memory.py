@@ -232,7 +232,8 @@ def largest_micro_batch(cfg: MemoryConfig, activations: Activations, device_byte
     if per_sample <= 0:
         raise SettingError("activation_bytes_per_sample", activations.bytes_per_sample,
                            "a number > 0 (activations grow with the batch)")
-    return int(math.floor(free / per_sample + 1e-9))
+    # Half a byte of slack (as the probe's line): a budget exactly at a boundary fits, one byte below does not.
+    return int(math.floor((free + min(0.5, 0.5 * per_sample)) / per_sample))
 
 
 def memory_report(cfg: MemoryConfig, activations: Activations, device_bytes: float,
@@ -255,11 +256,6 @@ def memory_report(cfg: MemoryConfig, activations: Activations, device_bytes: flo
         "breakdown": parts.to_dict(),
         "fits": parts.total_bytes <= device_bytes,
     }
-
-
-def param_shapes_of(shapes: Iterable[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
-    """Normalise an iterable of shapes (e.g. ``p.shape for p in model.parameters()``)."""
-    return tuple(tuple(int(d) for d in s) for s in shapes)
 
 
 def _fmt_bytes(n: float) -> str:
