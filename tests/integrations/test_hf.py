@@ -137,6 +137,7 @@ def test_pinned_global_batch_rederives_accumulation_or_stops(tmp_path):
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # ~10 s alone, ~22 s on the loaded 2-core machine (one torchrun launch)
 def test_trainer_two_gloo_ranks(tmp_path):
     """One torchrun launch (2 gloo ranks): exactness vs one big batch, default error, B_simple vs the monitor."""
     from conftest import run_torchrun
