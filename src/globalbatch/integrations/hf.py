@@ -49,6 +49,10 @@ from globalbatch.losses import IGNORE_INDEX, causal_lm_loss_sum, count_causal_lm
 transformers = require("transformers", "hf")
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
+if not hasattr(Trainer, "loss_is_scaled_for_ga"):  # pragma: no cover - depends on the installed version
+    raise ImportError(f"transformers {transformers.__version__} is not allowed; allowed: a version whose Trainer has "
+                      "loss_is_scaled_for_ga (5.x; tested with 5.24): pip install -U 'globalbatch[hf]'")
+
 __all__ = ["GlobalBatchCallback", "GlobalBatchTrainerMixin", "GlobalBatchTrainer"]
 
 logger = logging.getLogger(__name__)
