@@ -93,7 +93,7 @@ class GlobalBatchCallback(pl.Callback):
         """Called by the mixin after each driver step (host numbers from the step's one sync)."""
         self.meter.record(result.global_units, padded_tokens, result.global_samples)
         every = self.log_noise_every_n_steps or pl_module.trainer.log_every_n_steps or 1
-        metrics = self.meter.read()
+        metrics = {**self.meter.read(), "globalbatch/optimizer_step": float(result.step)}
         if self.monitor is not None and result.step % every == 0:
             metrics.update(noise_metrics(self.monitor))
         metrics = {k: v for k, v in metrics.items() if v == v}  # NaN-free (Lightning rejects nothing, but loggers do)
