@@ -7,7 +7,7 @@ whole window in one forward, padded to the window's longest row. GPT-2 is causal
 positions are masked, so padding never changes a real position's logits: the only difference
 between accumulation schemes is normalization.
 
-Used by tests/integrations/*.py and tests/dist/hf_trainer_ddp.py.
+Used by tests/integrations/*.py and tests/dist/integrations_ddp.py.
 """
 
 from __future__ import annotations
@@ -110,3 +110,35 @@ def max_rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     num = max(float((x - y).abs().max()) for x, y in zip(a, b))
     den = max(float(y.abs().max()) for y in b)
     return num / den
+
+
+def list_logger():
+    """A Lightning logger that keeps what Lightning sends to its loggers (the path to TensorBoard, W&B, CSV)."""
+    from lightning.pytorch.loggers.logger import Logger
+
+    class ListLogger(Logger):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[tuple[int, dict]] = []
+
+        @property
+        def name(self) -> str:
+            return "list"
+
+        @property
+        def version(self) -> int:
+            return 0
+
+        def log_metrics(self, metrics, step=None) -> None:
+            self.rows.append((step, dict(metrics)))
+
+        def log_hyperparams(self, params, *args, **kwargs) -> None:
+            pass
+
+    return ListLogger()
+
+
+def logged_per_window(logger, key: str) -> list[dict]:
+    """One row per optimizer step (Lightning re-sends the latest values with every batch)."""
+    rows = {m["globalbatch/optimizer_step"]: m for _, m in logger.rows if key in m and "globalbatch/optimizer_step" in m}
+    return [rows[k] for k in sorted(rows)]

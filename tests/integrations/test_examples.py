@@ -30,7 +30,7 @@ def _errors(out: str) -> dict[str, float]:
 
 @pytest.mark.slow  # ~10 s alone; 20-30 s on the loaded 2-core machine
 def test_hf_trainer_example():
-    out = _run("hf_trainer.py", "--steps", "6")
+    out = _run("hf_trainer.py", "--steps", "3")
     err = _errors(out)
     assert err["GlobalBatchTrainer"] < 1e-10 and err["Trainer (default)"] > 1e-3, out
     assert "global batch 16 sequences = micro_batch 4 × grad_accum_steps 4 × dp_world_size 1 (pinned)" in out
@@ -41,10 +41,10 @@ def test_hf_trainer_example():
 @pytest.mark.slow  # ~12 s alone; 25-45 s on the loaded 2-core machine
 def test_lightning_example():
     pytest.importorskip("lightning", reason="install the [lightning] extra")
-    out = _run("lightning_module.py", "--steps", "6")
+    out = _run("lightning_module.py", "--steps", "3")
     err = _errors(out)
     assert err["ExactAccumulationMixin"] < 1e-10 and err["accumulate_grad_batches (default)"] > 1e-3, out
-    assert "trained 6 optimizer steps of 16 sequences" in out
+    assert "trained 3 optimizer steps of 16 sequences" in out
     logs = [line for line in out.splitlines() if line.startswith("log: ")]
     assert len(logs) == 3 and all("noise/b_simple_tokens=" in line for line in logs), out
 

@@ -14,36 +14,14 @@ pytest.importorskip("transformers", reason="the test model is a transformers GPT
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from lightning.pytorch.loggers.logger import Logger  # noqa: E402
 
-from integ_common import collate, max_rel_diff, reference_grads, stdlib_documents, tiny_gpt2  # noqa: E402
+from integ_common import (collate, list_logger, logged_per_window, max_rel_diff, reference_grads,  # noqa: E402
+                          stdlib_documents, tiny_gpt2)
 
 from globalbatch.integrations.lightning import ExactAccumulationMixin, GlobalBatchCallback  # noqa: E402
 from globalbatch.losses import causal_lm_loss_sum  # noqa: E402
 
 MICRO, ACCUM = 2, 4
-
-
-class ListLogger(Logger):
-    """Keeps what Lightning sends to its loggers (the path to TensorBoard, W&B, CSV)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[tuple[int, dict]] = []
-
-    @property
-    def name(self) -> str:
-        return "list"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self.rows.append((step, dict(metrics)))
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
 
 
 class DefaultLM(pl.LightningModule):
@@ -110,11 +88,10 @@ def test_callback_logs_and_noise_matches_the_monitor():
     from globalbatch.step import StepConfig, StepDriver
 
     docs = stdlib_documents(40)
-    logger = ListLogger()
+    logger = list_logger()
     module = ExactLM(lr=0.5)
     _fit(module, docs, callbacks=[GlobalBatchCallback(global_batch=MICRO * ACCUM)], logger=logger)
-    # Lightning re-sends the latest logged values with every batch: one row per window (the running total is unique).
-    rows = list({m["globalbatch/valid_tokens_total"]: m for _, m in logger.rows if "noise/b_simple_tokens" in m}.values())
+    rows = logged_per_window(logger, "noise/b_simple_tokens")
     logged = [m["noise/b_simple_tokens"] for m in rows]
 
     model = tiny_gpt2()

@@ -13,9 +13,10 @@ through a :class:`~globalbatch.step.StepDriver`: the user's ``loss_sum(batch)`` 
 summed loss and its count (``globalbatch.losses.causal_lm_loss_sum`` for a causal LM); the driver
 back-propagates the sum, all-reduces the count once per window, rescales the gradients to the
 global token mean, clips and steps (through Lightning's optimizer wrapper, so ``global_step``,
-``max_steps`` and the precision plugin's ``optimizer_step`` still apply). Under DDP the mixin turns
-off DDP's gradient sync for all but the last micro-batch of a window from ``on_train_batch_start``:
-Lightning runs ``training_step`` inside the DDP forward, so the switch has to be set before it.
+``max_steps`` and the precision plugin's ``optimizer_step`` still apply). Under DDP, Lightning runs
+``training_step`` inside the DDP forward and, in manual optimization, arms DDP's reducer only in
+``manual_backward``; the mixin arms it (``prepare_for_backward``) for the last micro-batch of each
+window only, so the others accumulate locally, as under ``no_sync``.
 
 :class:`GlobalBatchCallback` prints and checks the plan at train start (a pinned global batch that
 the run would not train stops it with the numbers) and logs, through ``pl_module.log``, the valid
@@ -23,8 +24,8 @@ tokens per second, the padding share, the global batch in valid tokens and B_sim
 interval (:class:`~globalbatch.noise.NoiseScaleMonitor` fed by the driver).
 
 Limits: one optimizer; mixed-precision plugins that scale the loss (16-mixed) are not applied to the
-driver's backward (use bf16 or 32/64-bit); FSDP/DeepSpeed strategies are not supported; tested on one
-process (the DDP path is the driver's, which is tested under torchrun in tests/test_step.py).
+driver's backward (use bf16 or 32/64-bit); FSDP/DeepSpeed strategies are not supported. Tested on one
+process and under DDP with 2 gloo ranks (tests/dist/integrations_ddp.py).
 """
 
 from __future__ import annotations
@@ -189,24 +190,23 @@ class ExactAccumulationMixin:
         return (batch_idx % self.gb_grad_accum_steps == self.gb_grad_accum_steps - 1
                 or batch_idx == self.trainer.num_training_batches - 1)
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # Lightning calls training_step inside the DDP forward: switch the sync before it (what no_sync does).
-        ddp = self.trainer.strategy.model
-        if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
-            ddp.require_backward_grad_sync = self._gb_is_last(batch_idx)
-
     def training_step(self, batch: Any, batch_idx: int) -> None:
         if self.gb_driver is None:
             self.gb_driver = self._gb_build_driver()
         driver = self.gb_driver
         last = self._gb_is_last(batch_idx)
+        ddp = self.trainer.strategy.model
         with driver.micro_step(last=last):
             loss_sum, count = self.loss_sum(batch)
+            if last and isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+                # Lightning runs training_step inside the DDP forward and, in manual optimization, leaves
+                # DDP's reducer unarmed until manual_backward; arm it for the window's syncing backward only
+                # (the other micro-batches stay local: that is the no_sync).
+                from lightning.pytorch.overrides.distributed import prepare_for_backward
+
+                prepare_for_backward(ddp, loss_sum)
             driver.backward(loss_sum, count, samples=self.batch_samples(batch))
         self._gb_padded += self.batch_tokens(batch)
-        ddp = self.trainer.strategy.model
-        if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
-            ddp.require_backward_grad_sync = True
         if last:
             padded = torch.tensor(self._gb_padded, dtype=torch.float64)
             self._gb_padded = 0.0

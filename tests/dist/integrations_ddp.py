@@ -1,4 +1,4 @@
-"""2-rank gloo checks of the Hugging Face integration (launched by tests/integrations/test_hf.py under torchrun).
+"""2-rank gloo checks of the HF Trainer and Lightning integrations (launched by tests/integrations/test_hf.py).
 
 Each check prints ``PASS <name>`` (and measured numbers) on rank 0 or raises. The reference is one
 process taking each whole global batch in one forward, computed on every rank. Argument 1: a scratch dir.
@@ -8,6 +8,10 @@ process taking each whole global batch in one forward, computed on every rank. A
   default Trainer on the same data and ranks is off by more than 1e-3.
 * hf-ddp-noise: B_simple logged by the Trainer equals NoiseScaleMonitor under a DDP StepDriver fed the
   same micro-batches on the same ranks (relative 1e-5: the monitor's norms are float32).
+* lightning-ddp-exact / lightning-ddp-noise: the same for ExactAccumulationMixin under Lightning's DDP
+  strategy (reusing the process group), against Trainer(accumulate_grad_batches=2) as the default. The
+  noise check also shows that the non-last micro-batches did not sync: the monitor raises when a DDP
+  gradient sync precedes a micro-batch of the same window.
 """
 
 from __future__ import annotations
@@ -102,6 +106,79 @@ def main() -> None:
     assert worst < 1e-5, (logged, expected)
     if rank == 0:
         print("PASS hf-ddp-noise", flush=True)
+    lightning_checks(rank, expected)
+
+
+def lightning_checks(rank: int, expected_noise: list[float]) -> None:
+    import lightning.pytorch as pl
+
+    from globalbatch.integrations.lightning import ExactAccumulationMixin, GlobalBatchCallback
+    from globalbatch.losses import causal_lm_loss_sum
+
+    class DefaultLM(pl.LightningModule):
+        def __init__(self, lr: float = 1.0) -> None:
+            super().__init__()
+            self.model, self.lr = ic.tiny_gpt2(), lr
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    class ExactLM(ExactAccumulationMixin, DefaultLM):
+        def __init__(self, lr: float = 1.0) -> None:
+            super().__init__(lr)
+            self.configure_global_batch(micro_batch=MICRO, global_batch=MICRO * ACCUM * 2)
+
+        def loss_sum(self, batch):
+            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            return causal_lm_loss_sum(out.logits, batch["labels"])
+
+    def fit(module, docs, **kw):
+        batches = [docs[s:s + MICRO] for s in range(0, len(docs), MICRO)]
+        mine = [d for b in batches[rank::2] for d in b]  # the same round-robin deal as accelerate's
+        loader = torch.utils.data.DataLoader(mine, batch_size=MICRO, shuffle=False, collate_fn=ic.collate)
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", precision="64-true", max_epochs=1,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             use_distributed_sampler=False, log_every_n_steps=1, **kw)
+        trainer.fit(module, loader)
+        return trainer
+
+    docs = ic.stdlib_documents(12)
+    world_batch = MICRO * ACCUM * 2
+    ref_model = ic.tiny_gpt2()
+    start = [p.detach().clone() for p in ref_model.parameters()]
+    for w in (docs[:world_batch], docs[world_batch:]):
+        for p, g in zip(ref_model.parameters(), ic.reference_grads(ref_model, w)):
+            p.data.sub_(g)
+    ref_delta = [p.detach() - s for p, s in zip(ref_model.parameters(), start)]
+    errors = {}
+    for name, module, kw in (("default", DefaultLM(), {"accumulate_grad_batches": ACCUM, "logger": False}),
+                             ("ours", ExactLM(), {"logger": False})):
+        trainer = fit(module, docs, **kw)
+        assert trainer.global_step == 2, trainer.global_step
+        errors[name] = ic.max_rel_diff([p.detach() - s for p, s in zip(module.model.parameters(), start)], ref_delta)
+    if rank == 0:
+        print(f"lightning-ddp update error vs one big batch: default {errors['default']:.3e} "
+              f"ours {errors['ours']:.3e}", flush=True)
+    assert errors["ours"] < 1e-10 and errors["default"] > 1e-3, errors
+    if rank == 0:
+        print("PASS lightning-ddp-exact", flush=True)
+
+    logger = ic.list_logger()
+    module = ExactLM(lr=0.5)
+    cb = GlobalBatchCallback(global_batch=world_batch)
+    fit(module, ic.stdlib_documents(24), logger=logger, callbacks=[cb])
+    assert cb.monitor is not None and cb.monitor.dp_world_size == 2
+    if rank == 0:  # Lightning's loggers write on rank 0
+        logged = [m["noise/b_simple_tokens"] for m in ic.logged_per_window(logger, "noise/b_simple_tokens")]
+        assert len(logged) == len(expected_noise) == 3, (logged, expected_noise)
+        finite = [(a, b) for a, b in zip(logged, expected_noise) if math.isfinite(b)]
+        worst = max(abs(a - b) / abs(b) for a, b in finite)
+        print(f"lightning-ddp B_simple logged {logged} max relative difference {worst:.2e}", flush=True)
+        assert len(finite) >= 2 and worst < 1e-5, (logged, expected_noise)
+        print("PASS lightning-ddp-noise", flush=True)
 
 
 if __name__ == "__main__":
