@@ -63,7 +63,7 @@ def test_trainer_matches_one_big_batch_and_default_does_not(tmp_path):
     assert errors["Trainer"] > 1e-3
 
 
-def test_logged_loss_and_metrics_are_the_global_token_mean(tmp_path):
+def test_logged_loss_and_metrics_are_the_global_token_mean(tmp_path, capsys):
     docs = stdlib_documents(16)
     model = tiny_gpt2()
     with torch.no_grad():  # the exact loss of window 1, at the initial parameters
@@ -83,6 +83,11 @@ def test_logged_loss_and_metrics_are_the_global_token_mean(tmp_path):
     assert first["globalbatch/padding_share"] == pytest.approx(padding, rel=1e-12)
     assert first["globalbatch/valid_tokens_per_s"] > 0
     assert "noise/b_simple_tokens" not in first
+    out = capsys.readouterr().out
+    assert ("globalbatch plan: global batch 8 sequences = micro_batch 2 × grad_accum_steps 4 × dp_world_size 1; "
+            in out)
+    assert (f"globalbatch: first global batch 8 sequences, {int(count)} valid target tokens "
+            f"(padding share {padding:.1%})" in out)
 
 
 def test_noise_scale_in_the_logs_matches_the_monitor(tmp_path):

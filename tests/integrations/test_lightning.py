@@ -82,7 +82,7 @@ def test_mixin_matches_one_big_batch_and_accumulate_grad_batches_does_not():
     assert err_default > 1e-3
 
 
-def test_callback_logs_and_noise_matches_the_monitor():
+def test_callback_logs_and_noise_matches_the_monitor(capsys):
     """B_simple logged through Lightning's logger equals NoiseScaleMonitor under StepDriver on the same windows."""
     from globalbatch.noise import NoiseConfig, NoiseScaleMonitor
     from globalbatch.step import StepConfig, StepDriver
@@ -115,6 +115,9 @@ def test_callback_logs_and_noise_matches_the_monitor():
     b = collate(docs[:8])
     assert rows[0]["globalbatch/padding_share"] == pytest.approx(1 - valid[0] / b["input_ids"].numel(), rel=1e-6)
     assert all(m["globalbatch/valid_tokens_per_s"] > 0 for m in rows)
+    out = capsys.readouterr().out
+    assert "globalbatch plan: global batch 8 sequences = micro_batch 2 × grad_accum_steps 4 × dp_world_size 1 (pinned)" in out
+    assert f"globalbatch: first global batch 8 sequences, {valid[0]} valid target tokens" in out
 
 
 def test_pinned_global_batch_mismatch_stops_before_any_step():

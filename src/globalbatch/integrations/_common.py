@@ -67,6 +67,12 @@ class WindowMeter:
         self.last_window_valid_tokens = valid_tokens
         self.last_window_samples = samples
 
+    def first_window_line(self) -> str:
+        """After the first window: its size in valid tokens, for the plan printout."""
+        share = 1.0 - self.valid_tokens / self.padded_tokens if self.padded_tokens else float("nan")
+        return (f"globalbatch: first global batch {int(self.last_window_samples)} sequences, "
+                f"{int(self.last_window_valid_tokens)} valid target tokens (padding share {share:.1%})")
+
     def read(self) -> dict[str, float]:
         """Metrics since the last read: valid tokens per second, padding share; plus totals."""
         now = time.perf_counter()

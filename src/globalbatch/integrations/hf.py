@@ -253,6 +253,8 @@ class GlobalBatchTrainerMixin:
             # (read after the window's backward passes, so they do not stall the compute).
             valid, seqs, padded = self._gb_window.tolist()
             self.gb_callback.meter.record(valid, padded, seqs)
+            if self.gb_callback.meter.windows == 1 and self.is_world_process_zero():
+                print(self.gb_callback.meter.first_window_line(), flush=True)
             self._gb_window = None
         return loss
 

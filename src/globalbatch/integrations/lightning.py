@@ -93,6 +93,8 @@ class GlobalBatchCallback(pl.Callback):
     def on_window_end(self, pl_module: Any, result: StepResult, padded_tokens: float) -> None:
         """Called by the mixin after each driver step (host numbers from the step's one sync)."""
         self.meter.record(result.global_units, padded_tokens, result.global_samples)
+        if self.meter.windows == 1 and pl_module.trainer.is_global_zero:
+            print(self.meter.first_window_line(), flush=True)
         every = self.log_noise_every_n_steps or pl_module.trainer.log_every_n_steps or 1
         metrics = {**self.meter.read(), "globalbatch/optimizer_step": float(result.step)}
         if self.monitor is not None and result.step % every == 0:
@@ -210,9 +212,9 @@ class ExactAccumulationMixin:
         if last:
             padded = torch.tensor(self._gb_padded, dtype=torch.float64)
             self._gb_padded = 0.0
-            if self.trainer.world_size > 1:
+            if self.trainer.world_size > 1:  # one more tiny collective per window, for the padding share
                 padded = self.trainer.strategy.reduce(padded.to(self.device), reduce_op="sum")
-            result = driver.step()  # the window's one host sync
+            result = driver.step()  # the window's one host sync (float(padded) below rides after it)
             self.gb_last_result = result
             self.log("train/loss_per_token", result.loss_per_unit, on_step=True, on_epoch=False, prog_bar=True,
                      batch_size=int(result.global_samples))
