@@ -1,10 +1,14 @@
-"""examples/hf_trainer.py and examples/lightning_module.py run end to end (CPU, nothing downloaded)."""
+"""examples/hf_trainer.py and examples/lightning_module.py run end to end (CPU, nothing downloaded).
+
+Run in this process (the frameworks are imported once for the whole test session); `main(argv)` is
+what `python examples/<script>.py` runs.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,25 +16,26 @@ import pytest
 
 pytest.importorskip("transformers", reason="install the [hf] extra")
 
-REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def _run(script: str, *args: str) -> str:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="2",
-               PYTHONPATH=str(REPO / "src"))
-    proc = subprocess.run([sys.executable, str(REPO / "examples" / script), *args], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+def _example(name: str):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))  # lightning_module.py imports the data and model of hf_trainer.py
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _errors(out: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"max-element relative\): (.+?): (\S+)", out)}
 
 
-@pytest.mark.slow  # ~10 s alone; 20-30 s on the loaded 2-core machine
-def test_hf_trainer_example():
-    out = _run("hf_trainer.py", "--steps", "3")
+def test_hf_trainer_example(capsys):
+    assert _example("hf_trainer").main(["--steps", "3"]) == 0
+    out = capsys.readouterr().out
     err = _errors(out)
     assert err["GlobalBatchTrainer"] < 1e-10 and err["Trainer (default)"] > 1e-3, out
     assert "global batch 16 sequences = micro_batch 4 × grad_accum_steps 4 × dp_world_size 1 (pinned)" in out
@@ -38,10 +43,10 @@ def test_hf_trainer_example():
     assert len(logs) == 3 and all("noise/b_simple_tokens=" in line for line in logs), out
 
 
-@pytest.mark.slow  # ~12 s alone; 25-45 s on the loaded 2-core machine
-def test_lightning_example():
+def test_lightning_example(capsys):
     pytest.importorskip("lightning", reason="install the [lightning] extra")
-    out = _run("lightning_module.py", "--steps", "3")
+    assert _example("lightning_module").main(["--steps", "3"]) == 0
+    out = capsys.readouterr().out
     err = _errors(out)
     assert err["ExactAccumulationMixin"] < 1e-10 and err["accumulate_grad_batches (default)"] > 1e-3, out
     assert "trained 3 optimizer steps of 16 sequences" in out
@@ -49,11 +54,9 @@ def test_lightning_example():
     assert len(logs) == 3 and all("noise/b_simple_tokens=" in line for line in logs), out
 
 
-def test_examples_refuse_bad_flags_with_exit_code_2():
-    for script in ("hf_trainer.py",):
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO / "src"))
-        proc = subprocess.run([sys.executable, str(REPO / "examples" / script), "--global-batch", "10"], env=env,
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2
-        assert "--global-batch 10 is not allowed; allowed: a multiple of --micro-batch 4" in proc.stderr
-        assert "Traceback" not in proc.stderr
+def test_examples_refuse_bad_flags_with_exit_code_2(capsys):
+    for name in ("hf_trainer", "lightning_module"):
+        with pytest.raises(SystemExit) as exc:
+            _example(name).main(["--global-batch", "10"])
+        assert exc.value.code == 2
+        assert "--global-batch 10 is not allowed; allowed: a multiple of --micro-batch 4" in capsys.readouterr().err
