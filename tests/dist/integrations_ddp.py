@@ -6,6 +6,8 @@ process taking each whole global batch in one forward, computed on every rank. A
 * hf-ddp-exact: GlobalBatchTrainer, micro 2 × accum 2 × 2 ranks (global 8), a full window and a short
   one (12 ragged docs), float64 SGD: parameters equal the single-process big batch to 1e-10; the
   default Trainer on the same data and ranks is off by more than 1e-3.
+* hf-ddp-pinned: GlobalBatchTrainer(global_batch=8) on 2 ranks derives accumulation 2 from
+  gradient_accumulation_steps=1; global_batch=6 raises the one-line error with the numbers.
 * hf-ddp-noise: B_simple logged by the Trainer equals NoiseScaleMonitor under a DDP StepDriver fed the
   same micro-batches on the same ranks (relative 1e-5: the monitor's norms are float32).
 * lightning-ddp-exact / lightning-ddp-noise: the same for ExactAccumulationMixin under Lightning's DDP
@@ -71,6 +73,19 @@ def main() -> None:
     assert errors["Trainer"] > 1e-3, errors
     if rank == 0:
         print("PASS hf-ddp-exact", flush=True)
+
+    # A pinned global batch on 2 ranks: the accumulation is re-derived (8 = 2 × 2 × 2), or a one-line error.
+    pinned = GlobalBatchTrainer(model=ic.tiny_gpt2(), args=args(out, gradient_accumulation_steps=1),
+                                train_dataset=ic.DocDataset(docs), data_collator=ic.hf_collator, global_batch=8)
+    assert pinned.args.gradient_accumulation_steps == 2, pinned.args.gradient_accumulation_steps
+    try:
+        GlobalBatchTrainer(model=ic.tiny_gpt2(), args=args(out), train_dataset=ic.DocDataset(docs),
+                           data_collator=ic.hf_collator, global_batch=6)
+        raise AssertionError("global_batch 6 on 2 ranks × micro 2 was accepted")
+    except ValueError as e:
+        assert "global batch 6 is not divisible by micro_batch 2 × dp 2 = 4" in str(e), str(e)
+    if rank == 0:
+        print("PASS hf-ddp-pinned", flush=True)
 
     # Noise: 24 docs = 3 windows of 8; the Trainer's logged B_simple vs the monitor under DDP + StepDriver.
     from torch.nn.parallel import DistributedDataParallel as DDP
