@@ -246,3 +246,26 @@ def test_lars_bad_settings_name_the_field(kw, field):
 def test_lamb_bad_betas():
     with pytest.raises(ValueError, match=r"betas\[1\] 1.0 is not allowed"):
         LAMB([nn.Parameter(torch.zeros(2, 2))], betas=(0.9, 1.0))
+
+
+def _plan(*args):
+    import json
+    import os
+
+    env = dict(os.environ, COLUMNS="120", NO_COLOR="1")
+    proc = subprocess.run([sys.executable, "-m", "globalbatch.cli", "plan", "--micro-batch", "2", "--grad-accum", "8",
+                           "--dp", "4", "--lr-base-batch", "16", *args], capture_output=True, text=True, env=env,
+                          timeout=60)
+    return proc, (json.loads(proc.stdout) if proc.returncode == 0 and "--json" in args else None)
+
+
+def test_plan_names_lars_and_lamb_and_takes_their_lr_rule():
+    _, rep = _plan("--lr", "0.1", "--optimizer", "lars", "--json")
+    assert rep["lr_rule"] == "linear" and rep["lr"] == pytest.approx(0.4) and rep["optimizer"] == "lars"
+    _, rep = _plan("--lr", "0.001", "--optimizer", "lamb", "--json")
+    assert rep["lr_rule"] == "sqrt" and rep["lr"] == pytest.approx(0.002)
+    _, rep = _plan("--lr", "0.001", "--optimizer", "lamb", "--lr-rule", "none", "--json")  # an explicit rule wins
+    assert rep["lr"] == pytest.approx(0.001)
+    proc, _ = _plan("--optimizer", "lion")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == "error: --optimizer 'lion' is not allowed; allowed: adamw, sgd, lars, lamb"
