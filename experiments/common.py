@@ -115,7 +115,7 @@ class Run:
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: Data, *, micro_batch: int,
           samples: int, seed: int, global_batch: Optional[int] = None, batch_schedule: Any = None,
           lr_schedule: Any = None, lr_scheduler: Any = None, eval_every: Optional[int] = None,
-          on_step: Optional[Callable[[StepDriver], None]] = None) -> Run:
+          on_step: Optional[Callable[[StepDriver], None]] = None, callbacks: tuple = ()) -> Run:
     """Train on ``samples`` training samples (a continuous stream of per-epoch permutations).
 
     Each optimizer step is one window of ``driver.global_batch`` samples cut into micro-batches of
@@ -124,7 +124,8 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: Data, *, mic
     and training loss/accuracy every so many samples (and at the end) into ``Run.history``.
     """
     cfg = StepConfig(micro_batch=micro_batch, global_batch=global_batch, batch_schedule=batch_schedule)
-    driver = StepDriver(model, optimizer, cfg, lr_schedule=lr_schedule, lr_scheduler=lr_scheduler)
+    driver = StepDriver(model, optimizer, cfg, lr_schedule=lr_schedule, lr_scheduler=lr_scheduler,
+                        callbacks=callbacks)
     gen = torch.Generator().manual_seed(1000 + seed)
     n = len(data.x_train)
     stream = torch.empty(0, dtype=torch.long)

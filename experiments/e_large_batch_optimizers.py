@@ -11,11 +11,18 @@ about the trust ratio here). LR: linear warmup over the first 10 % of samples th
 4-point grid by held-out loss with seed 0; the reported numbers are seeds 1..``--seeds`` at that
 LR (the tuning seed excluded). Reference: SGD-momentum at batch 32, tuned the same way.
 
+``--task tinygpt``: the built-in byte-level GPT (2 layers, width 64, context 32, on the CPython
+standard library) at a global batch of ``--batch`` sequences (default 128 = 4,096 token slots)
+for ``--steps`` steps, loss = token-mean cross-entropy on the held-out chunks; LR on a 3-point
+grid, the tuning seed 0 counted as one of the 3 seeds (CPU budget). No small-batch reference.
+
     OMP_NUM_THREADS=1 python experiments/e_large_batch_optimizers.py
+    OMP_NUM_THREADS=1 python experiments/e_large_batch_optimizers.py --task tinygpt
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import common
@@ -29,6 +36,90 @@ GRIDS = {
     "lamb": (2.5e-3, 1e-2, 4e-2, 1.6e-1),
 }
 REF_BATCH, REF_GRID = 32, (0.04, 0.16, 0.64)
+GPT_GRIDS = {
+    "sgd": (0.025, 0.1, 0.4),
+    "lars": (2.0, 8.0, 32.0),
+    "adamw": (2e-3, 8e-3, 3.2e-2),
+    "lamb": (1.6e-2, 6.4e-2, 0.256),
+}
+
+
+def load_tinygpt():
+    try:
+        from globalbatch.lab.tasks import load_task  # the layout after issue 9
+    except ImportError:
+        from globalbatch.tasks import load_task
+    return load_task("tinygpt", n_layer=2, n_head=2, d_model=64, seq_len=32, max_corpus_bytes=1_000_000)
+
+
+def run_gpt(task, name: str, lr: float, batch: int, seed: int, steps: int, micro: int = 64) -> dict:
+    """``steps`` optimizer steps of ``batch`` sequences through StepDriver; held-out token-mean loss."""
+    import torch
+
+    from globalbatch.step import StepConfig, StepDriver
+
+    model = task.build_model(seed)
+    opt = build_optimizer(name, model, lr=lr)
+    samples = steps * batch
+    sched = TokenLRSchedule(peak_lr=lr, total=samples, warmup=samples // 10, shape="cosine", unit="sample")
+    micro = min(micro, batch)
+    driver = StepDriver(model, opt, StepConfig(micro_batch=micro, global_batch=batch), lr_schedule=sched)
+    order = task.sample_order(seed)
+    model.train()
+    diverged = False
+    for _ in range(steps):
+        idx = [next(order) for _ in range(batch)]
+        chunks = [idx[i:i + micro] for i in range(0, batch, micro)]
+        for i, c in enumerate(chunks):
+            with driver.micro_step(last=i == len(chunks) - 1):
+                loss_sum, count = task.loss_sum(model, task.collate(c))
+                driver.backward(loss_sum, count, samples=len(c))
+        r = driver.step()
+        if not r.loss_per_unit < 20:  # diverged (or NaN)
+            diverged = True
+            break
+    model.eval()
+    with torch.no_grad():
+        tot = cnt = 0.0
+        for b in task.val_batches(256):
+            l, c = task.loss_sum(model, b)
+            tot, cnt = tot + l.item(), cnt + c.item()
+    loss = tot / cnt
+    return {"lr": lr, "test_loss": float("inf") if diverged or loss != loss else loss, "steps": driver.optimizer_steps}
+
+
+def main_gpt(args) -> None:
+    img, res = common.setup(args)
+    t0 = time.perf_counter()
+    task = load_tinygpt()
+    batch, steps, grids = (args.batch or 128), args.steps, GPT_GRIDS
+    if args.tiny:
+        batch, steps, grids = 8, 2, {k: v[:1] for k, v in GPT_GRIDS.items()}
+    out = {}
+    for name, grid in grids.items():
+        tuning = [run_gpt(task, name, lr, batch, 0, steps) for lr in grid]
+        best = min(tuning, key=lambda t: t["test_loss"])
+        reps = [best] + [run_gpt(task, name, best["lr"], batch, s, steps) for s in range(1, args.seeds)]
+        out[f"{name} @ {batch}"] = {"grid": {str(t["lr"]): t["test_loss"] for t in tuning}, "best_lr": best["lr"],
+                                    "edge_of_grid": len(grid) > 1 and best["lr"] in (grid[0], grid[-1]),
+                                    "test_loss": common.mean_ci([r["test_loss"] for r in reps]), "steps": steps}
+        o = out[f"{name} @ {batch}"]
+        print(f"{name:6s} @ {batch} best lr {o['best_lr']:<7g}{' (grid edge)' if o['edge_of_grid'] else ''} "
+              f"held-out loss {o['test_loss'][0]:.4f} ± {o['test_loss'][1]:.4f} nats/byte  grid {o['grid']}")
+    fig, (ax,) = common.figure(width=4.2, height=3.0)
+    names = list(out)
+    ax.bar(range(len(names)), [out[k]["test_loss"][0] for k in names], yerr=[out[k]["test_loss"][1] for k in names],
+           capsize=3, color=["C0", "C1", "C2", "C3"])
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, fontsize=7)
+    lo = min(out[k]["test_loss"][0] for k in names)
+    ax.set_ylim(lo * 0.9, max(out[k]["test_loss"][0] for k in names if math.isfinite(out[k]["test_loss"][0])) * 1.05)
+    ax.set_ylabel("held-out loss (nats/byte)")
+    ax.set_title(f"tinygpt, batch {batch} x 32 tokens, {steps} steps (95 % CI)", fontsize=9)
+    common.save(fig, img / "repro_e_large_batch_optimizers_tinygpt.png")
+    common.write_json(res / "e_large_batch_optimizers_tinygpt.json", {"batch": batch, "steps": steps,
+                                                                       "seeds": args.seeds, "results": out})
+    common.banner("e_large_batch_optimizers --task tinygpt", args, t0)
 
 
 def run(name: str, lr: float, batch: int, seed: int, epochs: int, data: common.Data) -> dict:
@@ -57,13 +148,17 @@ def tune_and_repeat(name: str, grid, batch: int, seeds: int, epochs: int, data: 
 
 def main() -> None:
     p = common.parser(__doc__)
-    p.add_argument("--batch", type=int, default=512)
-    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--task", choices=("digits", "tinygpt"), default="digits")
+    p.add_argument("--batch", type=int, default=None, help="global batch (default 512 digits, 128 sequences)")
+    p.add_argument("--epochs", type=int, default=30, help="digits only")
+    p.add_argument("--steps", type=int, default=50, help="tinygpt only")
     args = p.parse_args()
+    if args.task == "tinygpt":
+        return main_gpt(args)
     img, res = common.setup(args)
     t0 = time.perf_counter()
     data = common.digits()
-    batch, epochs = args.batch, args.epochs
+    batch, epochs = args.batch or 512, args.epochs
     grids, ref_grid = GRIDS, REF_GRID
     if args.tiny:
         data = common.Data(data.x_train[:128], data.y_train[:128], data.x_test[:64], data.y_test[:64])
