@@ -3,6 +3,11 @@
 Every experiment trains through :class:`globalbatch.step.StepDriver` (the exact global-batch step)
 with optimizers from the one registry (:func:`globalbatch.optim.build_optimizer`). Data never
 downloads: scikit-learn's 1,797 real 8×8 digits, split once (seed 0) into 1,297 train / 500 held out.
+
+Why not the lab's loop (:class:`globalbatch.lab.loop.Experiment`) here: these experiments need what
+it does not offer — a float64 model cut into different micro-batches with the trajectory read
+after every step (a), Ghost BN conversions of a CNN that is not a lab task (a–d), and a step-based
+torch LR scheduler (d). The tinygpt part of (e) is a lab task and uses ``Experiment``.
 """
 
 from __future__ import annotations
@@ -123,9 +128,9 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: Data, *, mic
     unit count: the step is on the global mean loss, whatever the cut. ``eval_every``: held-out
     and training loss/accuracy every so many samples (and at the end) into ``Run.history``.
     """
-    cfg = StepConfig(micro_batch=micro_batch, global_batch=global_batch, batch_schedule=batch_schedule)
-    driver = StepDriver(model, optimizer, cfg, lr_schedule=lr_schedule, lr_scheduler=lr_scheduler,
-                        callbacks=callbacks)
+    cfg = StepConfig(micro_batch=micro_batch, global_batch=global_batch, batch_schedule=batch_schedule,
+                     lr_schedule=lr_schedule)
+    driver = StepDriver(model, optimizer, cfg, lr_scheduler=lr_scheduler, callbacks=callbacks)
     gen = torch.Generator().manual_seed(1000 + seed)
     n = len(data.x_train)
     stream = torch.empty(0, dtype=torch.long)

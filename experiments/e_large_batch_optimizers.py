@@ -11,7 +11,8 @@ about the trust ratio here). LR: linear warmup over the first 10 % of samples th
 4-point grid by held-out loss with seed 0; the reported numbers are seeds 1..``--seeds`` at that
 LR (the tuning seed excluded). Reference: SGD-momentum at batch 32, tuned the same way.
 
-``--task tinygpt``: the built-in byte-level GPT (2 layers, width 64, context 32, on the CPython
+``--task tinygpt``: through the lab's one training loop (``globalbatch.lab.loop.Experiment``), the
+built-in byte-level GPT (2 layers, width 64, context 32, on the CPython
 standard library) at a global batch of ``--batch`` sequences (default 128 = 4,096 token slots)
 for ``--steps`` steps, loss = token-mean cross-entropy on the held-out chunks; LR on a 3-point
 grid, the tuning seed 0 counted as one of the 3 seeds (CPU budget). No small-batch reference.
@@ -45,47 +46,29 @@ GPT_GRIDS = {
 
 
 def load_tinygpt():
-    try:
-        from globalbatch.lab.tasks import load_task  # the layout after issue 9
-    except ImportError:
-        from globalbatch.tasks import load_task
+    from globalbatch.lab.tasks import load_task
+
     return load_task("tinygpt", n_layer=2, n_head=2, d_model=64, seq_len=32, max_corpus_bytes=1_000_000)
 
 
 def run_gpt(task, name: str, lr: float, batch: int, seed: int, steps: int, micro: int = 64) -> dict:
-    """``steps`` optimizer steps of ``batch`` sequences through StepDriver; held-out token-mean loss."""
-    import torch
+    """``steps`` optimizer steps of ``batch`` sequences through the lab's one loop; held-out token-mean loss."""
+    from globalbatch.lab.loop import Experiment
 
-    from globalbatch.step import StepConfig, StepDriver
-
-    model = task.build_model(seed)
-    opt = build_optimizer(name, model, lr=lr)
     samples = steps * batch
     sched = TokenLRSchedule(peak_lr=lr, total=samples, warmup=samples // 10, shape="cosine", unit="sample")
-    micro = min(micro, batch)
-    driver = StepDriver(model, opt, StepConfig(micro_batch=micro, global_batch=batch), lr_schedule=sched)
+    exp = Experiment(task, batch=batch, micro_batch=min(micro, batch), optimizer=name, lr=lr, seed=seed,
+                     lr_schedule=sched)
     order = task.sample_order(seed)
-    model.train()
     diverged = False
     for _ in range(steps):
-        idx = [next(order) for _ in range(batch)]
-        chunks = [idx[i:i + micro] for i in range(0, batch, micro)]
-        for i, c in enumerate(chunks):
-            with driver.micro_step(last=i == len(chunks) - 1):
-                loss_sum, count = task.loss_sum(model, task.collate(c))
-                driver.backward(loss_sum, count, samples=len(c))
-        r = driver.step()
-        if not r.loss_per_unit < 20:  # diverged (or NaN)
+        r = exp.train_window(order).result
+        if not r.loss_per_unit < 20:  # diverged (or NaN); host value already read by the driver
             diverged = True
             break
-    model.eval()
-    with torch.no_grad():
-        tot = cnt = 0.0
-        for b in task.val_batches(256):
-            l, c = task.loss_sum(model, b)
-            tot, cnt = tot + l.item(), cnt + c.item()
-    loss = tot / cnt
-    return {"lr": lr, "test_loss": float("inf") if diverged or loss != loss else loss, "steps": driver.optimizer_steps}
+    loss = exp.evaluate(task.num_val_samples, eval_batch=256)
+    return {"lr": lr, "test_loss": float("inf") if diverged or loss != loss else loss,
+            "steps": exp.driver.optimizer_steps}
 
 
 def main_gpt(args) -> None:

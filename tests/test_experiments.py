@@ -38,6 +38,19 @@ def test_experiment_tiny_mode(name, tmp_path):
     assert "tiny mode" in proc.stderr
 
 
+def test_large_batch_optimizers_tinygpt_tiny_mode(tmp_path):
+    # the tinygpt part of (e) runs through the lab's one loop (globalbatch.lab.loop.Experiment)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MPLBACKEND="Agg")
+    proc = subprocess.run([sys.executable, str(REPO / "experiments" / "e_large_batch_optimizers.py"), "--task",
+                           "tinygpt", "--tiny", "--seeds", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "e_large_batch_optimizers_tinygpt.json").read_text())
+    assert set(data["results"]) == {"sgd @ 8", "lars @ 8", "adamw @ 8", "lamb @ 8"}
+    assert all(0 < r["test_loss"][0] < 10 for r in data["results"].values())  # nats/byte, 256 symbols: < ln 256 + slack
+    assert (tmp_path / "repro_e_large_batch_optimizers_tinygpt.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_accumulation_experiment_measures_float_agreement(tmp_path):
     # Even in tiny mode (3 steps) experiment (a) must show the three facts it reports: accumulation
     # equals the big batch without BatchNorm and with Ghost BN at the micro size (float64 rounding),

@@ -145,3 +145,16 @@ def test_driver_silent_without_batchnorm_with_ghost_bn_in_eval_or_without_accumu
     assert _drive(convert_to_ghost_bn(_cnn(), 4), micro=4, global_batch=16) == []
     assert _drive(_cnn().eval(), micro=4, global_batch=16) == []
     assert _drive(_cnn(), micro=16, global_batch=16) == []
+
+
+def test_warning_arithmetic_with_syncbatchnorm():
+    from globalbatch.nn import batchnorm_accumulation_warning as warn
+
+    sync = nn.Sequential(nn.Linear(3, 4), nn.SyncBatchNorm(4))
+    # SyncBatchNorm covers micro-batch x dp: 4 x 4 = the global batch 16 with one micro-step -> silent
+    assert warn(sync, micro_batch=4, global_batch=16, micro_steps=1, dp_world_size=4) is None
+    msg = warn(sync, micro_batch=4, global_batch=32, micro_steps=2, dp_world_size=4)
+    assert "1 SyncBatchNorm layer(s)" in msg and "over 16 samples" in msg and "x dp 4" in msg
+    # plain BatchNorm beside it: the per-rank micro-batch is what counts
+    mixed = nn.Sequential(nn.Linear(3, 4), nn.SyncBatchNorm(4), nn.BatchNorm1d(4))
+    assert "over 4 samples" in warn(mixed, micro_batch=4, global_batch=16, micro_steps=1, dp_world_size=4)

@@ -269,3 +269,11 @@ def test_plan_names_lars_and_lamb_and_takes_their_lr_rule():
     proc, _ = _plan("--optimizer", "lion")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == "error: --optimizer 'lion' is not allowed; allowed: adamw, sgd, lars, lamb"
+
+
+def test_front_door_names_the_toolbox():
+    import globalbatch as gb
+    from globalbatch.nn import GhostBatchNorm2d, convert_to_ghost_bn
+
+    assert gb.LARS is LARS and gb.LAMB is LAMB and gb.lr_for_batch is lr_for_batch
+    assert gb.convert_to_ghost_bn is convert_to_ghost_bn and gb.GhostBatchNorm2d is GhostBatchNorm2d

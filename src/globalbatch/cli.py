@@ -120,10 +120,11 @@ def plan_cmd(
         "no_sync": False if sync_every_micro_step else None,
     }
     report = make_plan(config, flags, dp_world_size=dp, round_down=round_down)
-    if optimizer is not None:
-        report["optimizer"] = optimizer
     if as_json:
-        typer.echo(json.dumps(report.to_dict(), indent=2, sort_keys=True))
+        out = report.to_dict()
+        if optimizer is not None:
+            out["optimizer"] = optimizer
+        typer.echo(json.dumps(out, indent=2, sort_keys=True))
     else:
         from rich.console import Console
 
