@@ -114,12 +114,13 @@ def main() -> None:
             h = [0.0 if (x != x or x == float("inf")) else x for x in h]
             ax.errorbar(bs, m, yerr=h, color=f"C{i}", linestyle="-" if warmup else "--", marker="o" if warmup else "x",
                         capsize=2, label=key)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     for (k, (m, _)), style in zip(b_simple.items(), (":", "-.")):
         if math.isfinite(m) and m > 0:
             ax.axvline(m, color="gray", linestyle=style, linewidth=1)
-            ax.text(m, ax.get_ylim()[0], f" B_simple {k}", fontsize=6, va="bottom", rotation=90, color="gray")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+            ax.text(m, 0.98, f" B_simple {k}", fontsize=6, va="top", rotation=90, color="gray",
+                    transform=ax.get_xaxis_transform())
     ax.set_xlabel("global batch (samples)")
     ax.set_ylabel(f"held-out loss after {epochs} epochs")
     ax.set_title("LR rule × warmup (95 % CI; diverged runs drawn at 10)", fontsize=9)

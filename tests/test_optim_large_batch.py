@@ -277,3 +277,19 @@ def test_front_door_names_the_toolbox():
 
     assert gb.LARS is LARS and gb.LAMB is LAMB and gb.lr_for_batch is lr_for_batch
     assert gb.convert_to_ghost_bn is convert_to_ghost_bn and gb.GhostBatchNorm2d is GhostBatchNorm2d
+
+
+def test_noise_command_trains_with_lamb(tmp_path):
+    # every --optimizer goes through the registry: the noise command runs with LAMB end to end
+    import os
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="120", NO_COLOR="1")
+    proc = subprocess.run([sys.executable, "-m", "globalbatch.cli", "noise", "--task", "mnist", "--micro-batch", "8",
+                           "--grad-accum", "2", "--steps", "3", "--log-every", "3", "--optimizer", "lamb", "--lr",
+                           "0.01", "--threads", "1", "--out", str(tmp_path)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "noise.csv").exists() and "B_simple" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "globalbatch.cli", "noise", "--optimizer", "lion"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and "lars, lamb" in bad.stderr
