@@ -41,6 +41,7 @@ an ``if`` on a norm).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -49,8 +50,8 @@ __all__ = ["LARS", "LAMB"]
 
 
 def _check(name: str, value: float, low: float, high: float = float("inf"), *, open_low: bool = False) -> None:
-    bad = (value <= low) if open_low else (value < low)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or bad or value > high:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or ((value <= low) if open_low else (value < low)) or value > high:
         rng = f"{'>' if open_low else '>='} {low}" + ("" if high == float("inf") else f" and <= {high}")
         raise ValueError(f"{name} {value!r} is not allowed; allowed: a number {rng}")
 
