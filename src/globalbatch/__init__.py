@@ -39,6 +39,7 @@ _EXPORTS: dict[str, str] = {
     "StepResult": "globalbatch.step",
     "NonFiniteError": "globalbatch.step",
     "plan_for_world": "globalbatch.step",
+    "causal_lm_loss_sum": "globalbatch.losses",
     "save_checkpoint": "globalbatch.checkpoint",
     "load_checkpoint": "globalbatch.checkpoint",
     # optimizers

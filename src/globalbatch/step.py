@@ -1,8 +1,8 @@
 """The exact global-batch optimizer step: a driver that plugs into the user's own loop.
 
 The user keeps the loop and the data loader. For each micro-batch they compute the
-**summed** loss and its count of loss-bearing units (non-padding tokens, or samples)
-and hand both to the driver; after the last micro-batch of the window they call
+**summed** loss and its count of loss-bearing units (the tokens that are *targets* of the
+loss, or samples) and hand both to the driver; after the last micro-batch of the window they call
 :meth:`StepDriver.step`. The result is the optimizer step of the token-mean loss
 over the whole global batch, whatever the padding, the micro-batch sizes, the
 number of DP ranks or a short last window::
@@ -368,8 +368,12 @@ class StepDriver:
 
         Args:
             loss_sum: 0-d sum of per-unit losses of this micro-batch (not a mean).
-            count: loss-bearing units in it (labels != ignore_index, or samples); a device
-                tensor avoids a host-to-device copy.
+            count: loss-bearing units in it: the targets the loss was summed over (or samples).
+                For a causal LM whose model shifts the labels internally (Hugging Face
+                ``labels=input_ids``) that is ``labels[..., 1:] != ignore_index``, one fewer per
+                sequence than ``labels != ignore_index``; take both from
+                :func:`globalbatch.losses.causal_lm_loss_sum`. A device tensor avoids a
+                host-to-device copy.
             samples: samples (sequences) in this micro-batch; default ``config.micro_batch``.
         """
         if loss_sum.dim() != 0:
