@@ -37,7 +37,7 @@ def _probe_with(task, limit: int, optimizer: str, steps_per_trial: int):
 
     model = task.build_model(0)
     pool = list(islice(task.sample_order(0), 8192))
-    momentum = 0.9 if optimizer == "sgd-momentum" else 0.0
+    momentum = 0.9 if optimizer == "sgd-momentum" else 0.0  # sgd-plain: no momentum buffer
 
     def make_batch(n):
         return task.collate([pool[i % len(pool)] for i in range(n)], "cpu")
@@ -53,7 +53,7 @@ def _probe_with(task, limit: int, optimizer: str, steps_per_trial: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps-per-trial", type=int, default=1)
-    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "sgd-momentum"],
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd-plain", "sgd-momentum"],
                     help="the probe's optimizer and the model's state term (the probe_task default is AdamW)")
     ap.add_argument("--sizes", default="0,1,2", help="which of the 3 sizes to run, e.g. 2")
     args = ap.parse_args()

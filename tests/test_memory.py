@@ -32,7 +32,8 @@ def test_zero_paper_figure_1(sharding, expected_gb):
     assert total / GB == pytest.approx(expected_gb, abs=0.05)
 
 
-@pytest.mark.parametrize("optimizer, per_param", [("sgd", 8), ("sgd-momentum", 12), ("adamw", 16)])
+@pytest.mark.parametrize("optimizer, per_param", [("sgd-plain", 8), ("sgd-momentum", 12), ("sgd", 12), ("lars", 12),
+                                                  ("adamw", 16), ("lamb", 16)])
 def test_fp32_bytes_per_param(optimizer, per_param):
     cfg = MemoryConfig(params=1000, optimizer=optimizer)
     parts = static_bytes(cfg)
@@ -151,7 +152,7 @@ def test_plan_memory_table_and_geometry_warning(capsys):
     (["--memory", "8GiB", "--params", "x", "--activation-bytes-per-sample", "1MiB"], "--params 'x'"),
     (["--memory", "8GiB", "--params", "1B", "--activation-bytes-per-sample", "0"], "--activation-bytes-per-sample 0"),
     (["--memory", "8GiB", "--params", "1B", "--activation-bytes-per-sample", "1MiB", "--optimizer", "lion"],
-     "--optimizer 'lion'"),
+     "--optimizer 'lion' is not allowed; allowed: adamw, sgd, lars, lamb, sgd-plain"),
     (["--memory", "8GiB", "--params", "1B", "--activation-bytes-per-sample", "1MiB", "--precision", "fp16"],
      "--precision 'fp16'"),
     (["--memory", "8GiB", "--params", "1B", "--activation-bytes-per-sample", "1MiB", "--sharding", "zero4"],
@@ -166,7 +167,7 @@ def test_plan_memory_table_and_geometry_warning(capsys):
     (["--memory", "8GiB", "--task", "tinygpt", "--task-arg", "d_model=-1"], "--task-arg"),
     (["--sharding", "zero1", "--global-batch", "8", "--micro-batch", "2", "--dp", "1"],
      "--sharding zero1 is not allowed without --memory"),
-    (["--optimizer", "sgd", "--global-batch", "8"], "--optimizer sgd is not allowed without --memory"),
+    (["--optimizer", "adafactor", "--global-batch", "8"], "--optimizer 'adafactor' is not allowed"),
 ])
 def test_plan_memory_bad_flags_are_one_line_exit_2(capsys, args, flag):
     res = _run(capsys, ["plan", *args])

@@ -75,7 +75,8 @@ def plan_cmd(
     total_tokens: Optional[str] = typer.Option(None, "--total-tokens", help="Training budget in tokens, e.g. 100B."),
     lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate (tuned at --lr-base-batch if given)."),
     lr_base_batch: Optional[int] = typer.Option(None, "--lr-base-batch", help="Global batch (sequences) at which --lr was tuned."),
-    lr_rule: Optional[str] = typer.Option(None, "--lr-rule", help="linear | sqrt | none (default sqrt)."),
+    lr_rule: Optional[str] = typer.Option(None, "--lr-rule", help="linear | sqrt | none (default sqrt, or --optimizer's rule)."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="A registry name (adamw, sgd, lars, lamb): its LR rule is the default --lr-rule; with --memory also its state bytes (plus sgd-plain, sgd-momentum, adafactor; default adamw)."),
     warmup_tokens: Optional[str] = typer.Option(None, "--warmup-tokens", help="Warmup in tokens, e.g. 375M (converted to steps)."),
     warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", help="Warmup in steps (converted to tokens)."),
     pp_stages: Optional[int] = typer.Option(None, "--pp-stages", help="Pipeline stages p (micro-batches per step m = grad accum)."),
@@ -87,7 +88,6 @@ def plan_cmd(
     compute: Optional[str] = typer.Option(None, "--compute", help="Training FLOPs C for the DeepSeek prior (default 6·N·D)."),
     loss: Optional[float] = typer.Option(None, "--loss", help="Loss in nats/token for the Kaplan B_crit prior."),
     memory: Optional[str] = typer.Option(None, "--memory", help="Device memory, e.g. 80GiB: predict the largest micro-batch and show the memory breakdown (needs --params and --activation-bytes-per-sample, or --task)."),
-    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="With --memory: sgd, sgd-momentum, adamw or adafactor (default adamw)."),
     precision: Optional[str] = typer.Option(None, "--precision", help="With --memory: fp32 or bf16-mixed (bf16 weights/grads, fp32 master; default fp32)."),
     sharding: Optional[str] = typer.Option(None, "--sharding", help="With --memory: none, zero1, zero2, zero3 or fsdp, over --dp ranks (default none)."),
     activation_bytes: Optional[str] = typer.Option(None, "--activation-bytes-per-sample", help="With --memory: activation bytes per sample, e.g. 1.5GiB (else measured with --task)."),
@@ -105,7 +105,22 @@ def plan_cmd(
     def count(text: Optional[str], flag: str) -> Optional[float]:
         return None if text is None else float(P.parse_count(text, flag))
 
-    memory_flags = {"--optimizer": optimizer, "--precision": precision, "--sharding": sharding,
+    if optimizer is not None:  # the registry's table imports no torch
+        from ._util import SettingError
+        from .optim.registry import lr_scaling_rule, optimizer_names
+
+        from .memory import OPTIMIZER_STATES
+
+        if optimizer not in optimizer_names() and optimizer not in OPTIMIZER_STATES:
+            raise SettingError("--optimizer", optimizer, ", ".join(dict.fromkeys(
+                [*optimizer_names(), *OPTIMIZER_STATES])), flag=True)
+        if optimizer not in optimizer_names() and memory is None:
+            raise SettingError("--optimizer", optimizer, f"{', '.join(optimizer_names())} (the registry; "
+                               f"{optimizer} names optimizer state for --memory only)", flag=True)
+        if lr_rule is None and optimizer in optimizer_names():
+            lr_rule = lr_scaling_rule(optimizer)
+
+    memory_flags = {"--precision": precision, "--sharding": sharding,
                     "--activation-bytes-per-sample": activation_bytes, "--checkpoint-divisor": checkpoint_divisor,
                     "--task": task, "--task-arg": task_arg or None}
     memory_inputs = None
@@ -147,6 +162,8 @@ def plan_cmd(
                 f"the largest that fits is {memory_section['largest_micro_batch']}")
     if as_json:
         out = report.to_dict()
+        if optimizer is not None:
+            out["optimizer"] = optimizer
         if memory_section is not None:
             out["memory"] = memory_section
             out["warnings"] = warnings

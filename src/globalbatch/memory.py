@@ -11,11 +11,13 @@ weights) + 2Ψ (gradients) + KΨ (fp32 master weights, momentum, variance; K = 1
 parameters; ZeRO stage 1 divides the K term by the DP degree N_d, stage 2 also the gradients,
 stage 3 also the weights. FSDP full sharding (``fsdp``) is stage 3.
 
-Optimizer states, in fp32 elements per parameter: ``sgd`` 0, ``sgd-momentum`` 1 (momentum
-buffer), ``adamw`` 2 (exp_avg, exp_avg_sq), ``adafactor`` factored second moment: rows + cols
-per matrix, one per element of a vector (Shazeer & Stern 2018, "Adafactor", §3, Algorithm 4;
-no first moment, β1 = 0). With only a parameter count (no shapes) adafactor's state is
-counted as 0 and the breakdown says so.
+Optimizer states, in fp32 elements per parameter, named as in the optimizer registry
+(:mod:`globalbatch.optim`): ``sgd`` 1 (the registry's SGD has momentum 0.9: one buffer),
+``lars`` 1 (momentum), ``adamw`` and ``lamb`` 2 (exp_avg, exp_avg_sq); and for the memory model
+only: ``sgd-plain`` 0 (no momentum), ``sgd-momentum`` 1, ``adafactor`` factored second moment:
+rows + cols per matrix, one per element of a vector (Shazeer & Stern 2018, "Adafactor", §3,
+Algorithm 4; no first moment, β1 = 0). With only a parameter count (no shapes) adafactor's
+state is counted as 0 and the breakdown says so.
 
 Not modelled (measure them, or leave headroom): ZeRO-3/FSDP's gathered layer weights and
 reduce buckets, DDP's gradient buckets (≈ gradient size), the optimizer step's temporaries
@@ -44,7 +46,7 @@ __all__ = ["OPTIMIZER_STATES", "PRECISIONS", "SHARDINGS", "MemoryConfig", "Memor
            "activations_from_points", "optimizer_state_elements", "static_bytes", "breakdown",
            "largest_micro_batch", "memory_report", "check_memory_config"]
 
-OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adamw": 2, "adafactor": None}
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "lars": 1, "lamb": 2, "sgd-plain": 0, "sgd-momentum": 1, "adafactor": None}
 """fp32 state elements per parameter; None: factored (depends on the shapes)."""
 
 PRECISIONS = {
@@ -121,7 +123,7 @@ class MemoryConfig:
     params: int
     """Trainable parameters N (all of them; sharding divides the per-device share)."""
     optimizer: str = "adamw"
-    """One of :data:`OPTIMIZER_STATES`: sgd, sgd-momentum, adamw, adafactor."""
+    """One of :data:`OPTIMIZER_STATES`: adamw, sgd (momentum 0.9), lars, lamb, sgd-plain, sgd-momentum, adafactor."""
     precision: str = "fp32"
     """One of :data:`PRECISIONS`: fp32, bf16-mixed (bf16 weights/grads + fp32 master)."""
     sharding: str = "none"

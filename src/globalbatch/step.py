@@ -326,6 +326,7 @@ class StepDriver:
         self.last_micro_samples = config.micro_batch
 
         self._reset_window()
+        self._batchnorm_checked = False
         self._t_last: Optional[float] = None
         # log on rank 0 only: skips and batch changes are agreed on by all ranks
         self._log = dist.get_rank() == 0 if dist.is_available() and dist.is_initialized() else True
@@ -461,6 +462,16 @@ class StepDriver:
 
     # ------------------------------------------------------------------ step
 
+    def _warn_batchnorm(self) -> None:
+        from globalbatch.nn.ghost_bn import batchnorm_accumulation_warning
+
+        msg = batchnorm_accumulation_warning(
+            unwrap_model(self.model), micro_batch=self.config.micro_batch, global_batch=self.global_batch,
+            micro_steps=self._micro_index, dp_world_size=self.dp_world_size)
+        if msg is not None and self._log:
+            logger.warning(msg)
+            warnings.warn(msg, stacklevel=3)
+
     def _params_with_grad(self) -> list[nn.Parameter]:
         return [p for p in self._params if p.grad is not None]
 
@@ -482,6 +493,9 @@ class StepDriver:
             raise RuntimeError(
                 "the last micro-batch ran without gradient sync; open it with micro_step(last=True)"
             )
+        if not self._batchnorm_checked:  # once per driver: BatchNorm statistics under accumulation
+            self._batchnorm_checked = True
+            self._warn_batchnorm()
         device = self._acc_loss.device
         local_count = self._acc_units if self._acc_units is not None else torch.zeros((), dtype=torch.float64, device=device)
         if self._units_host:

@@ -89,8 +89,8 @@ class GlobalBatchCallback(TrainerCallback):
         self.plan: Optional[str] = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        gb = check_plan(global_batch=self.global_batch, micro_batch=args.per_device_train_batch_size,
-                        grad_accum_steps=args.gradient_accumulation_steps, dp_world_size=args.world_size)
+        check_plan(global_batch=self.global_batch, micro_batch=args.per_device_train_batch_size,
+                   grad_accum_steps=args.gradient_accumulation_steps, dp_world_size=args.world_size)
         self.plan = plan_line(micro_batch=args.per_device_train_batch_size,
                               grad_accum_steps=args.gradient_accumulation_steps, dp_world_size=args.world_size,
                               pinned=self.global_batch is not None)
