@@ -111,12 +111,15 @@ def plan_cmd(
 
         from .memory import OPTIMIZER_STATES
 
-        if optimizer not in optimizer_names() and optimizer not in OPTIMIZER_STATES:
-            raise SettingError("--optimizer", optimizer, ", ".join(dict.fromkeys(
-                [*optimizer_names(), *OPTIMIZER_STATES])), flag=True)
-        if optimizer not in optimizer_names() and memory is None:
-            raise SettingError("--optimizer", optimizer, f"{', '.join(optimizer_names())} (the registry; "
-                               f"{optimizer} names optimizer state for --memory only)", flag=True)
+        if optimizer not in optimizer_names():
+            if memory is None and optimizer in OPTIMIZER_STATES:
+                raise SettingError("--optimizer", optimizer, f"{', '.join(optimizer_names())} (the registry; "
+                                   f"{optimizer} names optimizer state for --memory only)", flag=True)
+            if memory is None:
+                raise SettingError("--optimizer", optimizer, ", ".join(optimizer_names()), flag=True)
+            if optimizer not in OPTIMIZER_STATES:
+                raise SettingError("--optimizer", optimizer, ", ".join(dict.fromkeys(
+                    [*optimizer_names(), *OPTIMIZER_STATES])), flag=True)
         if lr_rule is None and optimizer in optimizer_names():
             lr_rule = lr_scaling_rule(optimizer)
 
