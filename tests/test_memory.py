@@ -15,7 +15,6 @@ from globalbatch.memory import (
     activations_from_points,
     breakdown,
     largest_micro_batch,
-    memory_report,
     static_bytes,
 )
 
