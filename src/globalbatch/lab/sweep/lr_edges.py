@@ -3,7 +3,9 @@
 Each batch gets its own LR grid, centred by a scaling rule from a base batch
 (:meth:`SweepConfig.lrs_for`: √batch for Adam-type optimizers, ∝ batch for SGD —
 Malladi et al. 2022 and Goyal et al. 2017). A rule is only a guess: when the best LR of
-a batch (the lowest median over seeds of the final held-out loss) is the smallest or the
+a batch — the analysis' own choice (:func:`analysis_edges`: the LR that reaches the primary
+held-out target in the fewest steps, on most seeds), or, when the sweep cannot be analysed
+yet, the lowest median over seeds of the final held-out loss — is the smallest or the
 largest LR of its grid, the optimum may lie beyond it, and the steps-to-target of that
 batch — hence B_crit — would be biased. The sweep then runs one more LR beyond that edge
 (a factor :meth:`SweepConfig.lr_ratio` further, for every seed), up to
@@ -22,7 +24,7 @@ from typing import Any, Iterable, Optional
 
 from globalbatch.lab.sweep.config import SweepConfig, TrialSpec
 
-__all__ = ["finished_summaries", "lr_losses", "edge_cells", "best_lr_at_edge"]
+__all__ = ["finished_summaries", "lr_losses", "edge_cells", "best_lr_at_edge", "analysis_edges"]
 
 
 def finished_summaries(out: Path, config: SweepConfig) -> list[dict[str, Any]]:
@@ -71,8 +73,24 @@ def best_lr_at_edge(summaries: Iterable[dict[str, Any]], batch: int) -> Optional
     return None
 
 
-def edge_cells(config: SweepConfig, summaries: list[dict[str, Any]]) -> list[TrialSpec]:
+def analysis_edges(out: Path) -> Optional[dict[int, str]]:
+    """Batch (samples) → "low"/"high" where the analysis over seeds puts the best LR at an edge; None if it cannot run."""
+    from globalbatch.lab.sweep.store import analyze_sweep_seeds
+
+    try:
+        data, sa = analyze_sweep_seeds(out, objective="cost")
+    except (ValueError, KeyError):
+        return None
+    units = data.batch_units()
+    return {min(units, key=lambda b: abs(units[b] - u)): e for u, e in sa.lr_edges.items()}
+
+
+def edge_cells(config: SweepConfig, summaries: list[dict[str, Any]],
+               edges: Optional[dict[int, str]] = None) -> list[TrialSpec]:
     """The extension cells the finished trials ask for (every seed), none beyond ``lr_edge_extend`` per side.
+
+    ``edges``: batch → "low"/"high" from the analysis (:func:`analysis_edges`); None: the
+    final held-out loss decides (:func:`best_lr_at_edge`).
 
     A batch is considered only once all its cells for every seed are finished, so the decision
     never rests on a partial set of seeds.
@@ -90,7 +108,7 @@ def edge_cells(config: SweepConfig, summaries: list[dict[str, Any]]) -> list[Tri
         base = config.lrs_for(b)
         if any(lr not in lrs for lr in base):
             continue
-        edge = best_lr_at_edge(mine, b)
+        edge = edges.get(b) if edges is not None else best_lr_at_edge(mine, b)
         if edge == "low" and sum(lr < min(base) for lr in lrs) < config.lr_edge_extend:
             new = float(f"{min(lrs) / ratio:.4g}")
         elif edge == "high" and sum(lr > max(base) for lr in lrs) < config.lr_edge_extend:

@@ -22,7 +22,7 @@ from globalbatch._util import SettingError, load_task_checked
 from globalbatch.lab.device import check_device
 from globalbatch.lab.rundir import check_manifest, remove_stale_tmp
 from globalbatch.lab.sweep.config import BACKENDS, RAY_HINT, SweepConfig, TrialSpec
-from globalbatch.lab.sweep.lr_edges import edge_cells, finished_summaries
+from globalbatch.lab.sweep.lr_edges import analysis_edges, edge_cells, finished_summaries
 from globalbatch.lab.sweep.timing import run_timing_pass
 from globalbatch.lab.sweep.trial import run_trial, trial_done
 
@@ -203,8 +203,10 @@ def run_sweep(
     # LR grid per batch: while the best LR of a batch sits at an edge of what it ran, one more
     # LR beyond it (every seed); derived from the finished results, so a resume repeats it.
     while True:
-        extra = [t for t in edge_cells(config, finished_summaries(out, config))
-                 if not trial_done(out / "trials" / t.name, t)]
+        done_now = finished_summaries(out, config)
+        complete = all(trial_done(out / "trials" / t.name, t) for t in trials)
+        edges = analysis_edges(out) if complete else None  # the analysis' own best LR per batch
+        extra = [t for t in edge_cells(config, done_now, edges) if not trial_done(out / "trials" / t.name, t)]
         if not extra:
             break
         run_cells(extra)
