@@ -194,3 +194,18 @@ def test_json_has_the_documented_keys():
     assert set(t["steps_to_target"]["4"]) == {"0", "1", "2"}
     for key in ("batch", "lr", "per_seed", "probability_fastest"):
         assert key in doc["recommendation"]
+
+
+def test_b_simple_is_read_at_the_same_losses_from_the_best_lr_trials():
+    """--noise: B_simple of the best-LR trial interpolated (log-log) at each crossing, and averaged up to it."""
+    curves = _curves([0, 1])
+    for c in curves:
+        c.b_simple = [(e, 100.0 + e / 100.0) for e in np.geomspace(BUDGET / 100, BUDGET, 10)]  # rises along the run
+    a = analyze_seeds(curves, n_targets=3)
+    assert set(a.b_simple) == {t.target for t in a.targets}
+    locals_ = [a.b_simple[t.target]["local"] for t in a.targets]
+    assert locals_ == sorted(locals_)  # tighter targets are reached later, where B_simple is larger
+    st = a.targets[0]
+    e = float(np.median([st.examples[b][s] for b in st.steps for s in (0, 1)]))
+    assert a.b_simple[st.target]["local"] == pytest.approx(100.0 + e / 100.0, rel=0.05)
+    assert all(v["path_averaged"] is None or v["path_averaged"] <= v["local"] for v in a.b_simple.values())
