@@ -112,3 +112,22 @@ def test_two_seed_sweep_with_edge_extension_resumes_and_reports(tmp_path):
     assert loss0[:5] != loss1[:5]
     again = run_sweep(cfg, tmp_path, workers=1, threads=1, progress=False, timing_steps=0)
     assert again.ran == [] and len(again.skipped) == len(cfg.trials())
+
+
+@pytest.mark.slow
+def test_demo_command_runs_seeds_and_prints_the_recommendation(tmp_path, monkeypatch, capsys):
+    """`globalbatch demo` end to end on a tiny stand-in for the demo grid (the real one is minutes)."""
+    import globalbatch.lab.sweep as sweep_pkg
+    from globalbatch.cli import main
+
+    tiny = SweepConfig(task="tinygpt", task_overrides=TINY, batches=[2, 4, 8], lrs=[3e-3], budget=3000, seeds=[0, 1],
+                       warmup=200, eval_points=12, max_val_samples=32, lr_rule="none", lr_edge_extend=0)
+    monkeypatch.setattr(sweep_pkg, "demo_config", lambda: tiny)
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--out", str(tmp_path), "--workers", "1"])
+    out = capsys.readouterr()
+    assert exc.value.code in (0, None), out.err
+    assert "seeds [0, 1]" in out.err and "winner per seed: seed 0:" in out.out and "P(fastest)" in out.out
+    doc = json.loads((tmp_path / "report" / "analysis.json").read_text())["seeds"]
+    assert doc["seeds"] == [0, 1] and doc["recommendation"]["batch"] in (2, 4, 8)
+    assert (tmp_path / "report" / "b_crit_vs_loss.png").is_file()
