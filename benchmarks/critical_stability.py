@@ -26,6 +26,17 @@ import sys
 import time
 
 
+def _short(text: str) -> str:
+    """A seed without a point estimate: its bound (">2,048", "<127") or why ("non-monotone", "no bound")."""
+    if text.startswith("B_crit > ") or text.startswith("B_crit < "):
+        return text[7] + text[9:].split(" ")[0]
+    if "non-monotone" in text:
+        return "non-monotone"
+    if "not reached" in text:
+        return "unreached"
+    return "no bound" if "no bound" in text else "–"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--task", choices=("tinygpt", "mnist"), default="tinygpt")
@@ -82,7 +93,8 @@ def main(argv=None) -> int:
             vals = {s: v for s, v in st.b_crit_per_seed.items() if v is not None}
             ratio = max(vals.values()) / min(vals.values()) if len(vals) >= 2 else math.nan
             ratios.append(ratio)
-            per = ", ".join(f"{v:,.0f}" if v is not None else "–" for v in st.b_crit_per_seed.values())
+            per = ", ".join(f"{v:,.0f}" if v is not None else _short(st.b_crit_text_per_seed.get(s, ""))
+                            for s, v in st.b_crit_per_seed.items())
             j = f"{st.joint_b_crit:,.0f}" if st.joint_b_crit else "–"
             print(f"  target {st.target:.4f}: B_crit per seed [{per}] {data.unit}s; median "
                   f"{st.b_crit:,.0f}" if st.b_crit else f"  target {st.target:.4f}: B_crit per seed [{per}]; median –",
