@@ -469,7 +469,7 @@ def sweep_cmd(
 def report_cmd(
     run_dir: str = typer.Argument(..., help="A sweep output directory (with manifest.json)."),
     out: Optional[str] = typer.Option(None, "--out", help="Where to write plots and report.html (default RUN_DIR/report)."),
-    targets: Optional[str] = typer.Option(None, "--targets", help="Loss targets, comma-separated; the first is primary (default: automatic)."),
+    targets: Optional[str] = typer.Option(None, "--targets", help="Loss targets, comma-separated (default: automatic); over seeds the lowest is the primary, for the first seed alone the first."),
     objective: str = typer.Option("time", "--objective", help="time (wall-clock to target) or cost (units to target)."),
     tolerance: float = typer.Option(0.05, "--tolerance", help="Batches within this fraction of the best count as ties; the most data-efficient wins."),
     ema_fraction: float = typer.Option(0.05, "--ema-fraction", help="EMA half-life of the training loss as a fraction of each trial's steps to the target (lag-corrected)."),
