@@ -111,6 +111,10 @@ class PlanConfig:
             v = getattr(self, name)
             if v is not None:
                 P._positive_int(name, v)
+        if self.warmup_steps is not None:
+            _nonneg_int("warmup_steps", self.warmup_steps)
+        if self.warmup_tokens is not None and (not math.isfinite(self.warmup_tokens) or self.warmup_tokens < 0):
+            raise ValueError(f"warmup_tokens {_show(self.warmup_tokens)} is not allowed; allowed: a number ≥ 0")
         if self.warmup_tokens is not None and self.warmup_steps is not None:
             raise ValueError("warmup_tokens and warmup_steps are both set; allowed: one of them")
         if self.lr_base_batch is not None and self.lr is None:
@@ -159,12 +163,18 @@ def _coerce(name: str, value: Any) -> Any:
                 raise ValueError(f"{name} {value!r} is not a number; allowed: a number") from None
         if not math.isfinite(value):
             raise ValueError(f"{name} {value!r} is not allowed; allowed: a finite number")
+        if name == "padding_fraction" and not 0 <= value < 1:
+            raise ValueError(f"{name} {value!r} is not allowed; allowed: 0 ≤ x < 1")
+        if name != "padding_fraction" and value <= 0:
+            raise ValueError(f"{name} {value!r} is not allowed; allowed: a number > 0")
         return float(value)
     if name in _BOOL_FIELDS:
         if not isinstance(value, bool):
             raise ValueError(f"{name} {value!r} is not allowed; allowed: true or false")
         return value
     if name == "lr_rule":
+        if value not in P.LR_RULES:
+            raise ValueError(f"lr_rule {value!r} is not allowed; allowed: {', '.join(P.LR_RULES)}")
         return str(value)
     raise ValueError(f"{name} is not a PlanConfig field")  # pragma: no cover
 
@@ -185,7 +195,13 @@ def _yaml_load_unique(text: str) -> Any:
     import yaml
 
     class _UniqueKeySafeLoader(yaml.SafeLoader):
-        pass
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            # No anchors or aliases: a config needs none, and a 300-byte alias bomb expands to 10⁹ items.
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a config",
+                                                  event.start_mark)
+            return super().compose_node(parent, index)
 
     def construct_mapping(loader: Any, node: Any, deep: bool = False) -> Any:
         seen = set()
@@ -233,20 +249,28 @@ def read_config_file(path: str | Path) -> tuple[str, dict]:
 
     The suffix is checked before anything is read; only regular files up to 4 MiB are read.
     """
-    path = Path(path)
+    from globalbatch._util import SettingError
+
     name = str(path)
+    path = Path(path)
     suffix = path.suffix.lower()
     kinds = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml", ".json": "json"}
-    if not name or name == ".":
-        raise ValueError("config '' is empty; allowed: a YAML, TOML or JSON file")
-    if not path.exists():
-        raise ValueError(f"config {name!r} does not exist; allowed: a YAML, TOML or JSON file")
-    if path.is_dir():
-        raise ValueError(f"config {name!r} is a directory; allowed: a YAML, TOML or JSON file")
+    a_file = "a YAML, TOML or JSON file"
+    if not name:
+        raise SettingError("config", name, a_file, why="empty")
+    try:
+        exists, is_dir, is_file = path.exists(), path.is_dir(), path.is_file()
+    except OSError as exc:  # a name too long for the file system, a loop of links
+        shown = name if len(name) <= 60 else name[:60] + f"… ({len(name)} characters)"
+        raise SettingError("config", shown, a_file, why=exc.strerror or str(exc)) from None
+    if not exists:
+        raise SettingError("config", name, a_file, why="it does not exist")
+    if is_dir:
+        raise SettingError("config", name, a_file, why="it is a directory")
     if suffix not in kinds:
-        raise ValueError(f"config {name!r} has suffix {suffix!r}; allowed: .yaml, .yml, .toml, .json")
-    if not path.is_file():
-        raise ValueError(f"config {name!r} is not a regular file; allowed: a YAML, TOML or JSON file")
+        raise SettingError("config", name, "a file ending .yaml, .yml, .toml or .json", why=f"suffix {suffix!r}")
+    if not is_file:
+        raise SettingError("config", name, a_file, why="not a regular file")
     try:
         size = path.stat().st_size
         if size > _MAX_CONFIG_BYTES:
@@ -292,7 +316,10 @@ def _from_mapping(data: dict, source: str, path: str) -> dict:
             raise ValueError(f"{path}: unknown key {key!r}{hint}; allowed: {', '.join(sorted(_OURS))}")
         if value is None:
             continue
-        out[key] = _coerce(key, value)
+        try:
+            out[key] = _coerce(key, value)
+        except ValueError as exc:  # the file's value: the line names the file
+            raise ValueError(f"{path}: {exc}") from None
     out["source"] = source
     return out
 
@@ -357,10 +384,17 @@ def _deepspeed(data: dict, flags: dict, dp: Optional[int], path: str, warnings: 
             out[k] = v
     opt = data.get("optimizer")
     params = opt.get("params") if isinstance(opt, dict) else None
-    lr = _number(params.get("lr")) if isinstance(params, dict) else None
-    if lr is not None and lr > 0:
-        out["lr"] = lr
+    if isinstance(params, dict) and _auto(params.get("lr")) is not None:
+        out["lr"] = _file_lr(params["lr"], f"{path}: optimizer.params.lr")
     return out
+
+
+def _file_lr(value: Any, name: str) -> float:
+    """A learning rate read from another tool's file: a finite number > 0, never silently dropped."""
+    lr = _number(value)
+    if lr is None or not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"{name} {value!r} is not allowed; allowed: a finite number > 0 (or leave it out)")
+    return lr
 
 
 def _hf(data: dict, flags: dict, dp: Optional[int], path: str, warnings: list[str]) -> dict:
@@ -383,14 +417,13 @@ def _hf(data: dict, flags: dict, dp: Optional[int], path: str, warnings: list[st
         "dp_world_size": dp,
         "source": "hf",
     }
-    lr = _number(data.get("learning_rate"))
-    if lr is not None and lr > 0:
-        out["lr"] = lr
+    if data.get("learning_rate") is not None:
+        out["lr"] = _file_lr(data["learning_rate"], f"{path}: learning_rate")
     ws = data.get("warmup_steps")
-    if isinstance(ws, int) and not isinstance(ws, bool) and ws > 0:
+    if ws is not None and (isinstance(ws, bool) or not isinstance(ws, int) or ws < 0):
+        raise ValueError(f"{path}: warmup_steps {ws!r} is not allowed; allowed: a whole number of steps ≥ 0")
+    if ws:
         out["warmup_steps"] = ws
-    elif ws not in (None, 0):
-        warnings.append(f"{path}: warmup_steps {ws!r} is not a whole number of steps; not used")
     if _number(data.get("warmup_ratio")):
         warnings.append(f"{path}: warmup_ratio {data['warmup_ratio']} needs the run length in steps; not used")
     return out

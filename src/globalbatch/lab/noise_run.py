@@ -166,7 +166,7 @@ def measure_noise(config: NoiseRunConfig, *, out_dir: str | None = None, tensorb
 
     from globalbatch.lab.device import resolve_device
     from globalbatch.lab.loop import Experiment
-    from globalbatch.lab.tasks import load_task
+    from globalbatch._util import load_task_checked
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_noise_settings(grad_accum_steps=config.grad_accum_steps, world_size=world)
@@ -179,9 +179,9 @@ def measure_noise(config: NoiseRunConfig, *, out_dir: str | None = None, tensorb
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+    task = load_task_checked(config.task, config.task_overrides)  # before the TensorBoard writer makes files
     writer = _tensorboard_writer(os.path.join(out_dir or "runs/noise", "tb")) if tensorboard and rank == 0 else None
     try:
-        task = load_task(config.task, **config.task_overrides)
         noise_config = NoiseConfig(half_life_windows=config.half_life_windows, adam=config.adam_variant)
         exp = Experiment(task, batch=config.micro_batch * config.grad_accum_steps * world, micro_batch=config.micro_batch,
                          optimizer=config.optimizer, lr=config.lr, seed=config.seed, device=device,
