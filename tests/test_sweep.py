@@ -297,13 +297,13 @@ def test_cli_sweep_then_report(tmp_path, capsys):
     assert "No artists with labels" not in err
     # Analysis settings: one error line, exit 2 (the ValueError used to be swallowed: exit 0, no recommendation).
     for args, want in [(["--objective", "speed"], "error: --objective 'speed' is not allowed; allowed: time, cost"),
-                       (["--tolerance", "-1"], "error: --tolerance -1 is not allowed; allowed: a fraction, 0 ≤ tolerance < 1"),
-                       (["--tolerance", "5"], "error: --tolerance 5 is not allowed; allowed: a fraction, 0 ≤ tolerance < 1"),
+                       (["--time-tolerance", "-1"], "error: --time-tolerance -1 is not allowed; allowed: a fraction, 0 ≤ tolerance < 1"),
+                       (["--time-tolerance", "5"], "error: --time-tolerance 5 is not allowed; allowed: a fraction, 0 ≤ tolerance < 1"),
                        (["--half-life-steps", "0"], "error: --half-life-steps 0 is not allowed; allowed: a number of steps > 0"),
-                       (["--halflife-steps", "-2"], "error: --halflife-steps -2 is not allowed; allowed: a number of steps > 0")]:
+                       (["--half-life-steps", "-2"], "error: --half-life-steps -2 is not allowed; allowed: a number of steps > 0")]:
         code, out, err = _cli(["report", str(tmp_path), *args], capsys)
         assert code == 2 and err.strip().startswith(want), (args, err)
-    for flag in ("--half-life-steps", "--halflife-steps"):  # the new spelling and the hidden old one
+    for flag in ("--half-life-steps",):  # the legacy --halflife-steps is gone (tests/test_bad_inputs.py)
         code, out, err = _cli(["report", str(tmp_path), flag, "2"], capsys)
         assert code == 0 and "EMA half-life 2 steps" in (tmp_path / "report" / "report.html").read_text(), err
 
