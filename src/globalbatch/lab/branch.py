@@ -345,11 +345,13 @@ class BranchResult:
 
     def text(self) -> str:
         c = self.config
+        metric = ("validation loss (fixed held-out samples, end of window)" if c.metric == "val"
+                  else "training loss of the last quarter (biased against large k)")
         lines = [f"branch test: base batch {c.base_batch}, lr {c.lr:g} ({c.optimizer}: LR × {'√k' if c.optimizer == 'adamw' else 'k'}), "
                  f"window {c.window:,} {self.unit}s → {self.window_samples:,} samples (≈{self.window_units:,.0f} {self.unit}s; "
                  f"rounded up to a multiple of max k × base batch = {max(c.ks) * c.base_batch}, the same samples for every k), "
                  f"{c.seeds} seeds, {c.test} one-sided t-test, alpha {c.alpha}, tolerance {c.tolerance} on the "
-                 f"{'validation loss (fixed held-out samples, end of window)' if c.metric == 'val' else 'training loss of the last quarter (biased against large k)'}",
+                 f"{metric}",
                  "a k passes when it is not significantly worse AND its mean loss is within the tolerance of k = 1"]
         for p in self.points:
             lines.append(f"at {p.branch_at:,} {self.unit}s: critical k = {p.critical_k} → batch {p.critical_batch} "

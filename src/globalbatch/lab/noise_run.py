@@ -81,10 +81,10 @@ def check_noise_settings(*, micro_batch: int = 8, grad_accum_steps: int = 4, ste
     def whole(value: Any) -> bool:
         return not isinstance(value, bool) and isinstance(value, int)
 
-    for field, value in (("micro_batch", micro_batch), ("grad_accum_steps", grad_accum_steps), ("steps", steps),
-                         ("log_every", log_every), ("threads", threads)):
-        if (value is not None or field != "threads") and (not whole(value) or value < 1):
-            raise ValueError(f"{name(field)} {text(field, value)} is not allowed; allowed: a whole number ≥ 1")
+    for setting, value in (("micro_batch", micro_batch), ("grad_accum_steps", grad_accum_steps), ("steps", steps),
+                           ("log_every", log_every), ("threads", threads)):
+        if (value is not None or setting != "threads") and (not whole(value) or value < 1):
+            raise ValueError(f"{name(setting)} {text(setting, value)} is not allowed; allowed: a whole number ≥ 1")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (lr >= 0 and math.isfinite(lr)):
         raise ValueError(f"{name('lr')} {text('lr', lr)} is not allowed; allowed: a finite number ≥ 0")
     if optimizer not in optimizer_names():
