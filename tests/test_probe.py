@@ -626,7 +626,7 @@ def test_cli_task_arg_reaches_the_task(capsys, monkeypatch):
 
     monkeypatch.setattr(globalbatch.lab.tasks, "load_task", fake_load)
     code, _, err = run_cli(capsys, "probe", "--task-arg", "d_model=64", "--task-arg", "corpus_dir=/x")
-    assert code == 2 and err.strip() == "error: stop here"
+    assert code == 2 and err.startswith("error: --task-arg ") and "stop here" in err and err.count("\n") == 1
     assert seen == {"spec": "tinygpt", "d_model": 64, "corpus_dir": "/x"}
     code, _, err = run_cli(capsys, "probe", "--task-arg", "oops")
     assert code == 2 and "--task-arg" in err and "KEY=VALUE" in err

@@ -310,13 +310,13 @@ def test_cli_sweep_then_report(tmp_path, capsys):
 
 def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
     code, _, err = _cli(["sweep", "--batches", "4,x", "--out", str(tmp_path)], capsys)
-    assert code == 2 and err.strip() == "error: --batches 'x' is not allowed; allowed: whole numbers ≥ 1, e.g. 16,32,64"
+    assert code == 2 and err.strip() == "error: --batches 'x' is not allowed; allowed: whole numbers ≥ 1 (at most 1e9), e.g. 16,32,64"
     cases = {
-        ("--batches", "8,-16"): "error: --batches -16 is not allowed; allowed: whole numbers ≥ 1, e.g. 16,32,64",
+        ("--batches", "8,-16"): "error: --batches -16 is not allowed; allowed: whole numbers ≥ 1 (at most 1e9), e.g. 16,32,64",
         ("--batches", "4,4"): "error: --batches 4,4 is not allowed; allowed: distinct whole numbers ≥ 1, e.g. 16,32,64",
         ("--backend", "slurm"): "error: --backend 'slurm' is not allowed; allowed: local, ray",
         ("--micro-batch", "0"): "error: --micro-batch 0 is not allowed; allowed: a whole number ≥ 1",
-        ("--tokens", "0"): "error: --tokens 0 is not allowed; allowed: a whole number of units ≥ 1, e.g. 2M",
+        ("--tokens", "0"): "error: --tokens 0 is not allowed; allowed: a whole number of units ≥ 1 (at most 1e18), e.g. 2M",
         ("--lrs", "-1"): "error: --lrs -1 is not allowed; allowed: distinct finite numbers > 0, e.g. 3e-4,1e-3",
         ("--threads", "0"): "error: --threads 0 is not allowed; allowed: a whole number ≥ 1",
         ("--optimizer", "lamb"): "error: --optimizer 'lamb' is not allowed; allowed: adamw, sgd",

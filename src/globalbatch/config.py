@@ -270,7 +270,7 @@ def read_config_file(path: str | Path) -> tuple[str, dict]:
     if suffix not in kinds:
         raise SettingError("config", name, "a file ending .yaml, .yml, .toml or .json", why=f"suffix {suffix!r}")
     if not is_file:
-        raise SettingError("config", name, a_file, why="not a regular file")
+        raise SettingError("config", name, a_file, why="it is not a regular file")
     try:
         size = path.stat().st_size
         if size > _MAX_CONFIG_BYTES:

@@ -37,7 +37,7 @@ def count(value: Any, field: str, *, minimum: int = 1, maximum: int = MAX_COUNT,
 
     ``1e400`` and ``1e999999999`` are errors naming ``field`` (never an OverflowError).
     """
-    allowed = f"{what} from {minimum:,} to {maximum:.0e}, e.g. 2M or 4.1B"
+    allowed = f"{what} ≥ {minimum:,} (at most {_sci(maximum)}), e.g. 2M"
     if _is_int(value):
         n = value
     else:
@@ -50,6 +50,12 @@ def count(value: Any, field: str, *, minimum: int = 1, maximum: int = MAX_COUNT,
     if not minimum <= n <= maximum:
         raise SettingError(field, value if _is_int(value) else _Typed(str(value)), allowed)
     return n
+
+
+def _sci(n: int) -> str:
+    """``10**18`` → ``1e18``; other numbers with thousands separators."""
+    text = str(n)
+    return f"1e{len(text) - 1}" if text.strip("0") == "1" else f"{n:,}"
 
 
 def whole(value: Any, field: str, *, minimum: int = 1, maximum: int = MAX_COUNT) -> int:
@@ -124,7 +130,7 @@ def number_list(text: Any, field: str, *, positive_only: bool = True) -> list[fl
 
 def count_list(text: Any, field: str, *, maximum: int = MAX_BATCH, allowed: Optional[str] = None) -> list[int]:
     """``"16,32,1K"`` → ``[16, 32, 1000]``: whole numbers from 1 to ``maximum``."""
-    allowed = allowed or f"whole numbers from 1 to {maximum:.0e}, e.g. 16,32,64"
+    allowed = allowed or f"whole numbers ≥ 1 (at most {_sci(maximum)}), e.g. 16,32,64"
     items = [t.strip() for t in str(text).split(",") if t.strip()]
     if not items:
         raise SettingError(field, _Typed(repr(str(text))), allowed)
