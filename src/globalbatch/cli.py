@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional, get_args, get_origin
 
 import typer
 
@@ -21,6 +21,16 @@ from globalbatch.optim.registry import optimizer_names  # noqa: E402 (torch-free
 
 _OPTIMIZERS = ", ".join(optimizer_names())
 """The registry's names as --help shows them."""
+
+# Fixed choices as Literal types: typer shows them in --help (``--objective <time|cost>``) and refuses
+# any other value before the command runs (one line, see _usage_error_line).
+OptimizerName = Literal.__getitem__(tuple(optimizer_names()))  # the registry's names, whatever they are
+PrecisionName = Literal["fp32", "bf16", "fp16"]
+Backend = Literal["local", "ray"]
+Objective = Literal["time", "cost"]
+Metric = Literal["val", "train"]
+Test = Literal["paired", "welch"]
+LrRule = Literal["linear", "sqrt", "none"]
 
 app = typer.Typer(
     name="globalbatch",
@@ -142,7 +152,7 @@ def plan_cmd(
     total_tokens: Optional[str] = typer.Option(None, "--total-tokens", help="Training budget in tokens, e.g. 100B."),
     lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate (tuned at --lr-base-batch if given)."),
     lr_base_batch: Optional[int] = typer.Option(None, "--lr-base-batch", help="Global batch (sequences) at which --lr was tuned."),
-    lr_rule: Optional[str] = typer.Option(None, "--lr-rule", help="linear | sqrt | none (default sqrt)."),
+    lr_rule: Optional[LrRule] = typer.Option(None, "--lr-rule", help="linear | sqrt | none (default sqrt)."),
     warmup_tokens: Optional[str] = typer.Option(None, "--warmup-tokens", help="Warmup in tokens, e.g. 375M (converted to steps)."),
     warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", help="Warmup in steps (converted to tokens)."),
     pp_stages: Optional[int] = typer.Option(None, "--pp-stages", help="Pipeline stages p (micro-batches per step m = grad accum)."),
@@ -200,7 +210,7 @@ def probe_cmd(
     steps_per_trial: int = typer.Option(3, "--steps-per-trial", help="Timed training steps per trial (after 2 untimed warm-up steps)."),
     tolerance: float = typer.Option(0.05, "--throughput-tolerance", help="Fastest = smallest micro-batch within this fraction of the best tokens/s."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N or mps (default cuda when available)."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast)."),
+    precision: PrecisionName = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
 ) -> None:
@@ -263,16 +273,17 @@ def sweep_cmd(
     out: str = typer.Option("runs/sweep", "--out", help="Output directory; rerunning resumes it (the grid must match)."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Trials at once (default: min(trials, cores)); threads = cores ÷ workers."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads per trial (default cores ÷ workers); keep it when resuming."),
-    backend: str = typer.Option("local", "--backend", help="local (spawned processes) or ray (Ray Tune; pip install 'globalbatch[ray]')."),
+    backend: Backend = typer.Option("local", "--backend", help="local (spawned processes) or ray (Ray Tune; pip install 'globalbatch[ray]')."),
     address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address (with --backend ray)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the model init and of the shared data order."),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per forward/backward (default min(batch, 16))."),
     eval_every: Optional[str] = typer.Option(None, "--eval-every", help="Units between validation evaluations (default budget ÷ 8)."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + _OPTIMIZERS + "."),
+    optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + _OPTIMIZERS + "."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
     noise: bool = typer.Option(False, "--noise", help="Also log the gradient noise scale B_simple at every evaluation (the report plots it)."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or mps (checked before anything is written)."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    precision: PrecisionName = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys instead of tables (progress stays on stderr)."),
 ) -> None:
     """Train every batch × LR on the same data order and token budget, then fit the critical batch."""
     from rich.console import Console
@@ -291,10 +302,18 @@ def sweep_cmd(
                           eval_every=None if eval_every is None else V.count(eval_every, "eval_every"),
                           optimizer=optimizer, noise=noise, device=device, precision=precision)
         console = Console(stderr=True)
-        result = run_sweep(cfg, out, workers=workers, threads=threads, backend=backend, address=address)
+        result = run_sweep(cfg, out, workers=workers, threads=threads, backend=backend, address=address,
+                           progress=not as_json)
+    data, analysis = analyze_sweep(out)
+    if as_json:
+        _echo_json({"out_dir": result.out_dir, "ran": result.ran, "skipped": result.skipped,
+                    "wall_time_s": result.wall_time_s, "workers": result.workers,
+                    "threads_per_worker": result.threads_per_worker, "analysis": analysis.to_dict(),
+                    "recommendation": None if analysis.recommendation is None else analysis.recommendation.text(),
+                    "warnings": list(analysis.warnings)})
+        return
     console.print(f"sweep {out}: {len(result.ran)} trial(s) run, {len(result.skipped)} already finished, "
                   f"{result.wall_time_s:,.1f} s ({result.workers} worker(s) × {result.threads_per_worker} thread(s))")
-    data, analysis = analyze_sweep(out)
     Console(width=max(Console().width, 140)).print(analysis_table(data, analysis))
     if analysis.recommendation is not None:
         typer.echo(analysis.recommendation.text())
@@ -308,7 +327,7 @@ def report_cmd(
     run_dir: str = typer.Argument(..., help="A sweep output directory (with manifest.json)."),
     out: Optional[str] = typer.Option(None, "--out", help="Where to write plots and report.html (default RUN_DIR/report)."),
     targets: Optional[str] = typer.Option(None, "--targets", help="Loss targets, comma-separated; the first is primary (default: automatic)."),
-    objective: str = typer.Option("time", "--objective", help="time (wall-clock to target) or cost (units to target)."),
+    objective: Objective = typer.Option("time", "--objective", help="time (wall-clock to target) or cost (units to target)."),
     tolerance: float = typer.Option(0.05, "--time-tolerance", help="Batches within this fraction of the best time (or cost) to target count as ties; the most data-efficient wins."),
     ema_fraction: float = typer.Option(0.05, "--ema-fraction", help="EMA half-life of the training loss as a fraction of each trial's steps to the target (lag-corrected)."),
     half_life_steps: Optional[float] = typer.Option(None, "--half-life-steps", help="A fixed EMA half-life in steps instead (biases B_crit low; see docs/critical.md)."),
@@ -347,7 +366,7 @@ def noise_cmd(
     grad_accum: int = typer.Option(4, "--grad-accum", help="Micro-batches per step; on one process ≥ 2 (they are the small batches)."),
     steps: int = typer.Option(50, "--steps", help="Optimizer steps (windows) to train and measure."),
     lr: float = typer.Option(1e-3, "--lr", help="Constant learning rate (B_simple depends on it; it is logged)."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + _OPTIMIZERS + " (the same recipe as sweep)."),
+    optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + _OPTIMIZERS + " (the same recipe as sweep)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the model init and the data order."),
     log_every: int = typer.Option(5, "--log-every", help="Steps between estimates (rows of the curve)."),
     half_life_windows: float = typer.Option(10.0, "--half-life-windows", help="EMA half-life in windows of the global batch (forgetting is per unit)."),
@@ -355,11 +374,13 @@ def noise_cmd(
     out: str = typer.Option("runs/noise", "--out", help="Directory for noise.csv (and tb/ with --tensorboard)."),
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also write TensorBoard scalars (pip install 'globalbatch[tensorboard]')."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N or mps (default cuda when available)."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    precision: PrecisionName = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys instead of tables (progress stays on stderr)."),
 ) -> None:
     """Measure the gradient noise scale B_simple (McCandlish et al. 2018) over a short training run."""
+    import dataclasses
     import os
 
     from rich.console import Console
@@ -391,6 +412,8 @@ def noise_cmd(
               f"({optimizer}); EMA half-life {half_life_windows:g} windows"]
 
     def show(row: dict) -> None:
+        if as_json:
+            return
         if header:  # printed with the first row: every input (the task too) is checked by then
             console.print(header.pop())
         keys = [k[len("b_simple_"):] for k in row if k.startswith("b_simple_")]
@@ -406,6 +429,10 @@ def noise_cmd(
         raise ValueError(f"--tensorboard: {exc}") from exc
     if not result.rows:
         return  # not rank 0
+    if as_json:
+        _echo_json({"unit": result.unit, "dp_world_size": result.dp_world_size, "csv": result.csv_path,
+                    "rows": result.rows, "final": {k: dataclasses.asdict(e) for k, e in result.final.items()}})
+        return
     table = Table(title=f"B_simple curve ({result.unit}-mean loss; interval {next(iter(result.final.values())).confidence:.0%} Fieller)")
     keys = [k[len("b_simple_"):] for k in result.rows[0] if k.startswith("b_simple_")]
     for col in ["step", "loss", "lr", "batch"] + keys:
@@ -439,16 +466,17 @@ def branch_cmd(
     seeds: int = typer.Option(3, "--seeds", help="Branches per k, each with its own data order (>= 2)."),
     tolerance: float = typer.Option(0.01, "--loss-tolerance", help="Loss increase over k=1 that still counts as equal (Merrill et al.: 0.01)."),
     alpha: float = typer.Option(0.05, "--alpha", help="Level of the one-sided t-test per k."),
-    metric: str = typer.Option("val", "--metric", help="val (validation loss at the end of the window) or train (last quarter's training loss)."),
-    test: str = typer.Option("paired", "--test", help="paired (per-seed differences) or welch."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="A registry optimizer (" + _OPTIMIZERS + "); LR × √k for Adam-type, × k for SGD-type."),
+    metric: Metric = typer.Option("val", "--metric", help="val (validation loss at the end of the window) or train (last quarter's training loss)."),
+    test: Test = typer.Option("paired", "--test", help="paired (per-seed differences) or welch."),
+    optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer (" + _OPTIMIZERS + "); LR × √k for Adam-type, × k for SGD-type."),
     out: str = typer.Option("runs/branch", "--out", help="Output directory; rerunning reuses finished branches (a larger --seeds adds only the new seeds' branches)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the model init and the base run's data order."),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per forward/backward (default min(batch, 16))."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or mps (checked before anything is written)."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    precision: PrecisionName = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys instead of tables (progress stays on stderr)."),
 ) -> None:
     """Merrill et al. 2025 branch test: the largest k whose k× batch branches are not worse than k = 1."""
     from . import validate as V
@@ -467,7 +495,10 @@ def branch_cmd(
                            window=V.count(window_tokens, "window", what="a whole number of units"), seeds=seeds, seed=seed,
                            micro_batch=micro_batch, tolerance=tolerance, alpha=alpha, metric=metric, test=test,
                            device=device, precision=precision)
-        result = run_branch_test(cfg, out, threads=threads)
+        result = run_branch_test(cfg, out, threads=threads, progress=not as_json)
+    if as_json:
+        _echo_json(result.to_dict())
+        return
     typer.echo(result.text())
     typer.echo(f"wrote {out}/result.json")
 
@@ -477,7 +508,8 @@ def demo_cmd(
     out: str = typer.Option("demo_out", "--out", help="Output directory of the demo sweep and its report."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Trials at once (default: min(trials, cores))."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or mps (checked before anything is written)."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    precision: PrecisionName = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys instead of tables (progress stays on stderr)."),
 ) -> None:
     """A quick sweep of a small tinygpt (a few minutes on 2 CPU cores), then the HTML report."""
     import time
@@ -506,14 +538,28 @@ def demo_cmd(
         console = Console(stderr=True)
         console.print(f"demo: tinygpt {cfg.task_overrides}, batches {cfg.batches}, lrs {cfg.lrs}, "
                       f"{cfg.budget:,} tokens per trial, {cfg.device} {cfg.precision}")
-        result = run_sweep(cfg, out, workers=workers)
+        result = run_sweep(cfg, out, workers=workers, progress=not as_json)
     res = write_report(out)
+    if as_json:
+        _echo_json({"out_dir": result.out_dir, "wall_time_s": result.wall_time_s, "report": str(res.html),
+                    "analysis": res.analysis.to_dict(), "warnings": list(res.analysis.warnings),
+                    "recommendation": None if res.analysis.recommendation is None else res.analysis.recommendation.text()})
+        return
     Console(width=max(Console().width, 140)).print(analysis_table(res.data, res.analysis))
     if res.analysis.recommendation is not None:
         typer.echo(res.analysis.recommendation.text())
     for w in res.analysis.warnings:
         typer.echo(f"warning: {w}", err=True)
     typer.echo(f"sweep {result.wall_time_s:,.0f} s, total {time.time() - t0:,.0f} s; report: {res.html}")
+
+
+def _choices_of(param: Any) -> tuple:
+    """The values of a ``Literal[...]`` (or ``Optional[Literal[...]]``) option; () for any other."""
+    t = getattr(getattr(param, "type_descriptor", None), "annotation", None)  # typer 0.29's record of the hint
+    for cand in (t, *get_args(t)):
+        if get_origin(cand) is Literal:
+            return get_args(cand)
+    return ()
 
 
 def _usage_error_line(exc: Exception, argv: list[str]) -> str:
@@ -525,8 +571,10 @@ def _usage_error_line(exc: Exception, argv: list[str]) -> str:
         return f"{name} is missing; allowed: see --help"
     text = exc.format_message().lower()
     kind = getattr(getattr(param, "type", None), "name", "") or text  # click has .type; typer >= 0.2x does not
-    allowed = next((a for key, a in (("integer", "a whole number"), ("float", "a number"), ("number", "a number"),
-                                     ("bool", "true or false")) if key in kind), None)
+    choices = _choices_of(param)
+    allowed = ", ".join(choices) if choices else next(
+        (a for key, a in (("integer", "a whole number"), ("float", "a number"), ("number", "a number"),
+                          ("bool", "true or false")) if key in kind), None)
     if opts and allowed:
         for i, tok in enumerate(argv):
             for opt in opts:
