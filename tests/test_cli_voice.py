@@ -32,7 +32,7 @@ def test_every_command_has_json():
 
 @pytest.mark.parametrize("command, flag, choices", [
     ("report", "--objective", "<time|cost>"), ("branch", "--metric", "<val|train>"), ("branch", "--test", "<paired|welch>"),
-    ("sweep", "--backend", "<local|ray>"), ("sweep", "--optimizer", "<adamw|sgd>"), ("noise", "--precision", "<fp32|bf16|fp16>"),
+    ("sweep", "--backend", "<local|ray>"), ("sweep", "--optimizer", "<adamw|sgd|lars|lamb>"), ("noise", "--precision", "<fp32|bf16|fp16>"),
     ("plan", "--lr-rule", "<linear|sqrt|none>"), ("demo", "--precision", "<fp32|bf16|fp16>"),
 ])
 def test_choices_are_shown_in_help_and_enforced(command, flag, choices, monkeypatch):
