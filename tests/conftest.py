@@ -54,6 +54,17 @@ SLOW_TESTS = {
     "test_probe.py::test_cli_tinygpt_json",  # 3
     "test_cli_plan.py::test_golden_table_and_json",  # 2 (subprocesses)
     "test_cli_plan.py::test_seed_example_json",  # 2
+    "test_optim_large_batch.py::test_noise_command_trains_with_lamb",  # 11
+    "test_optim_large_batch.py::test_plan_names_lars_and_lamb_and_takes_their_lr_rule",  # 2
+    "test_experiments.py::test_large_batch_optimizers_tinygpt_tiny_mode",  # 5
+    "test_experiments.py::test_accumulation_experiment_measures_float_agreement",  # 4
+    "test_experiments.py::test_experiment_tiny_mode",  # 1-3 each
+    "integrations/test_examples.py::test_hf_trainer_example",  # 3
+    "integrations/test_examples.py::test_lightning_example",  # 1
+    "integrations/test_hf.py::test_trainer_matches_one_big_batch_and_default_does_not",  # 2
+    "integrations/test_hf.py::test_noise_scale_in_the_logs_matches_the_monitor",  # 1
+    "test_plan.py::test_warmup_steps_tokens_round_trip",  # 2 (hypothesis)
+    "test_probe.py::test_real_probe_with_memory_limit_brackets_and_keeps_global_batch",  # 1
     "test_cli_voice.py::test_noise_json",
     "test_cli_voice.py::test_plan_and_report_json",
 }
