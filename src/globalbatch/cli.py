@@ -5,7 +5,11 @@ Each command parses flags, calls one library function and prints. Heavy imports
 ``globalbatch plan`` starts fast and works without torch.
 
 Errors: any ``ValueError`` (or click usage error) becomes one line on stderr,
-``error: <field>: <value>: <what is allowed>``, and exit code 2 — never a traceback.
+``error: <flag> <value> is not allowed; allowed: <what is allowed>``, and exit code 2 —
+never a traceback. A :class:`~globalbatch._util.SettingError` names a library field; the
+line names the flag instead, found in the command's own typer parameters
+(:func:`flag_names_of`), not in any message. Inputs are checked with
+:mod:`globalbatch.validate` before anything is printed or written.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from globalbatch.noise.monitor import NoiseConfig, NoiseScaleMonitor
 from globalbatch.optim import optimizer_names
 
 __all__ = ["NoiseRunConfig", "NoiseRunResult", "measure_noise", "format_estimate", "format_number",
-           "format_interval", "check_noise_settings", "CLI_FLAGS"]
+           "format_interval", "check_noise_settings"]
 
 @dataclass(kw_only=True)
 class NoiseRunConfig:
@@ -54,19 +54,13 @@ class NoiseRunConfig:
                              half_life_windows=self.half_life_windows, adam_variant=self.adam_variant)
 
 
-CLI_FLAGS = {"micro_batch": "--micro-batch", "grad_accum_steps": "--grad-accum", "steps": "--steps", "lr": "--lr",
-             "optimizer": "--optimizer", "log_every": "--log-every", "half_life_windows": "--half-life-windows",
-             "adam_variant": "--adam-variant", "threads": "--threads"}
-"""How ``globalbatch noise`` spells each setting: its errors name the flag the user typed."""
-
-
 def check_noise_settings(*, micro_batch: int = 8, grad_accum_steps: int = 4, steps: int = 50, lr: float = 1e-3,
                          optimizer: str = "adamw", log_every: int = 5, half_life_windows: float = 10.0,
                          adam_variant: bool = False, threads: int | None = None, world_size: int | None = None,
                          names: dict[str, str] | None = None) -> None:
     """Raise ``ValueError`` for the first bad setting, in the house style, before anything runs.
 
-    ``names`` maps a setting to how the user wrote it (the CLI passes :data:`CLI_FLAGS`); a
+    ``names`` maps a setting to how the user wrote it (the CLI passes its typer-derived flags); a
     setting not in it is named by its field name. ``world_size`` (processes, ``WORLD_SIZE``)
     enables the check that a window has at least two small batches.
     """
