@@ -79,3 +79,27 @@ def test_noise_json(tmp_path):
                           "--grad-accum", "2", "--device", "cpu", "--json", *TINY])
     doc = json.loads(out)
     assert code == 0 and len(doc["rows"]) == 2 and doc["final"]["micro/sample"]["windows"] == 2
+
+
+@pytest.mark.parametrize("kw, field", [(dict(lr=-1.0), "lr"), (dict(padding_fraction=1.0), "padding_fraction"),
+                                       (dict(warmup_steps=-1), "warmup_steps"), (dict(pp_stages=0), "pp_stages"),
+                                       (dict(lr_rule="cubic"), "lr_rule")])
+def test_plan_config_errors_carry_their_field(kw, field):
+    """The library raises SettingError(field); the CLI finds the flag in its typer parameters, not in the text."""
+    from globalbatch._util import SettingError
+    from globalbatch.config import PlanConfig
+
+    with pytest.raises(SettingError) as exc:
+        PlanConfig(micro_batch=2, grad_accum_steps=1, dp_world_size=1, **kw)
+    assert exc.value.field == field
+    flag = flag_names_of("plan")[field]
+    code, out, err = run(["plan", "--micro-batch", "2", "--grad-accum", "1", "--dp", "1",
+                          flag, str(next(iter(kw.values())))])
+    assert code == 2 and out == "" and err.startswith(f"error: {flag} ") and err.count("\n") == 1
+
+
+def test_a_bad_value_from_a_file_keeps_the_files_key(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("micro_batch: 2\ngrad_accum_steps: 1\nseq_len: 8\nvalid_tokens_per_seq: 20\n")
+    code, out, err = run(["plan", "--config", str(cfg)])
+    assert code == 2 and err.startswith("error: valid_tokens_per_seq 20 is not allowed") and "--" not in err.split(";")[0]

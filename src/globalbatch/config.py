@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import plan as P
+from ._util import SettingError, _Raw
 
 __all__ = ["PlanConfig", "read_config_file", "resolve_plan_config", "make_plan", "build_plan", "plan_table", "PlanReport"]
 
@@ -92,29 +93,30 @@ class PlanConfig:
     """Where the config came from (flags, yaml, toml, json, deepspeed, hf)."""
 
     def __post_init__(self) -> None:
+        # One-field checks raise SettingError(field, ...): the CLI names the flag from its typer definitions.
+        E, R = SettingError, _Raw
         if self.lr_rule not in P.LR_RULES:
-            raise ValueError(f"lr_rule {self.lr_rule!r} is not allowed; allowed: {', '.join(P.LR_RULES)}")
+            raise E("lr_rule", self.lr_rule, ", ".join(P.LR_RULES))
         if self.padding_fraction is not None and not 0 <= self.padding_fraction < 1:
-            raise ValueError(f"padding_fraction {self.padding_fraction} is not allowed; allowed: 0 ≤ x < 1")
+            raise E("padding_fraction", R(str(self.padding_fraction)), "0 ≤ x < 1")
         if self.valid_tokens_per_seq is not None:
             if not self.valid_tokens_per_seq > 0:
-                raise ValueError(f"valid_tokens_per_seq {self.valid_tokens_per_seq} is not allowed; allowed: > 0")
+                raise E("valid_tokens_per_seq", R(str(self.valid_tokens_per_seq)), "> 0")
             if self.seq_len is not None and self.valid_tokens_per_seq > self.seq_len:
-                raise ValueError(
-                    f"valid_tokens_per_seq {fmt(self.valid_tokens_per_seq)} is not allowed; allowed: ≤ seq_len {self.seq_len}"
-                )
+                raise E("valid_tokens_per_seq", R(fmt(self.valid_tokens_per_seq)), f"≤ seq_len {self.seq_len}")
         for name in ("lr", "total_tokens", "max_bubble", "params", "compute_flops", "loss_nats"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
-                raise ValueError(f"{name} {_show(v)} is not allowed; allowed: a number > 0")
+                raise E(name, R(_show(v)), "a number > 0")
         for name in ("seq_len", "lr_base_batch", "pp_stages", "virtual_stages", "grad_bytes_per_param", "new_dp_world_size"):
             v = getattr(self, name)
-            if v is not None:
-                P._positive_int(name, v)
-        if self.warmup_steps is not None:
-            _nonneg_int("warmup_steps", self.warmup_steps)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise E(name, R(_show(v)), "a whole number ≥ 1")
+        if self.warmup_steps is not None and (isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int)
+                                              or self.warmup_steps < 0):
+            raise E("warmup_steps", R(_show(self.warmup_steps)), "a whole number ≥ 0")
         if self.warmup_tokens is not None and (not math.isfinite(self.warmup_tokens) or self.warmup_tokens < 0):
-            raise ValueError(f"warmup_tokens {_show(self.warmup_tokens)} is not allowed; allowed: a number ≥ 0")
+            raise E("warmup_tokens", R(_show(self.warmup_tokens)), "a number ≥ 0")
         if self.warmup_tokens is not None and self.warmup_steps is not None:
             raise ValueError("warmup_tokens and warmup_steps are both set; allowed: one of them")
         if self.lr_base_batch is not None and self.lr is None:
@@ -249,8 +251,6 @@ def read_config_file(path: str | Path) -> tuple[str, dict]:
 
     The suffix is checked before anything is read; only regular files up to 4 MiB are read.
     """
-    from globalbatch._util import SettingError
-
     name = str(path)
     path = Path(path)
     suffix = path.suffix.lower()
@@ -466,9 +466,17 @@ def resolve_plan_config(
 
 
 def _flag_error(exc: ValueError, flags: dict, dp_world_size: Optional[int]) -> ValueError:
-    """Rename a field to the flag the user typed: ``dp_world_size 0 …`` → ``--dp 0 …``."""
+    """An error about a value the user gave as a flag names the flag: ``dp_world_size 0 …`` → ``--dp 0 …``.
+
+    A :class:`SettingError` of a flag-given field passes through unchanged (the CLI names its flag from
+    its typer definitions); one about a value read from a file becomes a plain ``ValueError``, so it keeps
+    the file's key. Plain ``ValueError``s of the plan arithmetic (``plan.py``) are still matched by their
+    leading field name (not yet converted).
+    """
     msg = str(exc)
     given = set(flags) | ({"dp_world_size", "new_dp_world_size"} if dp_world_size is not None else set())
+    if isinstance(exc, SettingError):  # "config" is the file's path: always the user's own value
+        return exc if exc.field in given | {"config"} else ValueError(msg)
     for field in sorted(given, key=len, reverse=True):
         if msg.startswith(field + " ") and field in _FLAG:
             return ValueError(f"--{_FLAG[field]}" + msg[len(field):])
