@@ -446,6 +446,7 @@ def test_state_is_one_float64_tensor_on_the_gradients_device(mlp_problem):
     """The estimators' state lives on the gradients' device and is a single float64 tensor."""
     x, y, model, _, _ = mlp_problem
     mon = _run_plain_loop(copy.deepcopy(model), x, y, windows=2, sizes=[4, 4], seed=0)
+    mon.estimate()  # folds the queued windows in
     (est,) = mon.estimators.values()
     assert est.state.dtype == torch.float64 and est.state.device == next(model.parameters()).device
 

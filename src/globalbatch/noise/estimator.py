@@ -26,7 +26,7 @@ __all__ = [
     "NoiseScaleEstimator",
     "window_estimates",
     "fieller_interval",
-    "ema_update",
+    "ema_fold",
 ]
 
 NEEDS_TWO_BATCH_SIZES = "needs at least two batch sizes: use grad_accum_steps ≥ 2 or dp_world_size ≥ 2"
@@ -181,31 +181,45 @@ _W, _Q, _ST, _SG, _MTT, _MGG, _MTG, _N, _SKIP, _BIG, _LR, _B0 = range(12)
 _STATE_LEN = 12
 
 
-def ema_update(state: torch.Tensor, tg: torch.Tensor, big: torch.Tensor, decay: torch.Tensor, *,
-               lr: Any = None) -> None:
-    """Fold one window into n estimators at once (one small op chain, no host sync).
+def ema_fold(state: torch.Tensor, tg: torch.Tensor, big: torch.Tensor, decay: torch.Tensor,
+             present: torch.Tensor | None = None, *, lr: Any = None) -> None:
+    """Fold m windows, in order, into n estimators at once: one small op chain, no host sync.
+
+    The EMA S_i = d_i·S_(i−1) + new_i unrolled: S_m = (Π d)·S_0 + Σ_i (Π_(l>i) d_l)·new_i, the
+    products taken as exponentials of suffix sums of log d (so m windows cost what one does).
 
     Args:
-        state: (n, 12) float64 rows of estimator states (updated in place).
-        tg: (n, 2) the window's (tr(Σ)^, |G|²^) for each estimator.
-        big: (n,) its units B; decay: (n,) the EMA decays. A row whose tg is not finite is
-            skipped and counted in its skip counter.
-        lr: the window's learning rate, logged (None: unchanged).
+        state: (n, 12) float64 estimator states, updated in place.
+        tg: (m, n, 2) each window's (tr(Σ)^, |G|²^) for each estimator.
+        big: (m, n) each window's units B; decay: (m, n) its EMA decay d ∈ (0, 1].
+        present: (m, n) bool, False where an estimator has no value in a window (left out, not
+            counted); None: all present. A present window whose tg is not finite is skipped and
+            counted in the skip counter.
+        lr: the last window's learning rate, logged (None: unchanged).
     """
-    finite = torch.isfinite(tg).all(1)
-    tg = torch.where(finite[:, None], tg, 0.0)
-    d = torch.where(finite, decay, 1.0)
-    # Weight of the new window: 1 − d (≈ B·ln2/half_life: proportional to its units); 1 for a plain mean.
-    w = torch.where(finite, torch.where(d < 1, 1 - d, 1.0), 0.0)
-    wt, wg = w * tg[:, 0], w * tg[:, 1]
-    # [W, Q, ΣT, ΣG, ΣT², ΣG², ΣTG] ← decay · old + weight · new
-    dd = d * d
-    dec = torch.stack([d, dd, d, d, d, d, d], 1)
-    new = torch.stack([w, w * w, wt, wg, wt * tg[:, 0], wg * tg[:, 1], wt * tg[:, 1]], 1)
-    fin = finite.to(state.dtype)
+    finite = torch.isfinite(tg).all(2)
+    valid = finite if present is None else finite & present
+    t = torch.where(valid, tg[..., 0], 0.0)
+    g = torch.where(valid, tg[..., 1], 0.0)
+    d = torch.where(valid, decay, 1.0)
+    # Weight of a window: 1 − d (≈ B·ln2/half_life: proportional to its units); 1 for a plain mean (d = 1).
+    w = torch.where(valid, torch.where(d < 1, 1 - d, 1.0), 0.0)
+    log_d = torch.log(d)
+    after = log_d.sum(0, keepdim=True) - log_d.cumsum(0)        # Σ_(l>i) log d_l
+    c = torch.exp(after)
+    wc, wt, wg = w * c, w * t, w * g
+    new = torch.stack([wc, w * w * c * c, wt * c, wg * c, wt * t * c, wg * g * c, wt * g * c], 2).sum(0)  # (n, 7)
+    total = torch.exp(log_d.sum(0))
+    dec = torch.stack([total, total * total, total, total, total, total, total], 1)
     state[:, :_N].mul_(dec).add_(new)
-    state[:, _N:_SKIP + 1].add_(torch.stack([fin, 1.0 - fin], 1))
-    state[:, _BIG] = torch.where(finite, big, state[:, _BIG])
+    skipped = ~finite if present is None else present & ~finite
+    state[:, _N:_SKIP + 1].add_(torch.stack([valid.sum(0), skipped.sum(0)], 1).to(state.dtype))
+    # B of the last valid window (unchanged when none): position of the last True along windows.
+    m = tg.shape[0]
+    order = torch.arange(1, m + 1, device=state.device, dtype=torch.float64)[:, None]
+    last = (valid * order).argmax(0)
+    big_last = big.gather(0, last[None])[0]
+    state[:, _BIG] = torch.where(valid.any(0), big_last.to(state.dtype), state[:, _BIG])
     if lr is not None:
         state[:, _LR] = _as_tensor(lr, state.device).reshape(())
 
@@ -291,9 +305,9 @@ class NoiseScaleEstimator:
         s = self.state
         tg = torch.stack([stats.tr_sigma.reshape(()), stats.g_sq.reshape(())]).to(device=s.device,
                                                                                   dtype=torch.float64)
-        big = stats.big_count.to(device=s.device, dtype=torch.float64).reshape(1)
-        d = self.decay_for(big[0]) if decay is None else decay.to(device=s.device, dtype=torch.float64)
-        ema_update(s[None], tg[None], big, d.reshape(1), lr=lr)
+        big = stats.big_count.to(device=s.device, dtype=torch.float64).reshape(1, 1)
+        d = self.decay_for(big[0, 0]) if decay is None else decay.to(device=s.device, dtype=torch.float64)
+        ema_fold(s[None], tg.reshape(1, 1, 2), big, d.reshape(1, 1), lr=lr)
 
     # -- read-out (one host sync) ----------------------------------------------------------
 

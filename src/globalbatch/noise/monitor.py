@@ -33,7 +33,7 @@ from globalbatch.noise.estimator import (
     NoiseScaleEstimate,
     NoiseScaleEstimator,
     _as_tensor,
-    ema_update,
+    ema_fold,
 )
 from globalbatch.parallel import inspect_parallel
 
@@ -41,6 +41,7 @@ __all__ = ["SOURCES", "NoiseConfig", "NoiseScaleMonitor"]
 
 SOURCES = ("micro", "rank")
 _log = logging.getLogger("globalbatch.noise")
+_FOLD_EVERY = 32  # measured windows queued (one small vector each) before they are folded in on the device
 
 
 def _check_every(every: Any) -> int:
@@ -113,6 +114,28 @@ def _scalars(values: list[Any], device: torch.device) -> torch.Tensor:
     if not any(isinstance(v, torch.Tensor) for v in values):
         return torch.tensor(values, dtype=torch.float64, device=device)
     return torch.stack([_as_tensor(v, device).reshape(()) for v in values]).to(device)
+
+
+def _host_weights(counts: list[Any], mults: list[Any],
+                  samples: list[float] | None) -> tuple[float, list[list[float]], float] | None:
+    """Σ b_i, the weights [[b_i/m_i²...], [s_i/m_i²...]] and Σ m_i as host floats, when every count and
+    multiplier is a number or a CPU tensor (reading those is no device sync); else None."""
+    def host(v: Any) -> float | None:
+        if isinstance(v, torch.Tensor):
+            return v.item() if v.device.type == "cpu" else None  # a CPU tensor: no device sync
+        return float(v)
+
+    cs, ms = [], []
+    for c, m in zip(counts, mults):
+        cv = host(c)
+        mv = cv if m is c else host(m)
+        if cv is None or mv is None:
+            return None
+        cs.append(cv)
+        ms.append(mv)
+    inv = [1.0 / (m * m) for m in ms]
+    smp = samples if samples is not None else [0.0] * len(cs)
+    return sum(cs), [[c * i for c, i in zip(cs, inv)], [s * i for s, i in zip(smp, inv)]], float(sum(ms))
 
 
 class NoiseScaleMonitor:
@@ -197,7 +220,7 @@ class NoiseScaleMonitor:
         self._device: torch.device | None = None
         self._precond: list[torch.Tensor] | None = None
         self._precond_ready = False
-        self._pending: dict[str, Any] | None = None
+        self._pending: list[dict[str, Any]] = []          # measured windows not yet folded in
         self._unit_gap: torch.Tensor | None = None     # Σ|units − samples| over windows (unit=None)
         self._unit_checks = 0
         # Filled by the parameter hooks during a micro backward (persistent lists: the hooks bind them).
@@ -306,22 +329,19 @@ class NoiseScaleMonitor:
             self.estimators[key] = est
         return est
 
-    def _rows(self, names: list[str]) -> tuple[torch.Tensor, list[int] | None]:
-        """The state matrix of every estimator (each estimator's state is a view of its row), and the
-        rows of ``names`` (None: all of them, in order)."""
+    def _rows(self, names: list[str]) -> torch.Tensor:
+        """The state matrix of the estimators ``names``, in order (each estimator's ``state`` is a
+        view of its row, so the estimators read what one fold writes)."""
         for n in names:
             self._estimator(n)
-        keys = list(self.estimators)
-        if self._state is None or self._state.shape[0] != len(keys) or self._state.device != self._device:
-            state = torch.zeros(len(keys), _STATE_LEN, dtype=torch.float64, device=self._device)
-            for j, k in enumerate(keys):
-                state[j].copy_(self.estimators[k].state)
-                self.estimators[k].state = state[j]
+        if self._state is None or self._state.device != self._device or \
+                any(self.estimators[n].state.data_ptr() != self._state[j].data_ptr() for j, n in enumerate(names)):
+            state = torch.zeros(len(names), _STATE_LEN, dtype=torch.float64, device=self._device)
+            for j, n in enumerate(names):
+                state[j].copy_(self.estimators[n].state)
+                self.estimators[n].state = state[j]
             self._state = state
-        if keys == names:
-            return self._state, None
-        pos = {k: j for j, k in enumerate(keys)}
-        return self._state, [pos[n] for n in names]
+        return self._state
 
     # -- window state ------------------------------------------------------------------------
 
@@ -466,129 +486,136 @@ class NoiseScaleMonitor:
             self._arm(self._countdown <= 0)
 
     def _measure_window(self, loss_scale: Any, lr: Any, big_grad_multiplier: Any) -> None:
+        """The window's sufficient statistics as one float64 vector (a short op chain), queued."""
         k_local = len(self._counts)
         if k_local * self.dp_world_size < 2:
             raise ValueError(f"grad_accum_steps {k_local} with dp_world_size {self.dp_world_size} is not allowed; "
                              f"allowed: ≥ 2 small batches per window (the noise scale {NEEDS_TWO_BATCH_SIZES})")
-        self._flush()
-        grads = [p.grad for p in self._params if p.grad is not None]
+        active = [i for i, p in enumerate(self._params) if p.grad is not None]
+        grads = [self._params[i].grad for i in active]
         if self._device is None:
             self._device = grads[0].device if grads else torch.device("cpu")
         dev = self._device
         adam = self.config.adam and self._ensure_precond()
-        big = [_sq_sum(grads)]
-        if adam:
-            big.append(_sq_sum(torch._foreach_mul(grads, [self._precond[self._index[id(p)]] for p in self._params
-                                                          if p.grad is not None])))
-        big_sq = torch.stack(big)
+        big = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)), dtype=torch.float64)]
+        if self.config.adam:
+            big.append(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(torch._foreach_mul(
+                grads, [self._precond[i] for i in active]))), dtype=torch.float64) if adam else big[0])
+        samples_known = self._samples_known and len(self._samples) == k_local
+        local_samples = sum(self._samples) if samples_known else 0.0
+        hw = _host_weights(self._counts, self._mults, self._samples if samples_known else None)
+        if hw is not None:  # counts on the host (numbers or CPU tensors): the weights in Python, one tensor
+            units_f, w_rows, mult_sum_t = hw
+            head = torch.tensor([units_f, local_samples, float(k_local), 1.0], dtype=torch.float64, device=dev)
+            w = torch.tensor(w_rows, dtype=torch.float64, device=dev)
+        else:  # device tensors: the same on the device, no host sync
+            counts = _scalars(self._counts, dev)
+            mults = counts if all(m is c for m, c in zip(self._mults, self._counts)) else _scalars(self._mults, dev)
+            smp = torch.tensor(self._samples if samples_known else [0.0] * k_local, dtype=torch.float64, device=dev)
+            # b_i/m_i² and s_i/m_i² turn |Δ_i|² = m_i²|g_i|² into b_i|g_i|² and s_i|g_i|²
+            w = torch.stack([counts, smp]) / mults.square()
+            mult_sum_t = mults.sum()
+            head = torch.cat([counts.sum().reshape(1), torch.tensor([local_samples, float(k_local), 1.0],
+                                                                    dtype=torch.float64, device=dev)])
+        # Layout (summed over ranks): 0 units, 1 samples, 2 k, 3 replicas (1 per rank), 4 |G_big|² × replicas,
+        # 5 its Adam variant × replicas, then per configured variant: [Σ b_i|g_i|², Σ s_i|g_i|²].
+        big_sq = torch.stack(big if self.config.adam else big * 2).square()  # [|G_big|², its Adam variant]
         if big_grad_multiplier is not None:
             big_sq = big_sq / _as_tensor(big_grad_multiplier, dev) ** 2
-        counts = _scalars(self._counts, dev)
-        mults = counts if self._mults is self._counts or all(m is c for m, c in zip(self._mults, self._counts)) \
-            else _scalars(self._mults, dev)
-        inv_m2 = mults.reciprocal().square_()
-        samples_known = self._samples_known and len(self._samples) == k_local
-        smp = torch.tensor(self._samples if samples_known else [0.0] * k_local, dtype=torch.float64, device=dev)
-        w = torch.stack([counts * inv_m2, smp * inv_m2])                    # (2, k): b_i/m_i², s_i/m_i²
-        local_samples = sum(self._samples) if samples_known else 0.0
-        # Local sufficient statistics, summed over ranks: 0 units, 1 samples, 2 k, 3 replicas (=1 per rank),
-        # then per (variant, unit in token/sample order): Σ b_i|g_i|² for micro, b_r|g_r|² for rank.
-        head = torch.tensor([local_samples, float(k_local), 1.0], dtype=torch.float64, device=dev)
-        parts = [counts.sum().reshape(1), head]
-        local_units_samples = torch.cat([parts[0], head[0:1]]) if "rank" in self.sources else None
-        keys: list[str] = []
+        parts = [head, big_sq]
         for name in self._variants():
             source, is_adam = name.split("_")[0], name.endswith("_adam")
             if is_adam and not adam:
-                continue
-            if source == "micro":
-                norms = self._norms_adam if is_adam else self._norms
+                parts.append(torch.zeros(2, dtype=torch.float64, device=dev))  # not present this window
+            elif source == "micro":
+                norms = torch.stack(self._norms_adam if is_adam else self._norms)
                 per = self._per_micro
-                sq = torch.stack(norms).double().square_()
-                if all(n == per[0] for n in per):                          # the usual case: same parameters
-                    per_micro = sq.view(k_local, per[0]).sum(1)
+                if all(n == per[0] for n in per):                           # the usual case: same parameters
+                    per_micro = torch.linalg.vector_norm(norms.view(k_local, per[0]), dim=1, dtype=torch.float64)
                 else:
-                    per_micro = torch.stack([c.sum() for c in sq.split(per)])
-                parts.append(w @ per_micro)                                  # [Σ b_i|Δ_i|²/m_i², Σ s_i|Δ_i|²/m_i²]
+                    per_micro = torch.stack([torch.linalg.vector_norm(c, dtype=torch.float64) for c in norms.split(per)])
+                parts.append(w @ per_micro.square())
             else:  # a_r = S·M_r·g_r with M_r = Σ m_i (= B_r for sum-loss): b_r|g_r|² = b_r·raw/(S·M_r)²
                 hooked = self._hook_rank_adam if is_adam else self._hook_rank
                 if not hooked:
                     raise RuntimeError("source 'rank': the DDP comm hook did not run in this window "
                                        "(was the last micro-batch run outside no_sync()?)")
-                raw = torch.stack(hooked).square().sum() / mults.sum().square()
-                parts.append(raw * local_units_samples)
-            keys.append(name)
+                raw = torch.stack(hooked).square().sum() / mult_sum_t ** 2
+                parts.append(raw * head[0:2])
         vec = torch.cat(parts)
-        if loss_scale is not None:  # the small norms carry S²; units, samples, k, replicas do not
-            vec = torch.cat([vec[:4], vec[4:] / _as_tensor(loss_scale, dev).reshape(()) ** 2])
+        if loss_scale is not None:  # the small norms carry S²; counts and the (unscaled) big norm do not
+            vec = torch.cat([vec[:6], vec[6:] / _as_tensor(loss_scale, dev).reshape(()) ** 2])
         work = None
         if self.dp_world_size > 1:
             import torch.distributed as dist
 
-            work = dist.all_reduce(vec, group=self._group, async_op=True)  # consumed at the next flush
-        self._pending = {"work": work, "vec": vec, "keys": keys, "big_sq": big_sq, "samples_known": samples_known,
-                         "lr": lr, "windows": float(self._elapsed), "dropped": False}
+            work = dist.all_reduce(vec, group=self._group, async_op=True)  # waited on at the fold
+        self._pending.append({"work": work, "vec": vec, "samples_known": samples_known, "adam": adam, "lr": lr,
+                              "windows": float(self._elapsed), "dropped": False})
+        if len(self._pending) >= _FOLD_EVERY:
+            self._flush()
 
     def _flush(self) -> None:
-        """Wait for the pending all-reduce (long done by now) and update every estimator at once."""
-        p = self._pending
-        if p is None:
+        """Fold every queued window into the estimators at once (one op chain, no host sync)."""
+        pend = self._pending
+        if not pend:
             return
-        self._pending = None
-        if p["work"] is not None:
-            p["work"].wait()
-        vec, keys = p["vec"], p["keys"]
-        # (estimator unit, which count): the loss's own counts, plus samples when they are known
-        units = (("sample", 0),) if self._unit == "sample" else \
-            ((("token", 0), ("sample", 1)) if p["samples_known"] else (("token", 0),))
-        if self._unit is None and p["samples_known"] and not p["dropped"] and self._unit_checks < 8:
-            gap = (vec[0] - vec[1]).abs()
-            self._unit_gap = gap if self._unit_gap is None else self._unit_gap + gap
-            self._unit_checks += 1
-        names, idx, i_g = self._index_for(tuple(keys), tuple(units), vec.device)
-        vals = vec[idx]                                            # (3, n): Σ-terms, k (or replicas), B
-        if p["dropped"]:
-            vals = vals * math.nan                                 # the driver skipped this step: count as skipped
-        weighted, n_small, big_count = vals[0], vals[1], vals[2]
-        big_sq = p["big_sq"][i_g]
-        tr = (weighted - big_count * big_sq) / (n_small - 1)
-        tg = torch.stack([tr, big_sq - tr / big_count], 1)
-        state, rows = self._rows(names)
-        sub = state if rows is None else state[rows]
-        ema_update(sub, tg, big_count, self._decay(names, sub, big_count, p["windows"]), lr=p["lr"])
-        if rows is not None:
-            state[rows] = sub
+        self._pending = []
+        for p in pend:
+            if p["work"] is not None:
+                p["work"].wait()
+        V = torch.stack([p["vec"] for p in pend])                  # (m, L)
+        dev = V.device
+        names, idx, need_smp, need_adam = self._layout(dev)
+        if self._unit is None and self._unit_checks < 4:
+            known = [p["samples_known"] for p in pend]
+            if any(known):
+                gap = (V[known, 0] - V[known, 1]).abs().sum()
+                self._unit_gap = gap if self._unit_gap is None else self._unit_gap + gap
+                self._unit_checks += 1
+        present = torch.tensor([[(p["samples_known"] or not s) and (p["adam"] or not a)
+                                 for s, a in zip(need_smp, need_adam)] for p in pend], device=dev)
+        vals = V[:, idx]                                           # (m, 4, n): Σ-terms, k or replicas, B, R·|G_big|²
+        if any(p["dropped"] for p in pend):                       # the driver skipped these steps: not measured
+            bad = torch.tensor([math.nan if p["dropped"] else 1.0 for p in pend], dtype=torch.float64, device=dev)
+            vals = vals * bad[:, None, None]
+        weighted, n_small, units, big_sq = vals.unbind(1)
+        big_sq = big_sq / V[:, 3:4]
+        tr = (weighted - units * big_sq) / (n_small - 1)
+        tg = torch.stack([tr, big_sq - tr / units], 2)
+        state = self._rows(names)
+        windows = torch.tensor([p["windows"] for p in pend], dtype=torch.float64, device=dev)[:, None]
+        ema_fold(state, tg, units, self._decay(state, units, present, windows), present, lr=pend[-1]["lr"])
 
-    def _index_for(self, keys: tuple[str, ...], units: tuple[tuple[str, int], ...],
-                   device: torch.device) -> tuple[list[str], torch.Tensor, torch.Tensor]:
-        """Estimator names and the gather indices into the reduced vector (cached per layout)."""
-        cache = self.__dict__.setdefault("_index_cache", {})
-        hit = cache.get((keys, units))
-        if hit is None:
-            pairs = [(v, u) for v in keys for u in units]
-            names = [f"{v}/{u}" for v, (u, _) in pairs]
-            idx = torch.tensor([[4 + 2 * keys.index(v) + c for v, (_, c) in pairs],     # Σ b_i|g_i|² (or s_i)
-                                [2 if v.startswith("micro") else 3 for v, _ in pairs],  # k, or replicas
-                                [c for _, (_, c) in pairs]], device=device)             # B in the unit
-            i_g = torch.tensor([1 if v.endswith("_adam") else 0 for v, u in pairs], device=device)
-            hit = cache[(keys, units)] = (names, idx, i_g)
+    def _layout(self, device: torch.device) -> tuple[list[str], torch.Tensor, list[bool], list[bool]]:
+        """Estimator names and their gather indices into a window vector (fixed per monitor)."""
+        hit = getattr(self, "_layout_cache", None)
+        if hit is None or hit[1].device != device:
+            units = (("sample", 0),) if self._unit == "sample" else (("token", 0), ("sample", 1))
+            pairs = [(j, v, u, c) for j, v in enumerate(self._variants()) for u, c in units]
+            idx = torch.tensor([[6 + 2 * j + c for j, v, u, c in pairs],                   # Σ b_i|g_i|² (or s_i)
+                                [2 if v.startswith("micro") else 3 for j, v, u, c in pairs],  # k, or replicas
+                                [c for j, v, u, c in pairs],                                 # B in the unit
+                                [5 if v.endswith("_adam") else 4 for j, v, u, c in pairs]],  # R·|G_big|²
+                               device=device)
+            hit = self._layout_cache = ([f"{v}/{u}" for j, v, u, c in pairs], idx,
+                                        [c == 1 for j, v, u, c in pairs], [v.endswith("_adam") for j, v, u, c in pairs])
         return hit
 
-    def _decay(self, names: list[str], state: torch.Tensor, big_count: torch.Tensor, windows: float) -> torch.Tensor:
-        """Per-estimator EMA decay 0.5^(windows·B/half_life), all at once."""
+    def _decay(self, state: torch.Tensor, units: torch.Tensor, present: torch.Tensor,
+               windows: torch.Tensor) -> torch.Tensor:
+        """(m, n) EMA decays 0.5^(windows·B/half_life), on the device."""
         c = self.config
         if c.half_life is not None and math.isinf(c.half_life):
-            return torch.ones_like(big_count)
-        if c.half_life is None:  # half-life: half_life_windows × the first window's B (per unit), in state[:, B0]
-            new = [j for j, n in enumerate(names) if not self.estimators[n]._started]
-            if new:
-                state[new, _B0] = big_count[new]
-                for j in new:
-                    self.estimators[names[j]]._started = True
-            half = state[:, _B0] * c.half_life_windows
+            return torch.ones_like(units)
+        if c.half_life is None:  # half_life_windows × the first window's B of each estimator (kept in state)
+            first = units.gather(0, present.to(torch.int8).argmax(0)[None])[0]
+            b0 = torch.where((state[:, _B0] > 0) | ~present.any(0), state[:, _B0], first)
+            state[:, _B0] = b0
+            half = b0 * c.half_life_windows
         else:
-            half = torch.full_like(big_count, c.half_life)
-        return torch.exp2(-big_count * windows / half)
+            half = torch.full_like(units[0], c.half_life)
+        return torch.exp2(-units * windows / half)
 
     # -- step-driver callbacks ---------------------------------------------------------------------
 
@@ -619,8 +646,8 @@ class NoiseScaleMonitor:
     def on_step_end(self, driver: Any, result: Any) -> None:
         """:class:`~globalbatch.step.StepDriver` callback: a window whose step the driver skipped
         (non-finite loss or gradient on some rank) is left out of the estimate."""
-        if result.skipped and self._last_measured and self._pending is not None:
-            self._pending["dropped"] = True
+        if result.skipped and self._last_measured and self._pending:
+            self._pending[-1]["dropped"] = True
 
     # -- read-out (host sync) -------------------------------------------------------------------
 
@@ -653,7 +680,8 @@ class NoiseScaleMonitor:
         """Every estimate measured so far, keyed ``"micro/token"``, ``"rank/sample"``, ``"micro_adam/token"``, ..."""
         self._flush()
         keys = set(self._keys())
-        return {k: e.estimate() for k, e in sorted(self.estimators.items()) if k in keys}
+        out = {k: e.estimate() for k, e in sorted(self.estimators.items()) if k in keys}
+        return {k: e for k, e in out.items() if e.windows or e.skipped_windows}  # never fed: not measured
 
     def state_dict(self) -> dict[str, Any]:
         self._flush()
@@ -662,7 +690,7 @@ class NoiseScaleMonitor:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         for k, v in sd.items():
             self._estimator(k).load_state_dict(v)
-        self._state = None  # rebuilt (rows copied) at the next window
+        self._state = None  # rebuilt (rows copied) at the next fold
 
 
 class _CommHookDispatch:
