@@ -226,7 +226,7 @@ class NoiseScaleMonitor:
         # Filled by the parameter hooks during a micro backward (persistent lists: the hooks bind them).
         self._in_t: list[torch.Tensor] = []            # incoming gradients Δ (p.grad held earlier ones)
         self._in_i: list[int] = []
-        self._fresh_i: list[int] = []                  # parameters whose .grad was None: Δ is .grad itself
+        self._first = True                             # no micro_backward yet in this window
         self._hooks: list[Any] = []
         self._attached = True
         self._countdown = 0                            # windows to leave out before the next measured one
@@ -248,6 +248,7 @@ class NoiseScaleMonitor:
         """The loss's unit: as given, else followed from the loss (see the ``unit`` argument)."""
         if self._unit is not None:
             return self._unit
+        self._flush()
         if self._unit_gap is None:
             return "token"
         return "sample" if float(self._unit_gap) == 0.0 else "token"  # host sync: read-out only
@@ -279,21 +280,21 @@ class NoiseScaleMonitor:
     def _add_param_hooks(self) -> None:
         if self._hooks:
             return
-        in_t, in_i, fresh_i = self._in_t, self._in_i, self._fresh_i
+        in_t, in_i = self._in_t, self._in_i
         under_dp = self._ddp is not None
+        mon = self
 
-        def make(i: int, p: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def make(i: int) -> Callable[[torch.Tensor], None]:
             def hook(grad: torch.Tensor) -> None:
-                if p.grad is None and not under_dp:
-                    fresh_i.append(i)  # AccumulateGrad makes this gradient .grad itself: read it there
-                else:
-                    # Held until micro_backward: Δ as it arrives (accumulation adds it into .grad; under
-                    # DP holding it also keeps a fresh one from being all-reduced in place).
-                    in_t.append(grad)
-                    in_i.append(i)
+                if mon._first and not under_dp:
+                    return  # the window's first micro-batch: .grad is Δ itself, read it after the backward
+                # Held until micro_backward: Δ as it arrives (accumulation adds it into .grad). Under DP a
+                # first gradient is held too, so the all-reduce of a syncing backward cannot overwrite it.
+                in_t.append(grad)
+                in_i.append(i)
             return hook
 
-        self._hooks = [p.register_hook(make(i, p)) for i, p in enumerate(self._params)]
+        self._hooks = [p.register_hook(make(i)) for i, p in enumerate(self._params)]
 
     def _arm(self, on: bool) -> None:
         """Hooks in place exactly when the next window is measured (skipped windows cost nothing)."""
@@ -304,7 +305,8 @@ class NoiseScaleMonitor:
             for h in self._hooks:
                 h.remove()
             self._hooks = []
-        self._in_t.clear(), self._in_i.clear(), self._fresh_i.clear()
+        self._in_t.clear(), self._in_i.clear()
+        self._first = True
         self._armed = on
 
     # -- names ---------------------------------------------------------------------------
@@ -415,7 +417,8 @@ class NoiseScaleMonitor:
         if not self._in_window:
             self._start_window()
         if not self._measuring:
-            self._in_t.clear(), self._in_i.clear(), self._fresh_i.clear()
+            self._in_t.clear(), self._in_i.clear()
+            self._first = False
             return
         if self._synced_micro >= 0:
             raise ValueError(f"micro_backward: micro-batch {len(self._counts)} follows a DDP gradient sync in "
@@ -423,19 +426,21 @@ class NoiseScaleMonitor:
         if self._hook_rank:
             self._synced_micro = len(self._counts)
         if self._micro:
-            tensors = self._in_t
-            if self._fresh_i:
-                tensors = tensors + [self._params[i].grad for i in self._fresh_i]
+            if self._first and self._ddp is None:  # Δ of the first micro-batch is .grad itself
+                idx = [i for i, p in enumerate(self._params) if p.grad is not None]
+                tensors = [self._params[i].grad for i in idx]
+            else:
+                idx, tensors = self._in_i, self._in_t
             if tensors:
                 if self._device is None:
                     self._device = tensors[0].device
                 self._norms += torch._foreach_norm(tensors)  # the one read of Δ
                 if self.config.adam and self._ensure_precond():
                     pc = self._precond
-                    idx = self._in_i + self._fresh_i
                     self._norms_adam += torch._foreach_norm(torch._foreach_mul(tensors, [pc[i] for i in idx]))
             self._per_micro.append(len(tensors))
-            self._in_t.clear(), self._in_i.clear(), self._fresh_i.clear()
+            self._in_t.clear(), self._in_i.clear()
+        self._first = False
         self._counts.append(count)
         self._mults.append(count if grad_multiplier is None else grad_multiplier)
         if samples is None:
@@ -648,6 +653,7 @@ class NoiseScaleMonitor:
         (non-finite loss or gradient on some rank) is left out of the estimate."""
         if result.skipped and self._last_measured and self._pending:
             self._pending[-1]["dropped"] = True
+        self._in_t.clear(), self._in_i.clear()  # nothing from between windows reaches the next one
 
     # -- read-out (host sync) -------------------------------------------------------------------
 
