@@ -269,6 +269,7 @@ class NoiseScaleMonitor:
         """Stop measuring: remove the parameter hooks (the estimates stay readable). Under DDP the
         comm hook keeps running the wrapped (or default) all-reduce without measuring."""
         self._attached = False
+        self._measuring = False  # a window in progress is left out
         self._arm(False)
 
     def attach(self) -> None:
