@@ -41,7 +41,7 @@ import torch
 
 from globalbatch.noise import NoiseConfig, NoiseScaleEstimator, NoiseScaleMonitor
 from globalbatch.step import StepConfig, StepDriver
-from globalbatch.tasks import load_task
+from globalbatch.lab.tasks import load_task
 
 MICRO, ACCUM = 8, 4
 

@@ -29,7 +29,7 @@ import torch
 
 from globalbatch.schedule import TokenLRSchedule
 from globalbatch.step import StepConfig, StepDriver
-from globalbatch.tasks import load_task
+from globalbatch.lab.tasks import load_task
 
 
 def hand_written_step(model, optimizer, params, micro_batches, loss_sum_fn, max_grad_norm) -> None:
@@ -65,26 +65,29 @@ def main(argv=None) -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (each timed window ends in a device sync)")
     args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     task = load_task("tinygpt", n_layer=args.n_layer, d_model=args.d_model, seq_len=args.seq_len,
                      max_corpus_bytes=1_000_000)
-    base = task.build_model(0)
+    base = task.build_model(0).to(device)
     models = {k: copy.deepcopy(base) for k in ("driver", "hand", "control")}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for k, m in models.items()}
     clip = 1.0
     driver = StepDriver(models["driver"], opts["driver"],
-                        StepConfig(micro_batch=args.micro_batch, global_batch=args.global_batch, max_grad_norm=clip),
-                        lr_schedule=TokenLRSchedule(peak_lr=1e-3, total=10**9, shape="constant"))
+                        StepConfig(micro_batch=args.micro_batch, global_batch=args.global_batch, max_grad_norm=clip,
+                                   lr_schedule=TokenLRSchedule(peak_lr=1e-3, total=10**9, shape="constant")))
     params = {k: [p for p in m.parameters() if p.requires_grad] for k, m in models.items()}
 
     order = task.sample_order(0)
     windows = []
     for _ in range(args.pairs + args.warmup):  # collate up front: time the step mechanism, not the data
         idx = list(itertools.islice(order, args.global_batch))
-        windows.append([task.collate(idx[i:i + args.micro_batch]) for i in range(0, len(idx), args.micro_batch)])
+        windows.append([task.collate(idx[i:i + args.micro_batch], device) for i in range(0, len(idx), args.micro_batch)])
 
     runners = {
         "driver": lambda w: driver.run_window(w, task.loss_sum),
@@ -101,6 +104,7 @@ def main(argv=None) -> None:
         for k in keys:
             w0, c0 = time.perf_counter(), time.process_time()
             runners[k](w)
+            sync()  # host sync: outside the step, so both loops are timed to completion
             if i >= args.warmup:
                 wall[k].append(time.perf_counter() - w0)
                 cpu[k].append(time.process_time() - c0)
@@ -110,7 +114,7 @@ def main(argv=None) -> None:
                                                                    models["hand"].parameters()))
     print(f"tinygpt n_layer {args.n_layer} d_model {args.d_model} seq_len {args.seq_len}; global {args.global_batch} "
           f"= {args.global_batch // args.micro_batch} accum × {args.micro_batch} seq; {args.pairs} timed windows; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}")
     for k in runners:
         print(f"{k:8s} median {statistics.median(wall[k]) * 1e3:8.2f} ms/step wall, "
               f"{statistics.median(cpu[k]) * 1e3:8.2f} ms/step CPU")

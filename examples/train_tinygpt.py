@@ -30,8 +30,10 @@ import torch.distributed as dist
 
 from globalbatch.plan import fmt_int
 from globalbatch.schedule import TokenLRSchedule, constant_batch, parse_step_schedule
-from globalbatch.step import StepConfig, StepDriver, load_checkpoint, save_checkpoint, unwrap_model
-from globalbatch.tasks import load_task
+from globalbatch.checkpoint import load_checkpoint, save_checkpoint
+from globalbatch.optim import build_optimizer
+from globalbatch.step import StepConfig, StepDriver, unwrap_model
+from globalbatch.lab.tasks import load_task
 
 
 PROG = "train_tinygpt.py"
@@ -139,7 +141,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         if world > 1:
             model = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[device.index] if device.type == "cuda" else None)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+        optimizer = build_optimizer("adamw", model, lr=args.lr, weight_decay=0.1)  # the registry's AdamW (betas 0.9/0.95)
 
         schedule = (parse_step_schedule(args.batch_schedule, unit="token", lr_rule="sqrt")
                     if args.batch_schedule else constant_batch(args.global_batch))
@@ -149,8 +151,9 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
                         else max(int(args.steps * schedule.batch_at(0) * mean_units), args.warmup_tokens + 1))
         lr_schedule = TokenLRSchedule(peak_lr=args.lr, warmup=args.warmup_tokens, total=total_tokens,
                                       shape=args.lr_shape, min_lr_ratio=0.1)
-        config = StepConfig(micro_batch=args.micro_batch, batch_schedule=schedule, max_grad_norm=args.max_grad_norm)
-        driver = StepDriver(model, optimizer, config, lr_schedule=lr_schedule)
+        config = StepConfig(micro_batch=args.micro_batch, batch_schedule=schedule, max_grad_norm=args.max_grad_norm,
+                            lr_schedule=lr_schedule)
+        driver = StepDriver(model, optimizer, config)
     except ValueError as e:
         return fail(str(e))
 

@@ -2,7 +2,7 @@
 
 Load it like a built-in task, from a file or (with ``examples/`` on ``sys.path``) a module::
 
-    from globalbatch.tasks import load_task
+    from globalbatch.lab.tasks import load_task
     task = load_task("examples/user_task.py:make_task", num_classes=3)
     task = load_task("user_task:make_task")
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from globalbatch.tasks import Task, to_device
+from globalbatch.lab.tasks import Task, to_device
 
 
 @dataclass(kw_only=True)

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from globalbatch.branch import BranchConfig, branch_verdicts, load_branch_results, run_branch_test
+from globalbatch.lab.branch import BranchConfig, branch_verdicts, load_branch_results, run_branch_test
 
 TOL = 0.01
 

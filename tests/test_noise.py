@@ -624,7 +624,7 @@ def test_wide_interval_is_flagged():
     assert "wide_interval" not in tunable.estimate().flags
     n = narrow.estimate()
     assert n.high < 2 * n.low and n.ok, n
-    from globalbatch.noise.run import format_estimate
+    from globalbatch.lab.noise_run import format_estimate
 
     assert "interval wider than 2×" in format_estimate(e)
     with pytest.raises(ValueError, match="max_interval_ratio 1 is not allowed"):
@@ -780,7 +780,7 @@ def test_cli_runs_tinygpt_and_writes_csv(tmp_path, capsys):
     (("--log-every", "-1"), "--log-every -1 is not allowed; allowed: a whole number ≥ 1"),
     (("--threads", "0"), "--threads 0 is not allowed; allowed: a whole number ≥ 1"),
     (("--lr", "-1"), "--lr -1 is not allowed; allowed: a finite number ≥ 0"),
-    (("--optimizer", "adam"), "--optimizer adam is not allowed; allowed: adamw or sgd"),
+    (("--optimizer", "adam"), "--optimizer adam is not allowed; allowed: adamw, sgd"),
     (("--optimizer", "sgd", "--adam-variant"),
      "--adam-variant is not allowed with --optimizer sgd; allowed: --optimizer adamw"),
     (("--half-life-windows", "0"), "--half-life-windows 0 is not allowed; allowed: a number > 0"),
@@ -792,16 +792,16 @@ def test_cli_bad_flags_are_one_line_naming_the_flag(tmp_path, capsys, argv, expe
 
 
 def test_run_config_errors_name_the_field():
-    from globalbatch.noise import NoiseRunConfig
+    from globalbatch.lab.noise_run import NoiseRunConfig
 
     with pytest.raises(ValueError, match="^micro_batch 0 is not allowed; allowed: a whole number ≥ 1$"):
         NoiseRunConfig(micro_batch=0)
-    with pytest.raises(ValueError, match="^optimizer 'adam' is not allowed; allowed: adamw or sgd$"):
+    with pytest.raises(ValueError, match="^optimizer 'adam' is not allowed; allowed: adamw, sgd$"):
         NoiseRunConfig(optimizer="adam")
 
 
 def test_numbers_and_intervals_read_well():
-    from globalbatch.noise.run import format_interval, format_number
+    from globalbatch.lab.noise_run import format_interval, format_number
 
     assert [format_number(x) for x in (10689.3, 1600.2, 262.4, 31.09, 0.4697, 0.0001234, math.nan)] == \
         ["10,700", "1,600", "262", "31.1", "0.47", "0.000123", "n/a"]
@@ -814,7 +814,8 @@ def test_numbers_and_intervals_read_well():
 
 
 def test_format_estimate_flags_instead_of_nan():
-    from globalbatch.noise import NoiseScaleEstimate, format_estimate
+    from globalbatch.lab.noise_run import format_estimate
+    from globalbatch.noise import NoiseScaleEstimate
 
     base = dict(unit="token", confidence=0.95, tr_sigma=1.0, g_sq=1.0, windows=60, skipped_windows=0,
                 effective_windows=20.0, big_count=1024.0, lr=3e-3)

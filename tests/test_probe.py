@@ -526,7 +526,8 @@ def test_cli_bad_memory_limit_is_one_line_exit_2(capsys):
 def test_cli_missing_cuda_is_one_line_exit_2(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a GPU machine
     code, _, err = run_cli(capsys, "probe", "--task", "tinygpt", "--device", "cuda")
-    assert code == 2 and err.strip() == "error: device 'cuda' is not available here; allowed: cpu"
+    assert code == 2 and err.strip() == ("error: --device 'cuda' is not allowed (CUDA is not available on this "
+                                         "machine); allowed: cpu (or a CUDA device on a machine with one)")
 
 
 def test_cli_tinygpt_json(capsys, one_thread):
@@ -562,22 +563,22 @@ TINY_GPT = ("--task-arg", "d_model=16", "--task-arg", "n_layer=1", "--task-arg",
     (("--memory-limit", "0",), "--memory-limit 0 is not allowed; allowed: a budget of at least 1 byte"),
 ])
 def test_cli_bad_flags_are_one_line_before_any_trial(capsys, monkeypatch, argv, expected):
-    import globalbatch.tasks
+    import globalbatch.lab.tasks
 
     def no_task(*a, **k):
         raise AssertionError("a bad flag must be caught before the task is built")
 
-    monkeypatch.setattr(globalbatch.tasks, "load_task", no_task)
+    monkeypatch.setattr(globalbatch.lab.tasks, "load_task", no_task)
     code, out, err = run_cli(capsys, "probe", *argv)
     assert code == 2 and out == ""
     assert err.startswith("error: " + expected) and err.count("\n") == 1, err
 
 
 def test_probe_task_checks_settings_before_building(monkeypatch):
-    import globalbatch.tasks
-    from globalbatch.probe import probe_task
+    import globalbatch.lab.tasks
+    from globalbatch.lab.probe_run import probe_task
 
-    monkeypatch.setattr(globalbatch.tasks, "load_task", lambda *a, **k: pytest.fail("built"))
+    monkeypatch.setattr(globalbatch.lab.tasks, "load_task", lambda *a, **k: pytest.fail("built"))
     with pytest.raises(ValueError, match="dp_world_size 0 is not allowed"):
         probe_task("tinygpt", global_batch=64, dp_world_size=0)
     with pytest.raises(ValueError, match="global_batch -4 is not allowed; allowed: a positive multiple"):
@@ -615,7 +616,7 @@ def test_byte_units_follow_the_size():
 
 
 def test_cli_task_arg_reaches_the_task(capsys, monkeypatch):
-    import globalbatch.tasks
+    import globalbatch.lab.tasks
 
     seen = {}
 
@@ -623,7 +624,7 @@ def test_cli_task_arg_reaches_the_task(capsys, monkeypatch):
         seen.update(overrides, spec=spec)
         raise ValueError("stop here")
 
-    monkeypatch.setattr(globalbatch.tasks, "load_task", fake_load)
+    monkeypatch.setattr(globalbatch.lab.tasks, "load_task", fake_load)
     code, _, err = run_cli(capsys, "probe", "--task-arg", "d_model=64", "--task-arg", "corpus_dir=/x")
     assert code == 2 and err.strip() == "error: stop here"
     assert seen == {"spec": "tinygpt", "d_model": 64, "corpus_dir": "/x"}

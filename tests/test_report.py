@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from globalbatch.sweep import SweepConfig, atomic_write_json, load_sweep
-from globalbatch.report import write_report
+from globalbatch._util import atomic_write_json
+from globalbatch.lab.sweep import SweepConfig, load_sweep
+from globalbatch.lab.report import write_report
 
 TOKENS_PER_SAMPLE = 20
 B_CRIT_TOKENS = 1600.0  # = 80 samples × 20 tokens

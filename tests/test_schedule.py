@@ -77,7 +77,8 @@ def test_constant_batch_never_changes():
 def test_rampup_matches_megatron_example():
     # Megatron-LM --rampup-batch-size 16 8 300000 with --global-batch-size 1024:
     # 126 increments of 300000/126 ≈ 2380.95 samples each
-    r = RampupBatchSchedule(start=16, increment=8, ramp=300_000, final=1024)
+    r = RampupBatchSchedule(start=16, increment=8, ramp=300_000, final=1024, unit="sample")
+    assert RampupBatchSchedule(start=16, increment=8, ramp=300_000, final=1024).unit == "token"  # every schedule defaults to tokens
     assert r.num_increments == 126
     for k in range(1, 127):
         boundary = math.ceil(k * 300_000 / 126)  # first position of increment k
@@ -243,3 +244,30 @@ def test_doc_snippets_run():
     namespace: dict = {"__name__": "doc_snippet"}
     for i, code in enumerate(blocks, 1):
         exec(compile(code, f"{_DOC.name} python block {i}", "exec"), namespace)  # noqa: S102 - test only
+
+
+def test_step_config_holds_the_lr_schedule_and_refuses_mismatched_units():
+    from globalbatch.step import StepConfig
+
+    lr = TokenLRSchedule(peak_lr=1e-3, total=10_000)
+    ramp = RampupBatchSchedule(start=4, increment=4, ramp=1_000, final=16, unit="sample")
+    with pytest.raises(ValueError, match="lr_schedule unit 'token' and batch_schedule unit 'sample'"):
+        StepConfig(micro_batch=4, batch_schedule=ramp, lr_schedule=lr)
+    ok = StepConfig(micro_batch=4, batch_schedule=RampupBatchSchedule(start=4, increment=4, ramp=1_000, final=16),
+                    lr_schedule=lr)
+    assert ok.lr_schedule is lr and ok.batch_schedule.unit == lr.unit == "token"
+
+
+def test_driver_lr_schedule_argument_is_a_deprecated_alias():
+    import torch
+
+    from globalbatch.step import StepConfig, StepDriver
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lr = TokenLRSchedule(peak_lr=1e-3, total=10_000)
+    with pytest.warns(DeprecationWarning, match="StepConfig"):
+        drv = StepDriver(model, opt, StepConfig(micro_batch=1, global_batch=2), lr_schedule=lr)
+    assert drv.config.lr_schedule is lr and drv.lr_schedule is lr
+    with pytest.raises(ValueError, match="StepConfig.lr_schedule only"):
+        StepDriver(model, opt, StepConfig(micro_batch=1, global_batch=2, lr_schedule=lr), lr_schedule=lr)

@@ -18,13 +18,12 @@ import pytest
 import torch
 
 from globalbatch.schedule import TokenLRSchedule, parse_step_schedule
+from globalbatch.checkpoint import load_checkpoint, save_checkpoint
 from globalbatch.step import (
     NonFiniteError,
     StepConfig,
     StepDriver,
-    load_checkpoint,
     plan_for_world,
-    save_checkpoint,
 )
 from conftest import run_torchrun
 
@@ -34,9 +33,9 @@ sc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sc)
 
 
-def _driver(model, opt, *, micro=2, global_batch=16, clip=None, k=8, **kw):
-    return StepDriver(model, opt, StepConfig(micro_batch=micro, global_batch=global_batch,
-                                             max_grad_norm=clip, max_consecutive_skips=k), **kw)
+def _driver(model, opt, *, micro=2, global_batch=16, clip=None, k=8, lr_schedule=None, **kw):
+    return StepDriver(model, opt, StepConfig(micro_batch=micro, global_batch=global_batch, max_grad_norm=clip,
+                                             max_consecutive_skips=k, lr_schedule=lr_schedule), **kw)
 
 
 # --------------------------------------------------------------------------- plan
@@ -298,8 +297,8 @@ def test_resume_is_bitwise_identical(tmp_path, dtype):
 
     def fresh():
         model, opt = sc.clone_model_opt(sc.build_model(dtype=dtype))
-        drv = StepDriver(model, opt, StepConfig(micro_batch=2, batch_schedule=bsched, max_grad_norm=0.5),
-                         lr_schedule=sched)
+        drv = StepDriver(model, opt, StepConfig(micro_batch=2, batch_schedule=bsched, max_grad_norm=0.5,
+                                                lr_schedule=sched))
         return model, opt, drv
 
     def run(model, opt, drv, windows):
@@ -360,7 +359,7 @@ def test_token_lr_schedule_applied_at_position_after_step(global_batch):
     model = sc.build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = TokenLRSchedule(peak_lr=1e-3, warmup=1000, total=2000, shape="linear")
-    drv = StepDriver(model, opt, StepConfig(micro_batch=2, global_batch=global_batch), lr_schedule=sched)
+    drv = StepDriver(model, opt, StepConfig(micro_batch=2, global_batch=global_batch, lr_schedule=sched))
     seqs = sc.make_sequences(32, seed=9)
     seen = []
     for w in sc.chunks(seqs, global_batch):

@@ -15,17 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from globalbatch.sweep import (
-    SweepConfig,
-    analyze_sweep,
-    atomic_write_json,
-    load_sweep,
-    parse_list,
-    parse_task_args,
-    read_jsonl,
-    run_sweep,
-    run_trial,
-)
+from globalbatch._util import atomic_write_json, parse_list, parse_task_args, read_jsonl
+from globalbatch.lab.sweep import SweepConfig, analyze_sweep, load_sweep, run_sweep, run_trial
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -154,7 +145,7 @@ def test_analyze_sweep_gives_points_and_recommendation(reference_sweep):
 
 _KILL_SCRIPT = """
 import sys, json
-from globalbatch.sweep import SweepConfig, run_sweep
+from globalbatch.lab.sweep import SweepConfig, run_sweep
 cfg = SweepConfig(**json.loads(sys.argv[2]))
 run_sweep(cfg, sys.argv[1], workers=2, threads=1, progress=False)
 """
@@ -384,7 +375,7 @@ def test_noise_scale_is_logged_at_evaluations(tmp_path):
 def test_demo_config_stays_within_its_measured_budget():
     """`make demo` must finish in 5 minutes on 2 cores: 4.5M tokens took 80 s of sweep on a quiet
     machine and 179 s under load average 5 (docs/sweep.md). Growing the grid needs a new measurement."""
-    from globalbatch.sweep import demo_config
+    from globalbatch.lab.sweep import demo_config
 
     cfg = demo_config()
     assert len(cfg.trials()) * cfg.budget <= 4_500_000

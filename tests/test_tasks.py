@@ -9,9 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
-from globalbatch.tasks import (
+from globalbatch.lab.tasks import (
     IGNORE_INDEX,
     PAD_ID,
     REQUIRED_ATTRIBUTES,
@@ -170,7 +169,7 @@ def test_validation_split_is_disjoint_from_train(gpt):
 
 
 def test_corpus_is_stdlib_without_tests_and_is_cached():
-    from globalbatch import tasks
+    from globalbatch.lab.tasks import tinygpt as tasks
 
     task = load_task("tinygpt")
     assert task.corpus_bytes == 4_000_000 and task.num_train_samples > 20_000
@@ -183,7 +182,7 @@ def test_corpus_is_stdlib_without_tests_and_is_cached():
 
 
 def test_documents_split_at_def_class_and_keep_decorators(tmp_path):
-    from globalbatch.tasks import _chunk_starts
+    from globalbatch.lab.tasks.tinygpt import _chunk_starts
 
     text = (b'"""Doc."""\nimport os\n\n'           # 0: module preamble
             b'@dec\n@dec2(1)\ndef f():\n    pass\n'  # 22: decorators stay with their def

@@ -1,6 +1,6 @@
 """Small shared helpers: crash-safe file writes and the CLI's list/``KEY=VALUE`` parsing.
 
-Used by sweep, branch, report and noise; ``globalbatch.sweep`` re-exports the public ones.
+Used by the lab (sweep, branch, report, noise) and the CLI.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, Mapping, Optional, Sequence
 
 __all__ = ["atomic_write_text", "atomic_write_json", "json_default", "read_jsonl", "parse_list", "parse_task_args",
-           "SettingError", "flag_names"]
+           "SettingError", "flag_names", "read_json_checked"]
 
 
 # ---------------------------------------------------------------------------
@@ -112,16 +112,29 @@ def json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
+def read_json_checked(path: str | os.PathLike, *, field: str = "run_dir") -> Any:
+    """A JSON file of a run directory; unreadable or malformed is a :class:`SettingError` naming the file."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SettingError(field, str(Path(path).parent), "a run directory written by globalbatch",
+                           why=f"{path} is unreadable: {exc}") from None
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """Records of a JSONL file; a torn last line (a write cut by a kill) is dropped."""
+    """Records of a JSONL file; a torn last line (a write cut by a kill) is dropped; a garbage line names the file."""
     out = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
+        for lineno, line in enumerate(f, 1):
             if not line.endswith("\n"):
                 break
             line = line.strip()
             if line:
-                out.append(json.loads(line))
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise SettingError("run_dir", str(Path(path).parent), "a run directory written by globalbatch",
+                                       why=f"{path} line {lineno} is not JSON: {exc}") from None
     return out
 
 
@@ -177,7 +190,7 @@ def parse_task_args(pairs: Sequence[str]) -> dict[str, Any]:
 
 def load_task_checked(task: str, overrides: Mapping[str, Any]):
     """``load_task(task, **overrides)`` with a :class:`SettingError` naming ``task`` or ``task_overrides``."""
-    from globalbatch.tasks import load_task
+    from globalbatch.lab.tasks import load_task
 
     try:
         return load_task(task, **dict(overrides))

@@ -15,6 +15,11 @@ from typing import Optional
 
 import typer
 
+from globalbatch.optim.registry import optimizer_names  # noqa: E402 (torch-free table)
+
+_OPTIMIZERS = ", ".join(optimizer_names())
+"""The registry's names as --help shows them."""
+
 app = typer.Typer(
     name="globalbatch",
     help="Plan, check and measure the global batch size of PyTorch training.",
@@ -106,15 +111,15 @@ def plan_cmd(
     }
     report = make_plan(config, flags, dp_world_size=dp, round_down=round_down)
     if as_json:
-        typer.echo(json.dumps(report, indent=2, sort_keys=True))
+        typer.echo(json.dumps(report.to_dict(), indent=2, sort_keys=True))
     else:
         from rich.console import Console
 
         console = Console(width=max(Console().width, 120))  # the arithmetic column reads best unwrapped
         console.print(plan_table(report))
-        if report["priors"]:
+        if report.priors:
             console.print("priors are scaling-law predictions, not measurements: measure with `globalbatch sweep`/`noise`.")
-    for w in report["warnings"]:
+    for w in report.warnings:
         typer.echo(f"warning: {w}", err=True)
 
 
@@ -127,7 +132,8 @@ def probe_cmd(
     max_micro_batch: Optional[int] = typer.Option(None, "--max-micro-batch", help="Largest size tried (default global ÷ dp, else 8192)."),
     steps_per_trial: int = typer.Option(3, "--steps-per-trial", help="Timed training steps per trial (after 2 untimed warm-up steps)."),
     tolerance: float = typer.Option(0.05, "--tolerance", help="Fastest = smallest micro-batch within this fraction of the best tokens/s."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default cuda when available)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N or mps (default cuda when available)."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
 ) -> None:
@@ -137,7 +143,9 @@ def probe_cmd(
 
     from ._util import parse_task_args
     from .plan import parse_bytes
-    from .probe import NothingFits, check_probe_settings, format_bytes, geometry_text, limit_text, probe_table, probe_task
+    from .lab.device import check_device
+    from .lab.probe_run import probe_task
+    from .probe import NothingFits, check_probe_settings, format_bytes, geometry_text, limit_text, probe_table
 
     overrides = parse_task_args(task_arg)
     limit = None if memory_limit is None else parse_bytes(memory_limit, "--memory-limit")
@@ -148,12 +156,16 @@ def probe_cmd(
                          names={"global_batch": "--global-batch", "dp_world_size": "--dp",
                                 "max_micro_batch": "--max-micro-batch", "steps_per_trial": "--steps-per-trial",
                                 "tolerance": "--tolerance"})
+    import torch
+
+    check_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"), precision,
+                 field="--device", precision_field="--precision")
     if not as_json:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         result = probe_task(task, global_batch=global_batch, dp_world_size=dp, memory_limit_bytes=limit,
                             max_micro_batch=max_micro_batch, steps_per_trial=steps_per_trial, tolerance=tolerance,
-                            device=device, task_overrides=overrides)
+                            device=device, precision=precision, task_overrides=overrides)
     except NothingFits as exc:
         peak = exc.trial.peak_memory_bytes
         if limit is not None and peak is not None and peak > limit:
@@ -194,28 +206,31 @@ def sweep_cmd(
     seed: int = typer.Option(0, "--seed", help="Seed of the model init and of the shared data order."),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per forward/backward (default min(batch, 16))."),
     eval_every: Optional[str] = typer.Option(None, "--eval-every", help="Units between validation evaluations (default budget ÷ 8)."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw or sgd."),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + _OPTIMIZERS + "."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
     noise: bool = typer.Option(False, "--noise", help="Also log the gradient noise scale B_simple at every evaluation (the report plots it)."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or mps (checked before anything is written)."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
 ) -> None:
     """Train every batch × LR on the same data order and token budget, then fit the critical batch."""
     from rich.console import Console
 
     from ._util import flag_names
     from .plan import parse_count
-    from .report import analysis_table
-    from .sweep import SweepConfig, analyze_sweep, parse_list, parse_task_args, run_sweep
+    from ._util import parse_list, parse_task_args
+    from .lab.report import analysis_table
+    from .lab.sweep import SweepConfig, analyze_sweep, run_sweep
 
     names = {"task": "--task", "task_overrides": "--task-arg", "batches": "--batches", "lrs": "--lrs",
              "budget": "--tokens", "seed": "--seed", "micro_batch": "--micro-batch", "eval_every": "--eval-every",
              "optimizer": "--optimizer", "backend": "--backend", "workers": "--workers", "threads": "--threads",
-             "address": "--address", "out": "--out"}
+             "address": "--address", "out": "--out", "device": "--device", "precision": "--precision"}
     with flag_names(names):
         cfg = SweepConfig(task=task, task_overrides=parse_task_args(task_arg), batches=parse_list(batches, "--batches", int),
                           lrs=parse_list(lrs, "--lrs", allowed="numbers > 0, e.g. 3e-4,1e-3"), budget=parse_count(tokens, "--tokens"), seed=seed,
                           micro_batch=micro_batch,
                           eval_every=None if eval_every is None else parse_count(eval_every, "--eval-every"),
-                          optimizer=optimizer, noise=noise)
+                          optimizer=optimizer, noise=noise, device=device, precision=precision)
         console = Console(stderr=True)
         result = run_sweep(cfg, out, workers=workers, threads=threads, backend=backend, address=address)
     console.print(f"sweep {out}: {len(result.ran)} trial(s) run, {len(result.skipped)} already finished, "
@@ -244,8 +259,8 @@ def report_cmd(
     from rich.console import Console
 
     from ._util import flag_names
-    from .report import analysis_table, write_report
-    from .sweep import parse_list
+    from ._util import parse_list
+    from .lab.report import analysis_table, write_report
 
     if half_life_steps is not None and halflife_steps_old is not None and half_life_steps != halflife_steps_old:
         raise ValueError(f"--halflife-steps {halflife_steps_old:g} is not allowed with --half-life-steps "
@@ -273,14 +288,15 @@ def noise_cmd(
     grad_accum: int = typer.Option(4, "--grad-accum", help="Micro-batches per step; on one process ≥ 2 (they are the small batches)."),
     steps: int = typer.Option(50, "--steps", help="Optimizer steps (windows) to train and measure."),
     lr: float = typer.Option(1e-3, "--lr", help="Constant learning rate (B_simple depends on it; it is logged)."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw or sgd."),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + _OPTIMIZERS + " (the same recipe as sweep)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the model init and the data order."),
     log_every: int = typer.Option(5, "--log-every", help="Steps between estimates (rows of the curve)."),
     half_life_windows: float = typer.Option(10.0, "--half-life-windows", help="EMA half-life in windows of the global batch (forgetting is per unit)."),
     adam_variant: bool = typer.Option(False, "--adam-variant", help="Also report the Adam-preconditioned variant g/(√v̂+eps)."),
     out: str = typer.Option("runs/noise", "--out", help="Directory for noise.csv (and tb/ with --tensorboard)."),
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also write TensorBoard scalars (pip install 'globalbatch[tensorboard]')."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default cuda when available)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N or mps (default cuda when available)."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
 ) -> None:
@@ -292,12 +308,17 @@ def noise_cmd(
     from rich.text import Text
 
     from ._util import parse_task_args
-    from .noise import NoiseRunConfig, format_estimate, measure_noise
-    from .noise.run import CLI_FLAGS, check_noise_settings, format_interval
+    from .lab.device import check_device
+    from .lab.noise_run import (CLI_FLAGS, NoiseRunConfig, check_noise_settings, format_estimate, format_interval,
+                                measure_noise)
 
     check_noise_settings(micro_batch=micro_batch, grad_accum_steps=grad_accum, steps=steps, lr=lr, optimizer=optimizer,
                          log_every=log_every, half_life_windows=half_life_windows, adam_variant=adam_variant,
                          threads=threads, world_size=int(os.environ.get("WORLD_SIZE", "1")), names=CLI_FLAGS)
+    import torch
+
+    check_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"), precision,
+                 field="--device", precision_field="--precision")
     if threads is not None:
         import torch
 
@@ -305,7 +326,7 @@ def noise_cmd(
     cfg = NoiseRunConfig(task=task, task_overrides=parse_task_args(task_arg), micro_batch=micro_batch,
                          grad_accum_steps=grad_accum, steps=steps, lr=lr, optimizer=optimizer, seed=seed,
                          log_every=log_every, half_life_windows=half_life_windows, adam_variant=adam_variant,
-                         device=device)
+                         device=device, precision=precision)
     console = Console(width=max(Console().width, 140))
     console.print(f"noise: {task}, {micro_batch} samples × {grad_accum} accum per rank, {steps} steps, lr {lr:g} "
                   f"({optimizer}); EMA half-life {half_life_windows:g} windows")
@@ -358,23 +379,26 @@ def branch_cmd(
     alpha: float = typer.Option(0.05, "--alpha", help="Level of the one-sided t-test per k."),
     metric: str = typer.Option("val", "--metric", help="val (validation loss at the end of the window) or train (last quarter's training loss)."),
     test: str = typer.Option("paired", "--test", help="paired (per-seed differences) or welch."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw (LR × √k) or sgd (LR × k)."),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="A registry optimizer (" + _OPTIMIZERS + "); LR × √k for Adam-type, × k for SGD-type."),
     out: str = typer.Option("runs/branch", "--out", help="Output directory; rerunning reuses finished branches (a larger --seeds adds only the new seeds' branches)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the model init and the base run's data order."),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per forward/backward (default min(batch, 16))."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or mps (checked before anything is written)."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
 ) -> None:
     """Merrill et al. 2025 branch test: the largest k whose k× batch branches are not worse than k = 1."""
     from ._util import flag_names
-    from .branch import BranchConfig, run_branch_test
+    from ._util import parse_list, parse_task_args
+    from .lab.branch import BranchConfig, run_branch_test
     from .plan import parse_count
-    from .sweep import parse_list, parse_task_args
 
     names = {"task": "--task", "task_overrides": "--task-arg", "base_batch": "--base-batch", "ks": "--ks", "lr": "--lr",
              "optimizer": "--optimizer", "branch_at": "--warmup-tokens", "window": "--window-tokens", "seeds": "--seeds",
              "seed": "--seed", "micro_batch": "--micro-batch", "tolerance": "--tolerance", "alpha": "--alpha",
-             "metric": "--metric", "test": "--test", "threads": "--threads", "out": "--out"}
+             "metric": "--metric", "test": "--test", "threads": "--threads", "out": "--out", "device": "--device",
+             "precision": "--precision"}
     with flag_names(names):
         cfg = BranchConfig(task=task, task_overrides=parse_task_args(task_arg), base_batch=base_batch,
                            ks=parse_list(ks, "--ks", int, allowed="whole numbers ≥ 1 including 1, e.g. 1,2,4,8"),
@@ -382,7 +406,8 @@ def branch_cmd(
                            branch_at=parse_list(warmup_tokens, "--warmup-tokens", int,
                                                 allowed="unit counts ≥ 1, e.g. 200K or 100K,200K"),
                            window=parse_count(window_tokens, "--window-tokens"), seeds=seeds, seed=seed,
-                           micro_batch=micro_batch, tolerance=tolerance, alpha=alpha, metric=metric, test=test)
+                           micro_batch=micro_batch, tolerance=tolerance, alpha=alpha, metric=metric, test=test,
+                           device=device, precision=precision)
         result = run_branch_test(cfg, out, threads=threads)
     typer.echo(result.text())
     typer.echo(f"wrote {out}/result.json")
@@ -392,20 +417,31 @@ def branch_cmd(
 def demo_cmd(
     out: str = typer.Option("demo_out", "--out", help="Output directory of the demo sweep and its report."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Trials at once (default: min(trials, cores))."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or mps (checked before anything is written)."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
 ) -> None:
     """A quick sweep of a small tinygpt (a few minutes on 2 CPU cores), then the HTML report."""
     import time
 
     from rich.console import Console
 
-    from .report import analysis_table, write_report
-    from .sweep import demo_config, run_sweep
+    import dataclasses
+
+    from ._util import SettingError, flag_names
+    from .lab.device import check_device
+    from .lab.report import analysis_table, write_report
+    from .lab.sweep import demo_config, run_sweep
 
     t0 = time.time()
-    cfg = demo_config()
-    console = Console(stderr=True)
-    console.print(f"demo: tinygpt {cfg.task_overrides}, batches {cfg.batches}, lrs {cfg.lrs}, {cfg.budget:,} tokens per trial")
-    result = run_sweep(cfg, out, workers=workers)
+    with flag_names({"device": "--device", "precision": "--precision", "workers": "--workers"}):
+        cfg = dataclasses.replace(demo_config(), device=device, precision=precision)
+        check_device(device, precision)  # before the banner: a bad flag is one line
+        if workers is not None and workers < 1:
+            raise SettingError("workers", workers, "a whole number ≥ 1")
+        console = Console(stderr=True)
+        console.print(f"demo: tinygpt {cfg.task_overrides}, batches {cfg.batches}, lrs {cfg.lrs}, "
+                      f"{cfg.budget:,} tokens per trial, {cfg.device} {cfg.precision}")
+        result = run_sweep(cfg, out, workers=workers)
     res = write_report(out)
     Console(width=max(Console().width, 140)).print(analysis_table(res.data, res.analysis))
     if res.analysis.recommendation is not None:

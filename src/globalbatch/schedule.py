@@ -245,7 +245,7 @@ class RampupBatchSchedule(BatchSchedule):
     All four numbers also take a count string (``"300K"``) or an integral float, stored as an int."""
     final: int
     """Global batch from ``ramp`` units on."""
-    unit: str = "sample"
+    unit: str = "token"
     """What ``ramp`` counts: ``"token"`` (loss-bearing tokens) or ``"sample"``."""
     lr_rule: str = "sqrt"
     """LR rule applied at each change: ``"sqrt"``, ``"linear"`` or ``"none"``."""

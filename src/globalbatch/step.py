@@ -44,10 +44,10 @@ overhead against a hand-written loop.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -56,7 +56,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from globalbatch._util import atomic_write
 from globalbatch.parallel import inspect_parallel, unwrap_model
 from globalbatch.plan import BatchGeometry, solve_geometry
 from globalbatch.schedule import (
@@ -72,8 +71,6 @@ __all__ = [
     "StepResult",
     "NonFiniteError",
     "plan_for_world",
-    "save_checkpoint",
-    "load_checkpoint",
     "unwrap_model",
 ]
 
@@ -105,6 +102,9 @@ class StepConfig:
     """Samples per optimizer step over all ranks and micro-steps (fixed). Give this or ``batch_schedule``."""
     batch_schedule: Optional[BatchSchedule] = None
     """A global batch that grows with trained tokens/samples (see :mod:`globalbatch.schedule`)."""
+    lr_schedule: Optional[TokenLRSchedule] = None
+    """The LR over trained tokens/samples; sets every param group's LR before each step (groups keep
+    their initial LR ratios to the first group). Its unit must match the batch schedule's."""
     max_grad_norm: Optional[float] = None
     """Clip the global gradient norm (after accumulation and unscaling) to this; None: no clipping."""
     max_consecutive_skips: int = 8
@@ -129,6 +129,13 @@ class StepConfig:
             )
         if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
             raise ValueError(f"max_grad_norm {self.max_grad_norm!r} is not allowed; allowed: a finite number > 0 or None")
+        if self.lr_schedule is not None and not isinstance(self.lr_schedule, TokenLRSchedule):
+            raise ValueError(f"lr_schedule {self.lr_schedule!r} is not allowed; allowed: a TokenLRSchedule or None")
+        if self.lr_schedule is not None and self.batch_schedule is not None \
+                and self.lr_schedule.unit != self.batch_schedule.unit:
+            raise ValueError(
+                f"lr_schedule unit {self.lr_schedule.unit!r} and batch_schedule unit {self.batch_schedule.unit!r} "
+                "differ; allowed: the same unit for both (token, the default, or sample)")
         k = self.max_consecutive_skips
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"max_consecutive_skips {k!r} is not allowed; allowed: a whole number >= 1")
@@ -203,8 +210,8 @@ class StepDriver:
             or FSDP2 (``fully_shard``) module is detected and synced once per window.
         optimizer: any ``torch.optim.Optimizer``.
         config: the batch geometry, clipping and skip policy.
-        lr_schedule: optional :class:`TokenLRSchedule`; sets every param group's LR before
-            each step (groups keep their initial LR ratios to the first group).
+        lr_schedule: deprecated alias of ``StepConfig.lr_schedule`` (the LR schedule lives beside
+            the batch schedule in the config).
         lr_scheduler: optional step-based torch LR scheduler, stepped after applied steps only.
         scaler: optional ``torch.amp.GradScaler``; the driver scales, unscales and steps through it.
         callbacks: objects with optional ``on_micro_backward(driver, micro_index, local_count)``,
@@ -226,6 +233,14 @@ class StepDriver:
         callbacks: Sequence[Any] = (),
         dp_group: Any = None,
     ) -> None:
+        if lr_schedule is not None:
+            if config.lr_schedule is not None:
+                raise ValueError("lr_schedule is set in StepConfig and as a StepDriver argument; allowed: "
+                                 "StepConfig.lr_schedule only (the argument is a deprecated alias)")
+            warnings.warn("StepDriver(lr_schedule=...) is deprecated; use StepConfig(lr_schedule=...)",
+                          DeprecationWarning, stacklevel=2)
+            config = dataclasses.replace(config, lr_schedule=lr_schedule)
+        lr_schedule = config.lr_schedule
         if lr_schedule is not None and lr_scheduler is not None:
             raise ValueError("lr_schedule and lr_scheduler are both set; allowed: at most one of them")
         self.model = model
@@ -681,106 +696,3 @@ class StepDriver:
             )
         self._reset_window()
         self._t_last = None
-
-
-# ---------------------------------------------------------------------------
-# Checkpoints
-# ---------------------------------------------------------------------------
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_checkpoint(
-    path: str | os.PathLike,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    driver: StepDriver,
-    *,
-    scaler: Any = None,
-    lr_scheduler: Any = None,
-    extra: Optional[dict[str, Any]] = None,
-) -> None:
-    """Write model, optimizer, driver, scaler, LR scheduler and every rank's RNG state atomically.
-
-    ``scaler`` and ``lr_scheduler`` default to the driver's own. Every rank's CPU (and CUDA)
-    RNG state is gathered to rank 0, which writes ``path`` via a temporary file and
-    ``os.replace``; the other ranks wait at a barrier. ``extra`` must hold only tensors,
-    primitives and containers so the file loads with ``torch.load(weights_only=True)``.
-    """
-    if inspect_parallel(model).kind == "fsdp2":
-        raise NotImplementedError("FSDP2 checkpoints are sharded; use torch.distributed.checkpoint for the model")
-    scaler = scaler if scaler is not None else driver.scaler
-    lr_scheduler = lr_scheduler if lr_scheduler is not None else driver.lr_scheduler
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
-    rng = _rng_state()
-    if distributed:
-        per_rank: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, rng)  # once per checkpoint, not in the hot path
-    else:
-        per_rank = [rng]
-    if rank == 0:
-        state = {
-            "model": unwrap_model(model).state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "driver": driver.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-            "rng": {"per_rank": per_rank},
-            "extra": extra,
-        }
-        atomic_write(path, lambda f: torch.save(state, f))
-    if distributed:
-        dist.barrier()
-
-
-def load_checkpoint(
-    path: str | os.PathLike,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    driver: StepDriver,
-    *,
-    scaler: Any = None,
-    lr_scheduler: Any = None,
-    map_location: Any = "cpu",
-    restore_rng: bool = True,
-) -> Optional[dict[str, Any]]:
-    """Restore what :func:`save_checkpoint` wrote (``weights_only=True``); returns ``extra``.
-
-    ``scaler`` and ``lr_scheduler`` default to the driver's own. Each rank restores its own
-    RNG state (rank 0's when the world size changed).
-    """
-    scaler = scaler if scaler is not None else driver.scaler
-    lr_scheduler = lr_scheduler if lr_scheduler is not None else driver.lr_scheduler
-    state = torch.load(path, map_location=map_location, weights_only=True)
-    unwrap_model(model).load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    driver.load_state_dict(state["driver"])
-    if scaler is not None and state.get("scaler") is not None:
-        scaler.load_state_dict(state["scaler"])
-    if lr_scheduler is not None and state.get("lr_scheduler") is not None:
-        lr_scheduler.load_state_dict(state["lr_scheduler"])
-    rng = state.get("rng")
-    if restore_rng and rng is not None:
-        if "per_rank" in rng:
-            per_rank = rng["per_rank"]
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-            _set_rng_state(per_rank[rank] if rank < len(per_rank) and len(per_rank) == _world() else per_rank[0])
-        else:  # files written before per-rank RNG
-            torch.set_rng_state(rng["torch"])
-    return state.get("extra")
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -22,12 +22,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 import step_common as sc  # noqa: E402
 
 from globalbatch.schedule import TokenLRSchedule  # noqa: E402
+from globalbatch.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from globalbatch.step import (  # noqa: E402
     NonFiniteError,
     StepConfig,
     StepDriver,
-    load_checkpoint,
-    save_checkpoint,
 )
 
 RANK = WORLD = 0

@@ -49,8 +49,8 @@ called at log steps.
 
 Layout: :mod:`~globalbatch.noise.estimator` (the per-window estimator, the EMA and its
 interval and flags), :mod:`~globalbatch.noise.monitor` (:class:`NoiseScaleMonitor`: the
-``micro`` and ``rank`` sources, the DDP comm hook, the Adam variant) and
-:mod:`~globalbatch.noise.run` (:func:`measure_noise`, the run behind ``globalbatch noise``).
+``micro`` and ``rank`` sources, the DDP comm hook, the Adam variant); the run behind
+``globalbatch noise`` is an experiment of the lab (:mod:`globalbatch.lab.noise_run`).
 """
 
 from globalbatch.noise.estimator import (
@@ -62,7 +62,6 @@ from globalbatch.noise.estimator import (
     window_estimates,
 )
 from globalbatch.noise.monitor import SOURCES, NoiseConfig, NoiseScaleMonitor  # noqa: F401 (SOURCES: not in __all__)
-from globalbatch.noise.run import NoiseRunConfig, NoiseRunResult, format_estimate, measure_noise
 
 __all__ = [
     "NEEDS_TWO_BATCH_SIZES",
@@ -73,8 +72,4 @@ __all__ = [
     "NoiseScaleMonitor",
     "window_estimates",
     "fieller_interval",
-    "NoiseRunConfig",
-    "NoiseRunResult",
-    "measure_noise",
-    "format_estimate",
 ]

@@ -14,7 +14,7 @@ With ``weight_decay=0`` (the harness default) there is a single group.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 __all__ = ["OptimizerRecipe", "OPTIMIZERS", "optimizer_names", "register_optimizer", "build_optimizer",
            "decay_param_groups", "lr_scaling_rule"]

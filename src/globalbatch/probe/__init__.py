@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from globalbatch.probe.memory import MemoryModel, fit_memory_model, is_oom_error, release_memory
 from globalbatch.probe.report import geometry_text, limit_text, probe_table
-from globalbatch.probe.runner import TrainStepRunner, TrialConfig, probe, probe_task
+from globalbatch.probe.runner import TrainStepRunner, TrialConfig, probe
 from globalbatch.probe.search import (
     DEFAULT_MAX_MICRO_BATCH,
     DEFAULT_START_MICRO_BATCH,
@@ -84,7 +84,6 @@ __all__ = [
     "TrialConfig",
     "TrainStepRunner",
     "probe",
-    "probe_task",
     "probe_table",
     "geometry_text",
     "limit_text",

@@ -1,12 +1,11 @@
-"""The real trial: a few training steps of the user's model (:class:`TrainStepRunner`),
-:func:`probe` (the search on them, model restored afterwards) and :func:`probe_task`
-(a built-in :mod:`globalbatch.tasks` task, used by ``globalbatch probe``).
+"""The real trial: a few training steps of the user's model (:class:`TrainStepRunner`) and
+:func:`probe` (the search on them, model restored afterwards). The probe of a lab task
+(``globalbatch probe``) is :func:`globalbatch.lab.probe_run.probe_task`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -20,10 +19,8 @@ from torch import nn
 from globalbatch.probe import memory  # memory.release_memory() looked up per call: tests patch it
 from globalbatch.probe.memory import _CpuTensorPeak, _read_status_kib, _reset_peak_rss, _static_bytes, is_oom_error
 from globalbatch.probe.search import (
-    DEFAULT_MAX_MICRO_BATCH,
     DEFAULT_START_MICRO_BATCH,
     ProbeResult,
-    check_probe_settings,
     probe_micro_batch,
 )
 from globalbatch.probe.trial import TrialResult, _one_line, _over_budget
@@ -58,7 +55,9 @@ class TrialConfig:
 
 
 def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-4)
+    from globalbatch.optim import build_optimizer  # the registry's AdamW: the same state as a sweep's
+
+    return build_optimizer("adamw", params, lr=1e-3)
 
 
 def _default_count_tokens(batch: Any) -> Optional[int]:
@@ -242,71 +241,3 @@ def probe(
             runner, max_micro_batch=max_micro_batch, start_micro_batch=start_micro_batch,
             memory_limit_bytes=memory_limit_bytes, tolerance=tolerance,
             use_memory_model=use_memory_model, global_batch=global_batch, dp_world_size=dp_world_size)
-
-
-
-# ---------------------------------------------------------------------------
-# Built-in tasks (used by ``globalbatch probe``)
-# ---------------------------------------------------------------------------
-
-
-def probe_task(
-    task: Any,
-    *,
-    global_batch: Optional[int] = None,
-    dp_world_size: int = 1,
-    memory_limit_bytes: Optional[int] = None,
-    max_micro_batch: Optional[int] = None,
-    steps_per_trial: int = 3,
-    tolerance: float = 0.05,
-    device: Optional[str] = None,
-    seed: int = 0,
-    task_overrides: Optional[dict[str, Any]] = None,
-) -> ProbeResult:
-    """:func:`probe` on a :mod:`globalbatch.tasks` task (a name such as ``"tinygpt"`` or a Task).
-
-    Batches are the first samples of ``task.sample_order(seed)`` (cycled when the
-    micro-batch is larger than the data set); the loss is ``loss_sum / count``; tokens per
-    step are ``task.tokens_in(batch)`` (padding included) for a token task and not counted for a
-    sample task (throughput is then samples/s). ``task_overrides`` are the task's keyword
-    overrides (``globalbatch probe --task-arg``), e.g. ``{"d_model": 64}``; only with a task name.
-    Every setting is checked before the model is built.
-    """
-    from itertools import islice
-
-    from globalbatch.tasks import load_task
-
-    check_probe_settings(global_batch=global_batch, dp_world_size=dp_world_size, max_micro_batch=max_micro_batch,
-                         steps_per_trial=steps_per_trial, tolerance=tolerance, memory_limit_bytes=memory_limit_bytes)
-    if isinstance(task, str):
-        task = load_task(task, **(task_overrides or {}))
-    elif task_overrides:
-        raise ValueError(f"task_overrides {task_overrides!r} is not allowed with a Task object; "
-                         "allowed: overrides with a task name")
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        torch_device = torch.device(device)
-    except RuntimeError as exc:
-        raise ValueError(f"device {device!r} is not a device; allowed: cpu, cuda, cuda:N ({exc})") from None
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} is not available here; allowed: cpu")
-    model = task.build_model(seed).to(torch_device)
-    cap = max_micro_batch or (global_batch // dp_world_size if global_batch else DEFAULT_MAX_MICRO_BATCH)
-    pool = list(islice(task.sample_order(seed), min(int(cap), task.num_train_samples)))
-
-    def make_batch(micro_batch: int) -> Any:
-        indices = [pool[i % len(pool)] for i in range(micro_batch)]
-        return task.collate(indices, torch_device)
-
-    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
-        loss_sum, count = task.loss_sum(m, batch)
-        return loss_sum / count.clamp(min=1)
-
-    unit = getattr(task, "unit", None)
-    count_tokens = (lambda batch: None) if unit == "sample" else task.tokens_in
-    result = probe(model, make_batch, loss_fn, global_batch=global_batch, dp_world_size=dp_world_size,
-                   memory_limit_bytes=memory_limit_bytes, max_micro_batch=max_micro_batch,
-                   steps_per_trial=steps_per_trial, tolerance=tolerance, count_tokens=count_tokens)
-    return dataclasses.replace(result, unit=unit)
-

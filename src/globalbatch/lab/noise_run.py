@@ -1,4 +1,4 @@
-"""A short training run that measures B_simple along the way (what ``globalbatch noise`` calls)."""
+"""A short training run that measures B_simple along the way (what ``globalbatch noise`` calls), through the lab's one loop."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from typing import Any
 import torch
 
 from globalbatch._util import atomic_write_text
-from globalbatch.noise.estimator import NEEDS_TWO_BATCH_SIZES, NoiseScaleEstimate
+from globalbatch.noise.estimator import NoiseScaleEstimate
 from globalbatch.noise.monitor import NoiseConfig, NoiseScaleMonitor
+from globalbatch.optim import optimizer_names
 
 __all__ = ["NoiseRunConfig", "NoiseRunResult", "measure_noise", "format_estimate", "format_number",
            "format_interval", "check_noise_settings", "CLI_FLAGS"]
@@ -33,7 +34,7 @@ class NoiseRunConfig:
     lr: float = 1e-3
     """Learning rate, constant (B_simple depends on it: it is logged beside every estimate)."""
     optimizer: str = "adamw"
-    """``adamw`` or ``sgd``."""
+    """A name in the optimizer registry (:mod:`globalbatch.optim`), the same recipe as ``sweep``."""
     seed: int = 0
     """Model init and data order."""
     log_every: int = 5
@@ -43,7 +44,9 @@ class NoiseRunConfig:
     adam_variant: bool = False
     """Also report the Adam-preconditioned variant (needs ``optimizer="adamw"``)."""
     device: str | None = None
-    """``cpu``, ``cuda``...; default cuda when available."""
+    """``cpu``, ``cuda``, ``cuda:N``, ``mps``; default cuda when available (under torchrun: ``cuda:LOCAL_RANK``)."""
+    precision: str = "fp32"
+    """``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast + GradScaler)."""
 
     def __post_init__(self) -> None:
         check_noise_settings(micro_batch=self.micro_batch, grad_accum_steps=self.grad_accum_steps, steps=self.steps,
@@ -84,8 +87,9 @@ def check_noise_settings(*, micro_batch: int = 8, grad_accum_steps: int = 4, ste
             raise ValueError(f"{name(field)} {text(field, value)} is not allowed; allowed: a whole number ≥ 1")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (lr >= 0 and math.isfinite(lr)):
         raise ValueError(f"{name('lr')} {text('lr', lr)} is not allowed; allowed: a finite number ≥ 0")
-    if optimizer not in ("adamw", "sgd"):
-        raise ValueError(f"{name('optimizer')} {text('optimizer', optimizer)} is not allowed; allowed: adamw or sgd")
+    if optimizer not in optimizer_names():
+        raise ValueError(f"{name('optimizer')} {text('optimizer', optimizer)} is not allowed; allowed: "
+                         f"{', '.join(optimizer_names())}")
     if adam_variant and optimizer != "adamw":
         flag = name("adam_variant") if names and "adam_variant" in names else "adam_variant True"
         raise ValueError(f"{flag} is not allowed with {name('optimizer')} {text('optimizer', optimizer)}; "
@@ -160,12 +164,13 @@ def measure_noise(config: NoiseRunConfig, *, out_dir: str | None = None, tensorb
 
     import torch.distributed as dist
 
-    from globalbatch.step import StepConfig, StepDriver
-    from globalbatch.tasks import load_task
+    from globalbatch.lab.device import resolve_device
+    from globalbatch.lab.loop import Experiment
+    from globalbatch.lab.tasks import load_task
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_noise_settings(grad_accum_steps=config.grad_accum_steps, world_size=world)
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     own_group = False
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -177,31 +182,20 @@ def measure_noise(config: NoiseRunConfig, *, out_dir: str | None = None, tensorb
     writer = _tensorboard_writer(os.path.join(out_dir or "runs/noise", "tb")) if tensorboard and rank == 0 else None
     try:
         task = load_task(config.task, **config.task_overrides)
-        model = task.build_model(config.seed).to(device)
-        if world > 1:
-            model = torch.nn.parallel.DistributedDataParallel(model)
-        opt = (torch.optim.AdamW(model.parameters(), lr=config.lr) if config.optimizer == "adamw"
-               else torch.optim.SGD(model.parameters(), lr=config.lr))
-        monitor = NoiseScaleMonitor(model, optimizer=opt, unit=task.unit,
-                                    config=NoiseConfig(half_life_windows=config.half_life_windows,
-                                                       adam=config.adam_variant))
-        driver = StepDriver(model, opt, StepConfig(micro_batch=config.micro_batch,
-                                                   global_batch=config.micro_batch * config.grad_accum_steps * world),
-                            callbacks=[monitor])
+        noise_config = NoiseConfig(half_life_windows=config.half_life_windows, adam=config.adam_variant)
+        exp = Experiment(task, batch=config.micro_batch * config.grad_accum_steps * world, micro_batch=config.micro_batch,
+                         optimizer=config.optimizer, lr=config.lr, seed=config.seed, device=device,
+                         precision=config.precision, ddp=world > 1,
+                         callbacks=lambda model, opt: [NoiseScaleMonitor(model, optimizer=opt, unit=task.unit,
+                                                                         config=noise_config)])
+        monitor = exp.driver.callbacks[0]
         units = [task.unit] + (["sample"] if task.unit == "token" else [])
         keys = [f"{v}/{u}" for v in monitor._variants() for u in units]
         order = task.sample_order(config.seed)
         rows: list[dict[str, Any]] = []
         csv_path = os.path.join(out_dir, "noise.csv") if out_dir and rank == 0 else None
         for step in range(1, config.steps + 1):
-            for i in range(config.grad_accum_steps):
-                draw = [next(order) for _ in range(config.micro_batch * world)]  # same stream on every rank
-                idx = draw[rank * config.micro_batch:(rank + 1) * config.micro_batch]
-                batch = task.collate(idx, device)
-                with driver.micro_step(last=i == config.grad_accum_steps - 1):
-                    loss_sum, count = task.loss_sum(model, batch)
-                    driver.backward(loss_sum, count, samples=len(idx))
-            res = driver.step()
+            res = exp.train_window(order).result  # every rank draws the same stream and trains its own slice
             if step % config.log_every == 0 or step == config.steps:
                 estimates = monitor.estimates()  # host sync: log steps only
                 if rank == 0:

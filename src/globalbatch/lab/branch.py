@@ -41,7 +41,6 @@ p ≥ alpha; fails) or ``worse`` (significant; fails).
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import math
 import os
@@ -52,14 +51,17 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from globalbatch._util import SettingError, atomic_write_json, json_default, load_task_checked
-from globalbatch.sweep import _build_optimizer, _evaluate
+from globalbatch._util import SettingError, atomic_write_json, load_task_checked
+from globalbatch.lab.device import PRECISIONS, check_device
+from globalbatch.lab.loop import default_micro_batch
+from globalbatch.lab.rundir import check_manifest
+from globalbatch.optim import lr_scaling_rule, optimizer_names
 
 __all__ = ["BranchConfig", "KVerdict", "Verdicts", "PointResult", "BranchResult", "branch_verdicts", "run_branch_test", "load_branch_results"]
 
 METRICS = ("val", "train")
 TESTS = ("paired", "welch")
-MANIFEST_VERSION = 2  # 2: the window is counted in samples, rounded up to max(ks)·base_batch
+MANIFEST_VERSION = 3  # 2: the window in samples, rounded up to max(ks)·base_batch; 3: device, precision, registry optimizers
 
 
 @dataclass(kw_only=True)
@@ -73,8 +75,9 @@ class BranchConfig:
     ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     """Batch multipliers; must include 1 (the reference branch)."""
     lr: float = 1e-3
-    """Peak LR of the base run at ``base_batch``; a k-branch uses lr·√k (adamw) or lr·k (sgd)."""
+    """Peak LR of the base run at ``base_batch``; a k-branch scales it by the optimizer's rule (√k for adamw, k for sgd)."""
     optimizer: str = "adamw"
+    """A name in the optimizer registry (:mod:`globalbatch.optim`)."""
     branch_at: list[int]
     """Units (tokens or samples) the base run has trained at each branch point."""
     window: int
@@ -94,6 +97,10 @@ class BranchConfig:
     test: str = "paired"
     max_val_samples: int = 256
     max_grad_norm: Optional[float] = 1.0
+    device: str = "cpu"
+    """``cpu``, ``cuda``, ``cuda:N`` or ``mps``; in the manifest."""
+    precision: str = "fp32"
+    """``fp32``, ``bf16`` or ``fp16``; in the manifest."""
 
     def __post_init__(self) -> None:
         self.ks = sorted(int(k) for k in self.ks)
@@ -108,8 +115,11 @@ class BranchConfig:
             raise E("base_batch", self.base_batch, "a whole number ≥ 1")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise E("lr", self.lr, "a finite number > 0")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise E("optimizer", self.optimizer, "adamw (LR × √k), sgd (LR × k)")
+        if self.optimizer not in optimizer_names():
+            raise E("optimizer", self.optimizer, ", ".join(f"{n} (LR × {'√k' if lr_scaling_rule(n) == 'sqrt' else 'k'})"
+                                                           for n in optimizer_names()))
+        if self.precision not in PRECISIONS:
+            raise E("precision", self.precision, ", ".join(PRECISIONS))
         if not self.branch_at or self.branch_at[0] < 1:
             raise E("branch_at", self.branch_at, "one or more branch points ≥ 1 unit")
         if self.window < 1:
@@ -148,11 +158,10 @@ class BranchConfig:
         """The branch LR: √k scaling for Adam-type optimizers, linear for SGD."""
         from globalbatch.plan import scale_lr
 
-        return float(scale_lr(self.lr, self.base_batch, k * self.base_batch, "sqrt" if self.optimizer == "adamw" else "linear"))
+        return float(scale_lr(self.lr, self.base_batch, k * self.base_batch, lr_scaling_rule(self.optimizer)))
 
     def micro_batch_for(self, batch: int) -> int:
-        m = self.micro_batch if self.micro_batch is not None else 16
-        return batch if batch <= m else math.gcd(batch, m)
+        return default_micro_batch(batch, self.micro_batch)
 
     def manifest(self) -> dict[str, Any]:
         d = asdict(self)
@@ -277,21 +286,21 @@ def branch_verdicts(
 # ---------------------------------------------------------------------------
 
 
-def _train(task, model, opt, driver, order, batch: int, micro: int, until_units: Optional[int] = None,
-           n_steps: Optional[int] = None, tail_from_step: Optional[int] = None) -> tuple[float, float, list[int]]:
-    """Train until ``driver.trained_units >= until_units`` (the base run) or for exactly
-    ``n_steps`` windows of ``batch`` samples (a branch); returns (token-weighted training
-    loss of the windows from index ``tail_from_step`` on, seconds, the sample ids drawn)."""
+def _train(exp, order, batch: int, until_units: Optional[int] = None, n_steps: Optional[int] = None,
+           tail_from_step: Optional[int] = None) -> tuple[float, float, list[int]]:
+    """Train ``exp`` (a :class:`globalbatch.lab.loop.Experiment`) until ``trained_units >= until_units`` (the
+    base run) or for exactly ``n_steps`` windows of ``batch`` samples (a branch); returns (token-weighted
+    training loss of the windows from index ``tail_from_step`` on, seconds, the sample ids drawn)."""
 
     tail_loss = tail_units = 0.0
     drawn: list[int] = []
     t0 = time.perf_counter()
     i_step = 0
+    driver = exp.driver
     while (driver.trained_units < until_units) if n_steps is None else (i_step < n_steps):
-        idx = list(itertools.islice(order, batch))
-        drawn.extend(int(j) for j in idx)
-        micros = [task.collate(idx[i:i + micro]) for i in range(0, batch, micro)]
-        res = driver.run_window(micros, task.loss_sum, samples_per_micro=[len(idx[i:i + micro]) for i in range(0, batch, micro)])
+        w = exp.train_window(order, batch)
+        drawn.extend(w.drawn)
+        res = w.result
         if tail_from_step is not None and i_step >= tail_from_step and not res.skipped:
             tail_loss += res.loss_per_unit * res.global_units
             tail_units += res.global_units
@@ -358,37 +367,6 @@ def _branch_name(point: int, k: int, seed: int) -> str:
     return f"p{point}_k{k}_s{seed}"
 
 
-def _check_manifest(out: Path, config: BranchConfig) -> None:
-    """Refuse a directory holding a branch test with other run settings; record these ones.
-
-    The seed count may change: seed s's branches do not depend on how many seeds there
-    are, so more seeds add branches (the finished ones are reused) and fewer use a subset.
-    """
-    path = out / "manifest.json"
-    want = json.loads(json.dumps(config.manifest(), default=json_default))
-    if path.is_file():
-        try:
-            have = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise SettingError("out", str(out), "a new directory, or a branch-test directory",
-                               why=f"manifest.json is unreadable: {exc}") from None
-        if not isinstance(have, dict) or not isinstance(have.get("branch"), dict):
-            what = "a sweep" if isinstance(have, dict) and "grid" in have else "no branch test"
-            raise SettingError("out", str(out), "a new directory, or a branch-test directory", why=f"it holds {what}")
-        g_have = {k: v for k, v in have["branch"].items() if k != "seeds"}
-        g_want = {k: v for k, v in want["branch"].items() if k != "seeds"}
-        if g_have != g_want or have.get("version") != want["version"]:
-            diffs = [f"{k}: {g_have.get(k)!r} -> {g_want.get(k)!r}" for k in sorted(set(g_have) | set(g_want))
-                     if g_have.get(k) != g_want.get(k)]
-            if have.get("version") != want["version"]:
-                diffs.append(f"version: {have.get('version')!r} -> {want['version']!r} (branches trained differently)")
-            raise SettingError("out", str(out), "a new directory, or the original settings (only --seeds may change)",
-                               why=f"holds a branch test with different settings: {'; '.join(diffs)}")
-        if have == want:
-            return
-    atomic_write_json(path, want)
-
-
 def run_branch_test(config: BranchConfig, out_dir: str | os.PathLike, *, threads: Optional[int] = None,
                     progress: bool = True) -> BranchResult:
     """Run the base run (checkpointing at every branch point) and every branch; resumable.
@@ -400,31 +378,29 @@ def run_branch_test(config: BranchConfig, out_dir: str | os.PathLike, *, threads
     """
     import torch
 
-    from globalbatch.step import StepConfig, StepDriver, load_checkpoint, save_checkpoint
+    from globalbatch.checkpoint import load_checkpoint, save_checkpoint
+    from globalbatch.lab.loop import Experiment
     from globalbatch.schedule import TokenLRSchedule
 
     # Every setting is checked, and the task built, before anything is written.
     if threads is not None and (isinstance(threads, bool) or int(threads) != threads or threads < 1):
         raise SettingError("threads", threads, "a whole number ≥ 1")
+    check_device(config.device, config.precision)
     task = load_task_checked(config.task, config.task_overrides)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise SettingError("out", str(out), "a directory (this is a file)")
     out.mkdir(parents=True, exist_ok=True)
-    _check_manifest(out, config)
+    check_manifest(out, config.manifest(), section="branch", mutable=("seeds",))
     if threads is not None:
         torch.set_num_threads(int(threads))
     t_wall = time.time()
     unit = task.unit
-    micro0 = config.micro_batch_for(config.base_batch)
 
     def fresh(batch: int, lr: float, lr_schedule=None):
-        model = task.build_model(config.seed)
-        model.train()
-        opt = _build_optimizer(config.optimizer, model.parameters(), lr, 0.0)
-        driver = StepDriver(model, opt, StepConfig(micro_batch=config.micro_batch_for(batch), global_batch=batch,
-                                                   max_grad_norm=config.max_grad_norm), lr_schedule=lr_schedule)
-        return model, opt, driver
+        return Experiment(task, batch=batch, micro_batch=config.micro_batch_for(batch), optimizer=config.optimizer,
+                          lr=lr, max_grad_norm=config.max_grad_norm, seed=config.seed, lr_schedule=lr_schedule,
+                          device=config.device, precision=config.precision)
 
     n_total = len(config.branch_at) * len(config.ks) * config.seeds
     bar = _bar(progress, n_total + 1)
@@ -438,17 +414,18 @@ def run_branch_test(config: BranchConfig, out_dir: str | os.PathLike, *, threads
     if missing_ckpts:
         warm = config.base_warmup_units()
         sched = TokenLRSchedule(peak_lr=config.lr, total=config.branch_at[-1], warmup=warm, shape="constant", unit=unit)
-        model, opt, driver = fresh(config.base_batch, config.lr, sched)
+        exp = fresh(config.base_batch, config.lr, sched)
+        model, opt, driver = exp.model, exp.optimizer, exp.driver
         order = task.sample_order(config.seed)
         done = [p for p in config.branch_at if p not in missing_ckpts]
         if done:  # resume the base run from its latest checkpoint
-            extra = load_checkpoint(ckpt_dir / f"ckpt_{done[-1]}.pt", model, opt, driver)
+            extra = load_checkpoint(ckpt_dir / f"ckpt_{done[-1]}.pt", model, opt, driver, map_location=exp.device)
             for _ in range(int(extra["samples_drawn"])):
                 next(order)
         for p in config.branch_at:
             if p in done:
                 continue
-            _, secs, _ = _train(task, model, opt, driver, order, config.base_batch, micro0, until_units=p)
+            _, secs, _ = _train(exp, order, config.base_batch, until_units=p)
             base_meta["train_s"] += secs
             base_meta["units_per_sample"] = driver.trained_units / max(driver.trained_samples, 1)
             save_checkpoint(ckpt_dir / f"ckpt_{p}.pt", model, opt, driver,
@@ -474,8 +451,9 @@ def run_branch_test(config: BranchConfig, out_dir: str | os.PathLike, *, threads
                     continue
                 batch = k * config.base_batch
                 lr_k = config.lr_for(k)
-                model, opt, driver = fresh(batch, lr_k)
-                state = torch.load(ckpt_dir / f"ckpt_{p}.pt", map_location="cpu", weights_only=True)
+                exp = fresh(batch, lr_k)
+                model, opt, driver = exp.model, exp.optimizer, exp.driver
+                state = torch.load(ckpt_dir / f"ckpt_{p}.pt", map_location=exp.device, weights_only=True)
                 model.load_state_dict(state["model"])
                 opt.load_state_dict(state["optimizer"])  # Adam moments continue; the LR is set next
                 for g in opt.param_groups:
@@ -483,9 +461,9 @@ def run_branch_test(config: BranchConfig, out_dir: str | os.PathLike, *, threads
                 # Same order for every k at this seed: k-branches consume the 1-branch's samples k at a time,
                 # and all stop after the same w_samples samples.
                 order = task.sample_order(config.seed + 1 + 1000 * (config.branch_at.index(p)) + s)
-                tail, secs, drawn = _train(task, model, opt, driver, order, batch, config.micro_batch_for(batch),
-                                           n_steps=w_samples // batch, tail_from_step=tail_sample // batch)
-                val = _evaluate(task, model, max(16, config.micro_batch_for(batch)), config.max_val_samples)
+                tail, secs, drawn = _train(exp, order, batch, n_steps=w_samples // batch,
+                                           tail_from_step=tail_sample // batch)
+                val = exp.evaluate(config.max_val_samples)
                 rec = {"name": name, "branch_at": p, "k": k, "seed": s, "batch": batch, "lr": lr_k,
                        "units": driver.trained_units, "samples": driver.trained_samples, "steps": driver.optimizer_steps,
                        "window_samples": w_samples, "samples_sha1": hashlib.sha1(json.dumps(drawn).encode()).hexdigest(),

@@ -1,0 +1,158 @@
+"""The GPU check: what a lent GPU machine must confirm, in one short run (< 8 minutes on one GPU).
+
+Run through ``benchmarks/gpu_check.sh``. Each check prints one ``SUMMARY`` line:
+
+1. step equivalence on CUDA: StepDriver's accumulated gradient over ragged padded micro-batches equals one
+   full-batch gradient (fp32: rtol 1e-5; bf16 autocast: relative 2e-2 of the gradient norm), while the
+   naive mean of micro-batch means is measurably wrong (> 1e-3 relative);
+2. a tiny sweep with ``--device cuda --precision bf16`` (both trials finish, the manifest records both);
+3. ``globalbatch noise --device cuda`` (a finite B_simple);
+4. the probe against a real CUDA out-of-memory: the process is capped to a small memory fraction, so the
+   probe's largest fitting micro-batch is set by the allocator's own OOM;
+5. the step-overhead benchmark on CUDA (driver vs a hand-written loop).
+
+``--device cpu`` runs the same checks on a CPU (how the script itself is tested here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(n_layer=2, d_model=64, n_head=4, seq_len=64, max_corpus_bytes=500_000)
+TINY_ARGS = [a for k, v in TINY.items() for a in ("--task-arg", f"{k}={v}")]
+
+
+def summary(name: str, ok: bool, text: str) -> bool:
+    print(f"SUMMARY {name}: {'PASS' if ok else 'FAIL'} — {text}", flush=True)
+    return ok
+
+
+def flat_grad(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()]).double()
+
+
+def check_step_equivalence(device: torch.device) -> bool:
+    from globalbatch.lab.tasks import load_task
+    from globalbatch.lab.device import Precision
+    from globalbatch.step import StepConfig, StepDriver
+
+    task = load_task("tinygpt", **TINY)
+    idx = list(range(16))
+    ok = True
+    for precision, rtol in (("fp32", 1e-5), ("bf16", 2e-2)):
+        auto = Precision(precision).autocast
+        model = task.build_model(0).to(device)
+
+        def loss_fn(m, b):
+            with auto(device):
+                s, n = task.loss_sum(m, b)
+            return s.float(), n
+
+        # one full batch: the token-mean loss of all 16 ragged sequences
+        model.zero_grad(set_to_none=True)
+        s, n = loss_fn(model, task.collate(idx, device))
+        (s / n).backward()
+        full = flat_grad(model)
+        # naive: mean of the 4 micro-batch means
+        model.zero_grad(set_to_none=True)
+        for i in range(0, 16, 4):
+            s, n = loss_fn(model, task.collate(idx[i:i + 4], device))
+            (s / n / 4).backward()
+        naive = flat_grad(model)
+        # the driver: exact token-normalised accumulation (lr 0 keeps the parameters; grads are read at the end)
+        model.zero_grad(set_to_none=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        grads = {}
+
+        class Grab:
+            def on_step_end(self, driver, result):
+                grads["g"] = flat_grad(model)
+
+        driver = StepDriver(model, opt, StepConfig(micro_batch=4, global_batch=16), callbacks=[Grab()])
+        driver.run_window([task.collate(idx[i:i + 4], device) for i in range(0, 16, 4)], loss_fn)
+        ours = grads["g"]
+        err = float((ours - full).norm() / full.norm())
+        naive_err = float((naive - full).norm() / full.norm())
+        good = err <= rtol and naive_err > 1e-3
+        ok &= summary(f"step-equivalence-{precision}", good,
+                      f"driver vs full batch {err:.2e} (tolerance {rtol:g}); naive mean of means {naive_err:.2e}")
+    return ok
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "globalbatch.cli", *argv], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+def check_sweep(device: str, out: Path) -> bool:
+    t0 = time.time()
+    r = run_cli("sweep", "--out", str(out), "--batches", "4,16", "--lrs", "3e-3", "--tokens", "30K", "--workers", "1",
+                "--device", device, "--precision", "bf16", *TINY_ARGS)
+    grid = json.loads((out / "manifest.json").read_text())["grid"] if (out / "manifest.json").is_file() else {}
+    done = len(list(out.glob("trials/*/summary.json")))
+    return summary("sweep-bf16", r.returncode == 0 and done == 2 and grid.get("precision") == "bf16",
+                   f"exit {r.returncode}, {done}/2 trials, grid device {grid.get('device')} precision "
+                   f"{grid.get('precision')}, {time.time() - t0:.0f} s" + (f"; stderr: {r.stderr[-300:]}" if r.returncode else ""))
+
+
+def check_noise(device: str, out: Path) -> bool:
+    r = run_cli("noise", "--out", str(out), "--steps", "20", "--device", device, "--precision", "bf16", *TINY_ARGS)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("B_simple")), "")
+    return summary("noise", r.returncode == 0 and bool(line), line or f"exit {r.returncode}: {r.stderr[-300:]}")
+
+
+def check_probe_oom(device: torch.device) -> bool:
+    from globalbatch.lab.probe_run import probe_task
+
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(0.02, device)  # ~2.8 GiB of 139: the allocator OOMs for real
+    res = probe_task("tinygpt", device=str(device), max_micro_batch=4096, steps_per_trial=1,
+                     task_overrides=dict(n_layer=4, d_model=256, n_head=4, seq_len=256, max_corpus_bytes=2_000_000))
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    ooms = [t for t in res.trials if t.oom]
+    return summary("probe-real-oom", res.largest_fit >= 1 and (bool(ooms) or device.type != "cuda"),
+                   f"largest fit {res.largest_fit}, fastest {res.fastest}, {res.num_trials} trials, "
+                   f"{len(ooms)} real OOM(s): {ooms[0].note[:80] if ooms else '-'}")
+
+
+def check_overhead(device: str) -> bool:
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_overhead.py"), "--device", device,
+                        "--pairs", "30"], capture_output=True, text=True, timeout=300)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("ratio driver/hand (wall)")), "")
+    return summary("step-overhead", r.returncode == 0 and bool(line), line or r.stderr[-300:])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    print(f"torch {torch.__version__}, device {device}"
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""), flush=True)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, fn in (("step", lambda: check_step_equivalence(device)),
+                         ("sweep", lambda: check_sweep(args.device, Path(tmp) / "sweep")),
+                         ("noise", lambda: check_noise(args.device, Path(tmp) / "noise")),
+                         ("probe", lambda: check_probe_oom(device)),
+                         ("overhead", lambda: check_overhead(args.device))):
+            try:
+                results.append(fn())
+            except Exception as exc:  # one failing check must not hide the others' lines
+                results.append(summary(name, False, f"{type(exc).__name__}: {str(exc)[:300]}"))
+    print(f"SUMMARY all: {sum(results)}/{len(results)} passed", flush=True)
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Checkpoints of a run driven by :class:`globalbatch.step.StepDriver`: bit-exact resume.
+
+One file holds the model, the optimizer, the driver's counters and schedule position, the
+GradScaler, a step-based LR scheduler and every rank's RNG state; it is written atomically
+by rank 0 and read with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from globalbatch._util import atomic_write
+from globalbatch.parallel import inspect_parallel, unwrap_model
+from globalbatch.step import StepDriver
+
+__all__ = ["save_checkpoint", "load_checkpoint"]
+
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    driver: StepDriver,
+    *,
+    scaler: Any = None,
+    lr_scheduler: Any = None,
+    extra: Optional[dict[str, Any]] = None,
+) -> None:
+    """Write model, optimizer, driver, scaler, LR scheduler and every rank's RNG state atomically.
+
+    ``scaler`` and ``lr_scheduler`` default to the driver's own. Every rank's CPU (and CUDA)
+    RNG state is gathered to rank 0, which writes ``path`` via a temporary file and
+    ``os.replace``; the other ranks wait at a barrier. ``extra`` must hold only tensors,
+    primitives and containers so the file loads with ``torch.load(weights_only=True)``.
+    """
+    if inspect_parallel(model).kind == "fsdp2":
+        raise NotImplementedError("FSDP2 checkpoints are sharded; use torch.distributed.checkpoint for the model")
+    scaler = scaler if scaler is not None else driver.scaler
+    lr_scheduler = lr_scheduler if lr_scheduler is not None else driver.lr_scheduler
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    rng = _rng_state()
+    if distributed:
+        per_rank: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, rng)  # once per checkpoint, not in the hot path
+    else:
+        per_rank = [rng]
+    if rank == 0:
+        state = {
+            "model": unwrap_model(model).state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "driver": driver.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+            "rng": {"per_rank": per_rank},
+            "extra": extra,
+        }
+        atomic_write(path, lambda f: torch.save(state, f))
+    if distributed:
+        dist.barrier()
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    driver: StepDriver,
+    *,
+    scaler: Any = None,
+    lr_scheduler: Any = None,
+    map_location: Any = "cpu",
+    restore_rng: bool = True,
+) -> Optional[dict[str, Any]]:
+    """Restore what :func:`save_checkpoint` wrote (``weights_only=True``); returns ``extra``.
+
+    ``scaler`` and ``lr_scheduler`` default to the driver's own. Each rank restores its own
+    RNG state (rank 0's when the world size changed).
+    """
+    scaler = scaler if scaler is not None else driver.scaler
+    lr_scheduler = lr_scheduler if lr_scheduler is not None else driver.lr_scheduler
+    state = torch.load(path, map_location=map_location, weights_only=True)
+    unwrap_model(model).load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    driver.load_state_dict(state["driver"])
+    if scaler is not None and state.get("scaler") is not None:
+        scaler.load_state_dict(state["scaler"])
+    if lr_scheduler is not None and state.get("lr_scheduler") is not None:
+        lr_scheduler.load_state_dict(state["lr_scheduler"])
+    rng = state.get("rng")
+    if restore_rng and rng is not None:
+        if "per_rank" in rng:
+            per_rank = rng["per_rank"]
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            _set_rng_state(per_rank[rank] if rank < len(per_rank) and len(per_rank) == _world() else per_rank[0])
+        else:  # files written before per-rank RNG
+            torch.set_rng_state(rng["torch"])
+    return state.get("extra")
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -1,0 +1,182 @@
+"""The one experiment loop: every lab command trains through :class:`Experiment`.
+
+Sweep trials and the timing pass, the branch test, ``globalbatch noise`` and the
+probe's task runner all build their model, optimizer and step driver here, so they
+train the same way (one optimizer recipe per name, :mod:`globalbatch.optim`), on the
+same device and precision, and read the same held-out loss:
+
+1. the task's model is built with ``seed`` and moved to ``device``; wrapped in DDP when a
+   process group of more than one rank is initialized (``ddp=True``);
+2. the optimizer comes from the registry (``build_optimizer(name, model, lr=…)``);
+3. every window goes through :class:`globalbatch.step.StepDriver` (token-normalised
+   accumulation, clipping after accumulation, whole-window skip), the forward pass under
+   the precision's autocast, fp16 through a ``GradScaler``;
+4. :meth:`Experiment.train_window` draws the driver's current global batch from a sample
+   order and splits it the same way for every world size: accumulation step ``a`` takes
+   the next ``micro × dp`` samples, rank ``r`` its ``r``-th micro-batch of them — so one
+   process and two ranks train on the same samples in the same windows;
+5. :meth:`Experiment.evaluate` reads the held-out loss per unit under
+   ``torch.inference_mode`` in eval mode, with a large evaluation batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from globalbatch.lab.device import Precision, resolve_device
+from globalbatch.lab.tasks import to_device
+from globalbatch.optim import build_optimizer
+from globalbatch.schedule import BatchSchedule, TokenLRSchedule
+from globalbatch.step import StepConfig, StepDriver, StepResult
+
+__all__ = ["Experiment", "Window", "EVAL_BATCH", "default_micro_batch", "evaluate"]
+
+EVAL_BATCH = 64
+"""Samples per forward pass of the held-out evaluation (no gradients: larger than a training micro-batch)."""
+
+
+def default_micro_batch(batch: int, cap: Optional[int] = None, *, at_least_two: bool = False) -> int:
+    """Samples per micro-batch for a global ``batch``: the batch itself up to ``cap`` (default 16), else
+    gcd(batch, cap); with ``at_least_two`` (the noise scale needs two micro-batches) the largest proper divisor."""
+    m = cap if cap is not None else 16
+    micro = batch if batch <= m else math.gcd(batch, m)
+    if at_least_two and micro == batch and batch > 1:
+        micro = max(d for d in range(1, batch) if batch % d == 0)
+    return micro
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One trained window: the driver's result and the training indices it drew (all ranks)."""
+
+    result: StepResult
+    drawn: list[int]
+
+
+class Experiment:
+    """A task's model on a device, its optimizer and the step driver: what every lab command trains with.
+
+    Args:
+        task: a :class:`globalbatch.lab.tasks.Task` (or duck-typed user task).
+        batch: global batch in samples per optimizer step (or give ``batch_schedule``).
+        micro_batch: samples per forward/backward on one rank.
+        optimizer, lr, weight_decay: the registry name and its settings.
+        max_grad_norm: clip after accumulation (None: no clipping).
+        seed: model initialisation (the data order is the caller's: ``task.sample_order(seed)``).
+        lr_schedule: a :class:`TokenLRSchedule` over trained units.
+        batch_schedule: a :class:`BatchSchedule` instead of a fixed ``batch``.
+        callbacks: ``(model, optimizer) -> [callbacks]``: driver callbacks built on this
+            experiment's model and optimizer (e.g. a :class:`~globalbatch.noise.NoiseScaleMonitor`).
+        device: ``cpu``, ``cuda``, ``cuda:N``, ``mps`` or a ``torch.device``.
+        precision: ``fp32``, ``bf16`` or ``fp16``.
+        ddp: wrap in DDP when a process group of > 1 ranks is initialized.
+    """
+
+    def __init__(
+        self,
+        task: Any,
+        *,
+        batch: Optional[int] = None,
+        micro_batch: int,
+        optimizer: str = "adamw",
+        lr: float,
+        weight_decay: float = 0.0,
+        max_grad_norm: Optional[float] = None,
+        seed: int = 0,
+        lr_schedule: Optional[TokenLRSchedule] = None,
+        batch_schedule: Optional[BatchSchedule] = None,
+        callbacks: Optional[Callable[[torch.nn.Module, torch.optim.Optimizer], Sequence[Any]]] = None,
+        device: Any = "cpu",
+        precision: str = "fp32",
+        ddp: bool = False,
+    ) -> None:
+        self.task = task
+        self.device = device if isinstance(device, torch.device) else resolve_device(device)
+        self.precision = Precision(precision)
+        self.world = dist.get_world_size() if ddp and dist.is_available() and dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.world > 1 else 0
+        torch.manual_seed(seed)
+        model = task.build_model(seed).to(self.device)
+        model.train()
+        if self.world > 1:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        self.model = model
+        self.optimizer = build_optimizer(optimizer, model, lr=lr, weight_decay=weight_decay)
+        self.driver = StepDriver(
+            model, self.optimizer,
+            StepConfig(micro_batch=micro_batch, global_batch=None if batch_schedule is not None else batch,
+                       batch_schedule=batch_schedule, max_grad_norm=max_grad_norm, lr_schedule=lr_schedule),
+            scaler=self.precision.grad_scaler(self.device),
+            callbacks=list(callbacks(model, self.optimizer)) if callbacks is not None else (),
+        )
+        self.micro_batch = micro_batch
+
+    # ------------------------------------------------------------------ training
+
+    def loss_fn(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+        """The task's summed loss under the precision's autocast (the sum in float32)."""
+        with self.precision.autocast(self.device):
+            loss_sum, count = self.task.loss_sum(model, batch)
+        return loss_sum.float(), count
+
+    def split(self, indices: Sequence[int]) -> list[list[int]]:
+        """This rank's micro-batches of one window's ``indices`` (all ranks' samples, in draw order)."""
+        m, w, r = self.micro_batch, self.world, self.rank
+        out = []
+        for a in range(0, len(indices), m * w):
+            mine = list(indices[a + r * m:a + (r + 1) * m])
+            if mine:
+                out.append(mine)
+        return out
+
+    def train_window(self, order: Iterator[int], batch: Optional[int] = None) -> Window:
+        """Draw one global batch (``batch``, default the driver's current one) from ``order`` and train on it."""
+        n = batch if batch is not None else self.driver.global_batch
+        drawn = [int(i) for i in itertools.islice(order, n)]
+        micros = self.split(drawn)
+        batches = [self.task.collate(ix, self.device) for ix in micros]
+        result = self.driver.run_window(batches, self.loss_fn, samples_per_micro=[len(ix) for ix in micros])
+        return Window(result=result, drawn=drawn)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self, max_samples: int, eval_batch: int = EVAL_BATCH) -> float:
+        """Held-out loss per unit over the task's first ``max_samples`` validation samples (every rank the same)."""
+        return evaluate(self.task, self.model, max_samples, device=self.device, precision=self.precision,
+                        eval_batch=eval_batch)
+
+
+def evaluate(task: Any, model: torch.nn.Module, max_samples: int, *, device: Any = None,
+             precision: Precision = Precision("fp32"), eval_batch: int = EVAL_BATCH) -> float:
+    """Loss per unit over the first ``max_samples`` validation samples: inference mode, eval mode, float64 sums."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    seen = 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            for batch in task.val_batches(eval_batch):
+                first = next(iter(batch.values()))
+                take = min(int(first.shape[0]), max_samples - seen)
+                if take < int(first.shape[0]):
+                    batch = {k: v[:take] for k, v in batch.items()}
+                batch = to_device(batch, device)
+                with precision.autocast(device if device is not None else "cpu"):
+                    loss_sum, n = task.loss_sum(model, batch)
+                total += loss_sum.double()
+                count += n.double() if hasattr(n, "double") else float(n)
+                seen += take
+                if seen >= max_samples:
+                    break
+    finally:
+        model.train(was_training)
+    value = float(total / count.clamp(min=1.0))  # host sync: evaluation points only
+    return value

@@ -1,0 +1,77 @@
+"""``globalbatch probe`` on a lab task: the probe search (:func:`globalbatch.probe.probe`) on a task's model,
+built on the requested device and precision, with the optimizer registry's AdamW."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from globalbatch.probe.runner import probe
+from globalbatch.probe.search import DEFAULT_MAX_MICRO_BATCH, ProbeResult, check_probe_settings
+
+__all__ = ["probe_task"]
+
+
+
+
+def probe_task(
+    task: Any,
+    *,
+    global_batch: Optional[int] = None,
+    dp_world_size: int = 1,
+    memory_limit_bytes: Optional[int] = None,
+    max_micro_batch: Optional[int] = None,
+    steps_per_trial: int = 3,
+    tolerance: float = 0.05,
+    device: Optional[str] = None,
+    precision: str = "fp32",
+    seed: int = 0,
+    task_overrides: Optional[dict[str, Any]] = None,
+) -> ProbeResult:
+    """:func:`probe` on a :mod:`globalbatch.lab.tasks` task (a name such as ``"tinygpt"`` or a Task).
+
+    Batches are the first samples of ``task.sample_order(seed)`` (cycled when the
+    micro-batch is larger than the data set); the loss is ``loss_sum / count``; tokens per
+    step are ``task.tokens_in(batch)`` (padding included) for a token task and not counted for a
+    sample task (throughput is then samples/s). ``task_overrides`` are the task's keyword
+    overrides (``globalbatch probe --task-arg``), e.g. ``{"d_model": 64}``; only with a task name.
+    ``device`` and ``precision`` as in every lab command (the forward pass under the
+    precision's autocast). Every setting is checked before the model is built.
+    """
+    from itertools import islice
+
+    from globalbatch.lab.device import Precision, resolve_device
+    from globalbatch.lab.tasks import load_task
+
+    check_probe_settings(global_batch=global_batch, dp_world_size=dp_world_size, max_micro_batch=max_micro_batch,
+                         steps_per_trial=steps_per_trial, tolerance=tolerance, memory_limit_bytes=memory_limit_bytes)
+    if isinstance(task, str):
+        task = load_task(task, **(task_overrides or {}))
+    elif task_overrides:
+        raise ValueError(f"task_overrides {task_overrides!r} is not allowed with a Task object; "
+                         "allowed: overrides with a task name")
+    torch_device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    autocast = Precision(precision).autocast
+    model = task.build_model(seed).to(torch_device)
+    cap = max_micro_batch or (global_batch // dp_world_size if global_batch else DEFAULT_MAX_MICRO_BATCH)
+    pool = list(islice(task.sample_order(seed), min(int(cap), task.num_train_samples)))
+
+    def make_batch(micro_batch: int) -> Any:
+        indices = [pool[i % len(pool)] for i in range(micro_batch)]
+        return task.collate(indices, torch_device)
+
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        with autocast(torch_device):
+            loss_sum, count = task.loss_sum(m, batch)
+        return loss_sum.float() / count.clamp(min=1)
+
+    unit = getattr(task, "unit", None)
+    count_tokens = (lambda batch: None) if unit == "sample" else task.tokens_in
+    result = probe(model, make_batch, loss_fn, global_batch=global_batch, dp_world_size=dp_world_size,
+                   memory_limit_bytes=memory_limit_bytes, max_micro_batch=max_micro_batch,
+                   steps_per_trial=steps_per_trial, tolerance=tolerance, count_tokens=count_tokens)
+    return dataclasses.replace(result, unit=unit)
+

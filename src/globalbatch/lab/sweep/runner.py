@@ -1,0 +1,319 @@
+"""Running a sweep: every pending trial of the grid (local processes or Ray Tune), then the timing pass.
+
+Backends: ``local`` runs trials in spawned processes (``workers`` at a time, torch
+threads = cores ÷ workers; with ``device="cuda"`` each worker takes its own GPU, round
+robin); ``ray`` runs them as Ray Tune trials (``pip install 'globalbatch[ray]'``), each
+with ``threads`` CPUs and, on CUDA, one GPU from Ray's resources, writing into the same
+output directory (a shared file system on a multi-node cluster). Workers cannot outlive
+the sweep: a thread in each exits it as soon as the parent is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from globalbatch._util import SettingError, load_task_checked
+from globalbatch.lab.device import check_device
+from globalbatch.lab.rundir import check_manifest, remove_stale_tmp
+from globalbatch.lab.sweep.config import BACKENDS, RAY_HINT, SweepConfig, TrialSpec
+from globalbatch.lab.sweep.timing import run_timing_pass
+from globalbatch.lab.sweep.trial import run_trial, trial_done
+
+__all__ = ["SweepResult", "run_sweep"]
+
+
+@dataclass(kw_only=True)
+class SweepResult:
+    out_dir: str
+    summaries: list[dict[str, Any]]
+    ran: list[str]
+    """Trials run by this call."""
+    skipped: list[str]
+    """Trials already finished by an earlier call (not rerun)."""
+    wall_time_s: float
+    workers: int
+    threads_per_worker: int
+    timing: dict[int, dict] = field(default_factory=dict)
+    """Batch (samples) → its sequential timing record (``timing/b<batch>.json``); empty if disabled."""
+    timing_s: float = 0.0
+    """Seconds spent in the timing pass by this call (0 when it was already recorded)."""
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        return os.cpu_count() or 1
+
+
+class _Progress:
+    """Rich progress bars fed by polling each running trial's temporary JSONL (works for every backend)."""
+
+    def __init__(self, out: Path, pending: Sequence[TrialSpec], budget: int, unit: str, enabled: bool) -> None:
+        self.out, self.pending, self.budget, self.enabled = out, list(pending), budget, enabled
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.unit = unit
+
+    def __enter__(self) -> "_Progress":
+        if not self.enabled or not self.pending:
+            return self
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(
+            TextColumn("{task.description:>16}"), BarColumn(), MofNCompleteColumn(), TextColumn(self.unit + "s"),
+            TimeElapsedColumn(), transient=False, console=Console(stderr=True),
+        )
+        self._ids = {t.name: self._progress.add_task(t.name, total=self.budget) for t in self.pending}
+        self._progress.start()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _consumed(self, trial: str) -> Optional[int]:
+        d = self.out / "trials" / trial
+        if (d / "summary.json").is_file():
+            return self.budget
+        try:
+            tmps = sorted(d.glob("metrics.jsonl.tmp-*"), key=lambda p: p.stat().st_mtime)
+            if not tmps:
+                return None
+            with open(tmps[-1], "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 4096))
+                lines = f.read().split(b"\n")
+            for line in reversed(lines[:-1]):
+                rec = json.loads(line)
+                if "consumed" in rec:
+                    return int(rec["consumed"])
+        except (OSError, ValueError):
+            return None
+        return None
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.5):
+            self.refresh()
+
+    def refresh(self) -> None:
+        for name, tid in self._ids.items():
+            c = self._consumed(name)
+            if c is not None:
+                self._progress.update(tid, completed=min(c, self.budget))
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.refresh()
+            self._progress.stop()
+
+
+def run_sweep(
+    config: SweepConfig,
+    out_dir: str | os.PathLike,
+    *,
+    workers: Optional[int] = None,
+    backend: str = "local",
+    address: Optional[str] = None,
+    threads: Optional[int] = None,
+    progress: bool = True,
+    timing_steps: int = 8,
+    timing_warmup: int = 2,
+) -> SweepResult:
+    """Run (or resume) every trial of the grid into ``out_dir``, then the timing pass.
+
+    Args:
+        workers: trials at once; None: min(pending trials, CPU cores). Each gets
+            ``cores ÷ workers`` torch threads (at least 1). ``workers=1`` runs in-process.
+        threads: torch threads per trial, overriding ``cores ÷ workers``. CPU results
+            depend on it in the last bits: resume with the same value.
+        backend: ``"local"`` (spawned processes) or ``"ray"`` (Ray Tune; ``address`` of an
+            existing cluster, or None to start a local Ray).
+        progress: rich progress bars on the terminal.
+        timing_steps: steps timed per batch size in the sequential timing pass after the
+            trials (after ``timing_warmup`` untimed ones), alone on all the sweep's threads;
+            0 disables it (the analysis then falls back to the in-trial units/s).
+    """
+    # Every setting is checked, and the task built with its overrides, before anything is
+    # written: a rejected run leaves no manifest behind to refuse the corrected rerun.
+    if timing_steps < 0 or timing_warmup < 0:
+        raise SettingError("timing_steps", timing_steps if timing_steps < 0 else timing_warmup, "a whole number ≥ 0")
+    if backend not in BACKENDS:
+        raise SettingError("backend", backend, ", ".join(BACKENDS))
+    if workers is not None and (isinstance(workers, bool) or workers < 1):
+        raise SettingError("workers", workers, "a whole number ≥ 1")
+    if threads is not None and (isinstance(threads, bool) or threads < 1):
+        raise SettingError("threads", threads, "a whole number ≥ 1")
+    if address is not None and backend != "ray":
+        raise SettingError("address", address, "an address only with backend ray")
+    if backend == "ray":
+        try:
+            import ray  # noqa: F401
+            from ray import tune  # noqa: F401
+        except ImportError:
+            raise SettingError("backend", "ray", f"local, or ray after {RAY_HINT}", why="Ray Tune is not installed") from None
+    check_device(config.device, config.precision)  # a device that does not exist: one line, nothing written
+    unit = load_task_checked(config.task, config.task_overrides).unit  # fails here, not in a worker
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise SettingError("out", str(out), "a directory (this is a file)")
+    out.mkdir(parents=True, exist_ok=True)
+    check_manifest(out, config.manifest(), section="grid")
+    trials = config.trials()
+    done = [t for t in trials if trial_done(out / "trials" / t.name, t)]
+    pending = [t for t in trials if t not in done]
+    cores = _cpu_count()
+    # Threads per trial follow from the requested workers and the whole grid, not from
+    # what is left: a resumed sweep then runs its trials with the same thread count
+    # (CPU float reductions depend on it) and reproduces an uninterrupted sweep.
+    requested = workers if workers is not None else min(len(trials), cores)
+    threads = threads if threads is not None else max(1, cores // requested)
+    n_workers = max(1, min(len(pending) or 1, requested))
+    t0 = time.time()
+    cfg_dict = asdict(config)
+    if pending:
+        with _Progress(out, pending, config.budget, unit, progress):
+            if backend == "ray":
+                _run_ray(cfg_dict, pending, out, n_workers, threads, address)
+            elif requested == 1:
+                import torch
+
+                old = torch.get_num_threads()
+                try:
+                    for t in pending:
+                        run_trial(cfg_dict, asdict(t), str(out), threads=threads)
+                finally:
+                    torch.set_num_threads(old)
+            else:
+                _run_pool(cfg_dict, pending, out, n_workers, threads)
+    for t in trials:  # an orphan of a killed earlier run may have left one after this run began
+        remove_stale_tmp(out / "trials" / t.name)
+    summaries = [json.loads((out / "trials" / t.name / "summary.json").read_text()) for t in trials]
+    timing: dict[int, dict] = {}
+    t_timing = time.time()
+    if timing_steps > 0:
+        # All the sweep's threads in one process, nothing else of the sweep running.
+        timing = run_timing_pass(config, out, summaries, threads=min(cores, max(1, requested * threads)),
+                                 steps=timing_steps, warmup=timing_warmup)
+    return SweepResult(
+        out_dir=str(out), summaries=summaries, ran=[t.name for t in pending], skipped=[t.name for t in done],
+        wall_time_s=time.time() - t0, workers=n_workers, threads_per_worker=threads, timing=timing,
+        timing_s=time.time() - t_timing,
+    )
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit this worker as soon as the sweep process is gone (``kill -9`` leaves pool workers orphaned)."""
+    while True:
+        time.sleep(0.2)
+        if os.getppid() != parent_pid:
+            os._exit(3)  # a running trial leaves only its metrics.jsonl.tmp-<pid>, removed on resume
+
+
+_WORKER_DEVICE: Optional[str] = None
+"""This pool worker's device (one GPU per worker for ``device="cuda"``), set by :func:`_worker_init`."""
+
+
+def _worker_init(threads: int, device: str = "cpu", counter: Any = None) -> None:
+    global _WORKER_DEVICE
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="watch-parent").start()
+    if counter is not None:
+        with counter.get_lock():
+            index = counter.value
+            counter.value += 1
+        from globalbatch.lab.device import device_for_worker
+
+        _WORKER_DEVICE = str(device_for_worker(device, index))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set in this process
+        pass
+
+
+def _pool_trial(cfg: dict, spec: dict, out: str, threads: int, parent_pid: int) -> dict:
+    """``run_trial`` in a pool worker, on the worker's own device."""
+    return run_trial(cfg, spec, out, threads=threads, parent_pid=parent_pid, device=_WORKER_DEVICE)
+
+
+def _run_pool(cfg: dict, pending: Sequence[TrialSpec], out: Path, n_workers: int, threads: int) -> None:
+    import multiprocessing as mp
+    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+
+    ctx = mp.get_context("spawn")
+    counter = ctx.Value("i", 0)
+    with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx, initializer=_worker_init,
+                             initargs=(threads, cfg["device"], counter)) as ex:
+        futures = {
+            ex.submit(_pool_trial, cfg, asdict(t), str(out), threads, os.getpid()): t for t in pending
+        }
+        finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for fut in finished:
+            exc = fut.exception()
+            if exc is not None:
+                for other in futures:
+                    other.cancel()
+                raise RuntimeError(f"trial {futures[fut].name} failed: {exc}") from exc
+
+
+def _run_ray(cfg: dict, pending: Sequence[TrialSpec], out: Path, n_workers: int, threads: int, address: Optional[str]) -> None:
+    try:
+        import ray
+        from ray import tune
+    except ImportError:
+        raise SettingError("backend", "ray", f"local, or ray after {RAY_HINT}", why="Ray Tune is not installed") from None
+    started_here = False
+    if not ray.is_initialized():
+        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+        if address is not None:
+            kwargs["address"] = address
+        else:
+            kwargs["num_cpus"] = n_workers * threads
+        ray.init(**kwargs)
+        started_here = True
+    out_abs = str(out.resolve())
+
+    def trainable(params: dict) -> None:
+        summary = run_trial(cfg, params["trial"], out_abs, threads=threads)
+        metrics = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        report = getattr(tune, "report", None)
+        if report is None:  # older Ray
+            from ray import train
+
+            report = train.report
+        report(metrics)
+
+    try:
+        tuner = tune.Tuner(
+            tune.with_resources(trainable, {"cpu": threads, **({"gpu": 1} if cfg["device"].startswith("cuda") else {})}),
+            param_space={"trial": tune.grid_search([asdict(t) for t in pending])},
+            tune_config=tune.TuneConfig(max_concurrent_trials=n_workers if address is None else None),
+            run_config=_ray_run_config(out_abs),
+        )
+        results = tuner.fit()
+        errors = [str(r.error) for r in results if r.error is not None]
+        if errors:
+            raise RuntimeError(f"{len(errors)} Ray trial(s) failed; first: {errors[0]}")
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def _ray_run_config(out_abs: str):
+    try:
+        from ray.tune import RunConfig
+    except ImportError:  # Ray < 2.40
+        from ray.air import RunConfig
+    return RunConfig(name="ray", storage_path=os.path.join(out_abs, "ray_results"), verbose=0)
+
+

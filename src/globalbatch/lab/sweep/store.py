@@ -1,0 +1,200 @@
+"""A sweep read back from its directory (:class:`SweepData`), its loss curves and the critical-batch analysis."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from globalbatch._util import SettingError, read_json_checked, read_jsonl
+from globalbatch.lab.sweep.config import SweepConfig
+from globalbatch.lab.sweep.timing import timing_path
+from globalbatch.lab.sweep.trial import trial_done
+
+__all__ = ["SweepData", "load_sweep", "curves_from_sweep", "analyze_sweep"]
+
+
+# ---------------------------------------------------------------------------
+# Reading a sweep back
+# ---------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class SweepData:
+    """A finished (or partly finished) sweep read from disk."""
+
+    out_dir: str
+    config: SweepConfig
+    unit: str
+    trials: dict[str, list[dict]]
+    """Trial name → its step/eval records (finished trials only)."""
+    summaries: dict[str, dict]
+    missing: list[str]
+    """Trials of the grid without a finished result."""
+    timing: dict[int, dict] = field(default_factory=dict)
+    """Batch (samples) → the sequential timing pass's record (``timing/b<batch>.json``), when run."""
+
+    def units_per_s(self, batch: int) -> Optional[float]:
+        """Throughput at ``batch`` for the analysis: the timing pass's, else the median in-trial one."""
+        t = self.timing.get(int(batch))
+        if t is not None and t.get("units_per_s") and math.isfinite(t["units_per_s"]) and t["units_per_s"] > 0:
+            return float(t["units_per_s"])
+        return self.in_trial_units_per_s(batch)
+
+    def in_trial_units_per_s(self, batch: int) -> Optional[float]:
+        """Median over the batch's trials of their in-trial units/s (measured while trials shared the cores)."""
+        import statistics
+
+        rates = [float(s["units_per_s"]) for s in self.summaries.values()
+                 if int(s["batch"]) == int(batch) and s.get("units_per_s") and math.isfinite(s["units_per_s"]) and s["units_per_s"] > 0]
+        return float(statistics.median(rates)) if rates else None
+
+    def _batch_of(self, units: float) -> Optional[int]:
+        pairs = list(self.batch_units().items())
+        return min(pairs, key=lambda kv: abs(kv[1] - units))[0] if pairs else None
+
+    def throughput_source(self, units: float) -> str:
+        """Where the analysis' throughput of the batch with ``units`` per step comes from."""
+        b = self._batch_of(units)
+        t = self.timing.get(int(b)) if b is not None else None
+        if t is not None and t.get("units_per_s") and math.isfinite(t["units_per_s"]) and t["units_per_s"] > 0:
+            return "timed pass"
+        return "in-trial, median over its LRs"
+
+    def throughput_warnings(self, max_ratio: float = 1.5) -> list[str]:
+        """One line per batch whose in-trial units/s differs by more than ``max_ratio``× across its LRs.
+
+        Throughput does not depend on the LR, so such a spread is machine load (trials
+        competing for the cores, or something else running): the in-trial numbers are
+        unreliable, and the timing pass — when recorded — is what the analysis uses.
+        """
+        out = []
+        for b in sorted(self.batch_units()):
+            rates = {float(s["lr"]): float(s["units_per_s"]) for s in self.summaries.values()
+                     if int(s["batch"]) == b and s.get("units_per_s") and math.isfinite(s["units_per_s"])
+                     and s["units_per_s"] > 0}
+            if len(rates) < 2:
+                continue
+            lo, hi = min(rates.values()), max(rates.values())
+            if hi > max_ratio * lo:
+                spread = ", ".join(f"lr {lr:g}: {r:,.0f}" for lr, r in sorted(rates.items()))
+                used = "the timed pass is used" if b in self.timing else "time to target uses their median"
+                out.append(f"batch {b}: in-trial {self.unit}s/s vary {hi / lo:.1f}× across its LRs ({spread}) — "
+                           f"machine load, not the LR; {used}")
+        return out
+
+    def batch_units(self) -> dict[int, float]:
+        """Mean loss-bearing units per step at each batch (samples), over its trials."""
+        out: dict[int, list[float]] = {}
+        for s in self.summaries.values():
+            out.setdefault(int(s["batch"]), []).append(float(s["mean_batch_units"]))
+        return {b: sum(v) / len(v) for b, v in sorted(out.items())}
+
+    def label(self, units: float) -> str:
+        """``"batch 64 (≈2,030 tokens)"`` for a token task, ``"batch 64"`` for a sample task."""
+        pairs = list(self.batch_units().items())
+        b = min(pairs, key=lambda kv: abs(kv[1] - units))[0] if pairs else None
+        if b is None:
+            return f"batch {units:,.0f}"
+        return f"batch {b} (≈{units:,.0f} tokens)" if self.unit == "token" else f"batch {b}"
+
+
+def load_sweep(out_dir: str | os.PathLike) -> SweepData:
+    """Read ``manifest.json`` and every finished trial; unfinished ones are listed in ``missing``."""
+    out = Path(out_dir)
+    manifest = out / "manifest.json"
+    allowed = "a sweep directory (written by globalbatch sweep)"
+    if not manifest.is_file():
+        raise SettingError("run_dir", str(out), allowed, why="no manifest.json")
+    try:
+        doc = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SettingError("run_dir", str(out), allowed, why=f"manifest.json is unreadable: {exc}") from None
+    if isinstance(doc, dict) and "grid" not in doc and "branch" in doc:
+        raise SettingError("run_dir", str(out), allowed, why="it is a branch test, not a sweep")
+    if not isinstance(doc, dict) or not isinstance(doc.get("grid"), dict):
+        raise SettingError("run_dir", str(out), allowed, why="manifest.json has no sweep grid")
+    try:
+        config = SweepConfig.from_dict(doc["grid"])
+    except (TypeError, ValueError) as exc:
+        raise SettingError("run_dir", str(out), allowed, why=f"manifest.json holds an invalid grid: {exc}") from None
+    trials: dict[str, list[dict]] = {}
+    summaries: dict[str, dict] = {}
+    missing = []
+    unit = None
+    for t in config.trials():
+        d = out / "trials" / t.name
+        if not trial_done(d, t):
+            missing.append(t.name)
+            continue
+        summaries[t.name] = read_json_checked(d / "summary.json")
+        trials[t.name] = read_jsonl(d / "metrics.jsonl")
+        unit = summaries[t.name]["unit"]
+    timing = {}
+    for b in config.batches:
+        path = timing_path(out, b)
+        if path.is_file():
+            timing[b] = read_json_checked(path)
+    return SweepData(out_dir=str(out), config=config, unit=unit or "unit", trials=trials, summaries=summaries, missing=missing,
+                     timing=timing)
+
+
+def curves_from_sweep(data: SweepData):
+    """One :class:`globalbatch.critical.Curve` per finished trial; batch in units per step."""
+    import numpy as np
+
+    from globalbatch.critical import Curve
+
+    units = data.batch_units()
+    curves = []
+    for name, recs in data.trials.items():
+        s = data.summaries[name]
+        steps = [r for r in recs if r.get("kind") == "step" and not r.get("skipped")]
+        if not steps:
+            continue
+        tput = data.units_per_s(int(s["batch"]))  # the sequential timing pass when recorded
+        curves.append(
+            Curve(
+                batch_size=units[int(s["batch"])],
+                lr=float(s["lr"]),
+                examples=np.array([r["consumed"] for r in steps], dtype=float),
+                loss=np.array([r["loss"] for r in steps], dtype=float),
+                examples_per_s=tput if tput and math.isfinite(tput) and tput > 0 else None,
+                label=name,
+            )
+        )
+    return curves
+
+
+def analyze_sweep(
+    out_dir: str | os.PathLike,
+    *,
+    targets: Optional[Sequence[float]] = None,
+    n_targets: int = 4,
+    n_tighter: int = 2,
+    ema_fraction: float = 0.05,
+    halflife_steps: Optional[float] = None,
+    objective: str = "time",
+    tolerance: float = 0.05,
+):
+    """Load a sweep and run :func:`globalbatch.critical.analyze` on it; returns ``(data, analysis)``."""
+    from globalbatch.critical import analyze, check_analysis_settings
+
+    check_analysis_settings(objective=objective, tolerance=tolerance, ema_fraction=ema_fraction,
+                            halflife_steps=halflife_steps)
+    data = load_sweep(out_dir)
+    curves = curves_from_sweep(data)
+    if not curves:
+        raise SettingError("run_dir", data.out_dir, "a sweep with at least one finished trial",
+                           why=f"no finished trial yet, {len(data.missing)} pending")
+    analysis = analyze(
+        curves, targets=targets, n_targets=n_targets, n_tighter=n_tighter, ema_fraction=ema_fraction, halflife_steps=halflife_steps,
+        objective=objective, tolerance=tolerance, unit=data.unit, label=data.label,
+        throughput_source=data.throughput_source, warnings=data.throughput_warnings(),
+    )
+    return data, analysis
+
+

@@ -1,0 +1,117 @@
+"""Built-in training tasks (tinygpt, mnist) and user tasks: ``load_task(spec, **overrides)``.
+
+User tasks: ``load_task("package.module:function", **overrides)`` or
+``load_task("path/to/file.py:function")`` imports the module, calls the function
+with the overrides and checks the result against :data:`REQUIRED_ATTRIBUTES`.
+See ``docs/tasks.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Any
+
+from globalbatch.lab.tasks.base import (  # noqa: F401
+    DEFAULT_TASK, IGNORE_INDEX, REQUIRED_ATTRIBUTES, UNITS, Task, check_task, to_device,
+)
+from globalbatch.lab.tasks.mnist import MnistConfig, MnistTask  # noqa: F401
+from globalbatch.lab.tasks.tinygpt import PAD_ID, TinyGPT, TinyGPTConfig, TinyGPTTask  # noqa: F401
+
+__all__ = [
+    "DEFAULT_TASK",
+    "REQUIRED_ATTRIBUTES",
+    "IGNORE_INDEX",
+    "Task",
+    "TinyGPTConfig",
+    "TinyGPTTask",
+    "TinyGPT",
+    "MnistConfig",
+    "MnistTask",
+    "load_task",
+    "list_tasks",
+    "check_task",
+    "to_device",
+]
+
+_BUILTIN: dict[str, tuple[type, Any]] = {
+    "tinygpt": (TinyGPTConfig, TinyGPTTask.from_config),
+    "mnist": (MnistConfig, MnistTask.from_config),
+}
+
+
+def list_tasks() -> list[str]:
+    """Names of the built-in tasks, the default first."""
+    return [DEFAULT_TASK] + sorted(n for n in _BUILTIN if n != DEFAULT_TASK)
+
+
+def _config_from_overrides(name: str, config_cls: type, overrides: dict[str, Any]):
+    allowed = [f.name for f in dataclasses.fields(config_cls)]
+    for key, value in overrides.items():
+        if key not in allowed:
+            raise ValueError(f"{name}.{key}: {value!r}: unknown override; allowed: {', '.join(allowed)}")
+    return config_cls(**overrides)
+
+
+def _import_user_function(spec: str):
+    module_part, _, func_name = spec.rpartition(":")
+    if not module_part or not func_name.isidentifier():
+        raise ValueError(f"task: {spec!r}: expected one of {', '.join(map(repr, list_tasks()))}, "
+                         f"'package.module:function' or 'path/to/file.py:function'")
+    if module_part.endswith(".py"):
+        path = Path(module_part).resolve()
+        if not path.is_file():
+            raise ValueError(f"task: {spec!r}: file {str(path)!r} does not exist")
+        module_name = f"_globalbatch_user_task_{path.stem}"
+        file_spec = importlib.util.spec_from_file_location(module_name, path)
+        if file_spec is None or file_spec.loader is None:
+            raise ValueError(f"task: {spec!r}: cannot import {str(path)!r}")
+        module = importlib.util.module_from_spec(file_spec)
+        sys.modules[module_name] = module  # dataclasses look their module up here
+        file_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ModuleNotFoundError as exc:
+            raise ValueError(f"task: {spec!r}: cannot import module {module_part!r} ({exc})") from exc
+    fn = getattr(module, func_name, None)
+    if fn is None or not callable(fn):
+        raise ValueError(f"task: {spec!r}: module {module_part!r} has no callable {func_name!r}")
+    return fn
+
+
+def load_task(spec: str = DEFAULT_TASK, **overrides: Any) -> Task:
+    """Build a task by name (see :func:`list_tasks`) or from ``"package.module:function"``.
+
+    Args:
+        spec: ``"tinygpt"``, ``"mnist"``, ``"package.module:function"`` or
+            ``"path/to/file.py:function"``; the function is called with ``overrides``
+            and must return an object with :data:`REQUIRED_ATTRIBUTES`.
+        **overrides: fields of :class:`TinyGPTConfig` / :class:`MnistConfig`, or the user
+            function's keyword arguments.
+
+    Raises:
+        ValueError: unknown task, unknown or invalid override, or a user task that
+            lacks required attributes; the message names the field, value and what is allowed.
+    """
+    if not isinstance(spec, str):
+        raise ValueError(f"task: {spec!r}: must be a string")
+    if spec in _BUILTIN:
+        config_cls, factory = _BUILTIN[spec]
+        return factory(_config_from_overrides(spec, config_cls, overrides))
+    if ":" not in spec:
+        raise ValueError(f"task: {spec!r}: expected one of {', '.join(map(repr, list_tasks()))} "
+                         f"or 'package.module:function'")
+    fn = _import_user_function(spec)
+    try:
+        inspect.signature(fn).bind(**overrides)
+    except TypeError as exc:
+        raise ValueError(f"task: {spec!r}: overrides {sorted(overrides)} do not fit "
+                         f"{fn.__name__}{inspect.signature(fn)} ({exc})") from exc
+    except ValueError:  # no signature available (builtins); let the call decide
+        pass
+    return check_task(fn(**overrides), origin=spec)
