@@ -464,7 +464,8 @@ class NoiseScaleMonitor:
 
     # -- per window (no host sync; one small async all-reduce under DP) ---------------------------
 
-    def window_end(self, *, loss_scale: Any = None, lr: Any = None, big_grad_multiplier: Any = None) -> None:
+    def window_end(self, *, loss_scale: Any = None, lr: Any = None, big_grad_multiplier: Any = None,
+                   _big_from_driver: bool = False) -> None:
         """Fold in the window. ``.grad`` must hold the window's mean gradient (all ranks), unscaled,
         not yet clipped.
 
@@ -481,7 +482,7 @@ class NoiseScaleMonitor:
         self._last_measured = measured
         try:
             if measured:
-                self._measure_window(loss_scale, lr, big_grad_multiplier)
+                self._measure_window(loss_scale, lr, big_grad_multiplier, big_from_driver=_big_from_driver)
         finally:
             self._reset_window()
             if measured:
@@ -491,7 +492,7 @@ class NoiseScaleMonitor:
                 self._elapsed += 1
             self._arm(self._countdown <= 0)
 
-    def _measure_window(self, loss_scale: Any, lr: Any, big_grad_multiplier: Any) -> None:
+    def _measure_window(self, loss_scale: Any, lr: Any, big_grad_multiplier: Any, *, big_from_driver: bool) -> None:
         """The window's sufficient statistics as one float64 vector (a short op chain), queued."""
         k_local = len(self._counts)
         if k_local * self.dp_world_size < 2:
@@ -503,7 +504,11 @@ class NoiseScaleMonitor:
             self._device = grads[0].device if grads else torch.device("cpu")
         dev = self._device
         adam = self.config.adam and self._ensure_precond()
-        big = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)), dtype=torch.float64)]
+        # |G_big|²: under the StepDriver, its pre-clip gradient norm (read in its one host sync) arrives
+        # in on_step_end at no cost; otherwise one read of .grad here.
+        big_later = big_from_driver and big_grad_multiplier is None
+        big = [torch.zeros((), dtype=torch.float64, device=dev) if big_later else
+               torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)), dtype=torch.float64)]
         if self.config.adam:
             big.append(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(torch._foreach_mul(
                 grads, [self._precond[i] for i in active]))), dtype=torch.float64) if adam else big[0])
@@ -556,22 +561,36 @@ class NoiseScaleMonitor:
             import torch.distributed as dist
 
             work = dist.all_reduce(vec, group=self._group, async_op=True)  # waited on at the fold
-        self._pending.append({"work": work, "vec": vec, "samples_known": samples_known, "adam": adam, "lr": lr,
-                              "windows": float(self._elapsed), "dropped": False})
-        if len(self._pending) >= _FOLD_EVERY:
-            self._flush()
+        entry = {"work": work, "vec": vec, "samples_known": samples_known, "adam": adam, "lr": lr,
+                 "windows": float(self._elapsed), "dropped": False}
+        if big_later:
+            entry["big_sq"] = None  # filled by on_step_end; a window the driver never finished stays out
+        self._pending.append(entry)
+        if len(self._pending) > _FOLD_EVERY:  # the newest may still await on_step_end
+            self._flush(keep_last=True)
 
-    def _flush(self) -> None:
-        """Fold every queued window into the estimators at once (one op chain, no host sync)."""
-        pend = self._pending
+    def _flush(self, keep_last: bool = False) -> None:
+        """Fold every queued window into the estimators at once (one op chain, no host sync). A window
+        still waiting for the driver's on_step_end (its |G_big|²) stays queued."""
+        if self._pending and self._last_measured and self._pending[-1].get("big_sq", 0.0) is None:
+            keep_last = True
+        pend = self._pending[:-1] if keep_last else self._pending
         if not pend:
             return
-        self._pending = []
+        self._pending = self._pending[-1:] if keep_last else []
         for p in pend:
             if p["work"] is not None:
                 p["work"].wait()
         V = torch.stack([p["vec"] for p in pend])                  # (m, L)
         dev = V.device
+        if any("big_sq" in p for p in pend):  # |G_big|² from the driver's host-side norm (× replicas, as summed)
+            for p in pend:
+                if p.get("big_sq", 0.0) is None:
+                    p["dropped"] = True  # the driver refused the window before its step: never applied
+            host = torch.tensor([[p.get("big_sq") or 0.0, float("big_sq" in p)] for p in pend], dtype=torch.float64,
+                                device=dev)
+            from_driver = (host[:, 1:2] * V[:, 3:4]) * host[:, 0:1]
+            V[:, 4:6] = torch.where(host[:, 1:2] > 0, from_driver, V[:, 4:6])  # (no Adam variant on this path)
         names, idx, need_smp, need_adam = self._layout(dev)
         if self._unit is None and self._unit_checks < 4:
             known = [p["samples_known"] for p in pend]
@@ -647,13 +666,18 @@ class NoiseScaleMonitor:
         scaler = driver.scaler
         scale = scaler._scale if scaler is not None else None  # a device tensor: no sync
         opt = driver.optimizer or self.optimizer
-        self.window_end(loss_scale=scale, lr=opt.param_groups[0]["lr"])
+        self.window_end(loss_scale=scale, lr=opt.param_groups[0]["lr"], _big_from_driver=not self.config.adam)
 
     def on_step_end(self, driver: Any, result: Any) -> None:
         """:class:`~globalbatch.step.StepDriver` callback: a window whose step the driver skipped
         (non-finite loss or gradient on some rank) is left out of the estimate."""
-        if result.skipped and self._last_measured and self._pending:
-            self._pending[-1]["dropped"] = True
+        if self._last_measured and self._pending:
+            last = self._pending[-1]
+            if result.skipped:
+                last["dropped"] = True
+            if "big_sq" in last and last["big_sq"] is None:
+                last["big_sq"] = result.grad_norm ** 2  # pre-clip, unscaled, after the sync: host float
+            self._last_measured = False
         self._in_t.clear(), self._in_i.clear()  # nothing from between windows reaches the next one
 
     # -- read-out (host sync) -------------------------------------------------------------------
