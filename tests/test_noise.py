@@ -597,6 +597,35 @@ def test_window_skipped_by_the_driver_is_left_out(mlp_problem):
     assert abs(e.tr_sigma / with_nan - 1) > 1e-6  # the skipped window would have moved it
 
 
+def test_window_the_driver_refused_is_left_out(mlp_problem):
+    """A window of more samples than planned raises in step() after on_window_end: never applied, never counted."""
+    from globalbatch.step import StepConfig, StepDriver
+
+    x, y, model, _, _ = mlp_problem
+    gen = torch.Generator().manual_seed(21)
+    data = [[torch.randint(0, len(x), (8,), generator=gen) for _ in range(4)] for _ in range(5)]
+    cfg = NoiseConfig(half_life=math.inf)
+    got = []
+    for windows, refuse in (([0, 1, 3, 4], None), ([0, 1, 2, 3, 4], 2)):
+        m = copy.deepcopy(model)
+        mon = NoiseScaleMonitor(m, unit="sample", config=cfg)
+        driver = StepDriver(m, torch.optim.SGD(m.parameters(), lr=0.0), StepConfig(micro_batch=8, global_batch=32),
+                            callbacks=[mon])
+        for w in windows:
+            for i, idx in enumerate(data[w]):
+                with driver.micro_step(last=i == 3):
+                    driver.backward(*nc.loss_sum(m, x[idx], y[idx]), samples=16 if w == refuse else 8)
+            if w == refuse:
+                with pytest.raises(ValueError, match="more than the planned global batch"):
+                    driver.step()
+            else:
+                driver.step()
+        got.append(mon.estimate())
+    assert (got[1].windows, got[1].skipped_windows) == (4, 1)
+    assert got[1].tr_sigma == pytest.approx(got[0].tr_sigma, rel=1e-12)
+    assert got[1].g_sq == pytest.approx(got[0].g_sq, rel=1e-12)
+
+
 def test_estimate_before_any_window_is_flagged_not_raised():
     mon = NoiseScaleMonitor(torch.nn.Linear(3, 1))
     e = mon.estimate()
