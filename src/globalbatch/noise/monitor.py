@@ -214,6 +214,7 @@ class NoiseScaleMonitor:
             raise ValueError(f"sources {self.config.sources!r} is not allowed with dp_world_size {self.dp_world_size}; "
                              f"allowed: add 'micro' with grad_accum_steps ≥ 2 (the noise scale {NEEDS_TWO_BATCH_SIZES})")
         self._micro = "micro" in self.sources
+        self._adam_on = self.config.adam
         self._every = _check_every(self.config.every)
         self.estimators: dict[str, NoiseScaleEstimator] = {}
         self._state: torch.Tensor | None = None        # (n_estimators, 12): one row per estimator
@@ -224,9 +225,8 @@ class NoiseScaleMonitor:
         self._unit_gap: torch.Tensor | None = None     # Σ|units − samples| over windows (unit=None)
         self._unit_checks = 0
         # Filled by the parameter hooks during a micro backward (persistent lists: the hooks bind them).
-        self._in_t: list[torch.Tensor] = []            # incoming gradients Δ (p.grad held earlier ones)
-        self._in_i: list[int] = []
-        self._first = True                             # no micro_backward yet in this window
+        self._in_norms: list[torch.Tensor] = []        # |Δ| per parameter since the last micro_backward
+        self._in_norms_adam: list[torch.Tensor] = []
         self._hooks: list[Any] = []
         self._attached = True
         self._countdown = 0                            # windows to leave out before the next measured one
@@ -281,18 +281,16 @@ class NoiseScaleMonitor:
     def _add_param_hooks(self) -> None:
         if self._hooks:
             return
-        in_t, in_i = self._in_t, self._in_i
-        under_dp = self._ddp is not None
+        norms, norms_adam = self._in_norms, self._in_norms_adam
         mon = self
 
         def make(i: int) -> Callable[[torch.Tensor], None]:
             def hook(grad: torch.Tensor) -> None:
-                if mon._first and not under_dp:
-                    return  # the window's first micro-batch: .grad is Δ itself, read it after the backward
-                # Held until micro_backward: Δ as it arrives (accumulation adds it into .grad). Under DP a
-                # first gradient is held too, so the all-reduce of a syncing backward cannot overwrite it.
-                in_t.append(grad)
-                in_i.append(i)
+                # Δ of this parameter as it arrives, before AccumulateGrad adds it into .grad and before
+                # any DP all-reduce: its norm now, while the gradient is still in cache; nothing is held.
+                norms.append(torch.linalg.vector_norm(grad))
+                if mon._adam_on and mon._ensure_precond():
+                    norms_adam.append(torch.linalg.vector_norm(grad * mon._precond[i]))
             return hook
 
         self._hooks = [p.register_hook(make(i)) for i, p in enumerate(self._params)]
@@ -306,8 +304,7 @@ class NoiseScaleMonitor:
             for h in self._hooks:
                 h.remove()
             self._hooks = []
-        self._in_t.clear(), self._in_i.clear()
-        self._first = True
+        self._in_norms.clear(), self._in_norms_adam.clear()
         self._armed = on
 
     # -- names ---------------------------------------------------------------------------
@@ -418,8 +415,7 @@ class NoiseScaleMonitor:
         if not self._in_window:
             self._start_window()
         if not self._measuring:
-            self._in_t.clear(), self._in_i.clear()
-            self._first = False
+            self._in_norms.clear(), self._in_norms_adam.clear()
             return
         if self._synced_micro >= 0:
             raise ValueError(f"micro_backward: micro-batch {len(self._counts)} follows a DDP gradient sync in "
@@ -427,21 +423,11 @@ class NoiseScaleMonitor:
         if self._hook_rank:
             self._synced_micro = len(self._counts)
         if self._micro:
-            if self._first and self._ddp is None:  # Δ of the first micro-batch is .grad itself
-                idx = [i for i, p in enumerate(self._params) if p.grad is not None]
-                tensors = [self._params[i].grad for i in idx]
-            else:
-                idx, tensors = self._in_i, self._in_t
-            if tensors:
-                if self._device is None:
-                    self._device = tensors[0].device
-                self._norms += torch._foreach_norm(tensors)  # the one read of Δ
-                if self.config.adam and self._ensure_precond():
-                    pc = self._precond
-                    self._norms_adam += torch._foreach_norm(torch._foreach_mul(tensors, [pc[i] for i in idx]))
-            self._per_micro.append(len(tensors))
-            self._in_t.clear(), self._in_i.clear()
-        self._first = False
+            n = len(self._in_norms)
+            self._norms += self._in_norms   # taken by the parameter hooks during the backward
+            self._norms_adam += self._in_norms_adam
+            self._in_norms.clear(), self._in_norms_adam.clear()
+            self._per_micro.append(n)
         self._counts.append(count)
         self._mults.append(count if grad_multiplier is None else grad_multiplier)
         if samples is None:
@@ -678,7 +664,7 @@ class NoiseScaleMonitor:
             if "big_sq" in last and last["big_sq"] is None:
                 last["big_sq"] = result.grad_norm ** 2  # pre-clip, unscaled, after the sync: host float
             self._last_measured = False
-        self._in_t.clear(), self._in_i.clear()  # nothing from between windows reaches the next one
+        self._in_norms.clear(), self._in_norms_adam.clear()  # nothing from between windows reaches the next one
 
     # -- read-out (host sync) -------------------------------------------------------------------
 
