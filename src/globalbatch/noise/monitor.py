@@ -138,6 +138,54 @@ def _host_weights(counts: list[Any], mults: list[Any],
     return sum(cs), [[c * i for c, i in zip(cs, inv)], [s * i for s, i in zip(smp, inv)]], float(sum(ms))
 
 
+class _NormSlots:
+    """A float32 buffer the parameter hooks write |Δ| into, one 0-d view per slot: no tensor is
+    created or freed per norm, and the window reads them all as one slice."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.views: tuple[torch.Tensor, ...] = ()
+        self.n = 0      # slots written in this window
+        self.mark = 0   # slots closed by micro_backward
+
+    def put(self, grad: torch.Tensor) -> None:
+        j = self.n
+        if j >= len(self.views) or self.buf.device != grad.device:
+            self.first_dtype = grad.dtype  # float64 gradients get a float64 buffer, all others float32
+            self._grow(grad.device, j)
+        v = self.views[j]
+        if grad.dtype == v.dtype:
+            torch.linalg.vector_norm(grad, out=v)
+        elif grad.dtype in (torch.float16, torch.bfloat16):
+            v.copy_(torch.linalg.vector_norm(grad, dtype=torch.float32))  # accumulate half precision in float32
+        else:
+            v.copy_(torch.linalg.vector_norm(grad))
+        self.n = j + 1
+
+    def _grow(self, device: torch.device, need: int) -> None:
+        old = self.buf
+        dtype = old.dtype if old is not None else (torch.float64 if self.first_dtype == torch.float64 else torch.float32)
+        self.buf = torch.zeros(max(64, 2 * (need + 1)), dtype=dtype, device=device)
+        if old is not None and old.device == device:
+            self.buf[:self.n].copy_(old[:self.n])
+        self.views = self.buf.unbind(0)
+
+    def close_micro(self) -> int:
+        """Norms written since the last call."""
+        n, self.mark = self.n - self.mark, self.n
+        return n
+
+    def drop(self) -> None:
+        """Forget what was written since the last close (a backward that is not measured)."""
+        self.n = self.mark
+
+    def reset(self) -> None:
+        self.n = self.mark = 0
+
+    def written(self) -> torch.Tensor:
+        return self.buf[:self.n] if self.buf is not None else torch.zeros(0)
+
+
 class NoiseScaleMonitor:
     """Measure B_simple during training: a step-driver callback, or called from a plain loop.
 
@@ -225,8 +273,8 @@ class NoiseScaleMonitor:
         self._unit_gap: torch.Tensor | None = None     # Σ|units − samples| over windows (unit=None)
         self._unit_checks = 0
         # Filled by the parameter hooks during a micro backward (persistent lists: the hooks bind them).
-        self._in_norms: list[torch.Tensor] = []        # |Δ| per parameter since the last micro_backward
-        self._in_norms_adam: list[torch.Tensor] = []
+        self._slots = _NormSlots()                     # |Δ| per (micro, parameter), written by the hooks
+        self._slots_adam = _NormSlots()
         self._hooks: list[Any] = []
         self._attached = True
         self._countdown = 0                            # windows to leave out before the next measured one
@@ -281,16 +329,16 @@ class NoiseScaleMonitor:
     def _add_param_hooks(self) -> None:
         if self._hooks:
             return
-        norms, norms_adam = self._in_norms, self._in_norms_adam
+        slots, slots_adam = self._slots, self._slots_adam
         mon = self
 
         def make(i: int) -> Callable[[torch.Tensor], None]:
             def hook(grad: torch.Tensor) -> None:
                 # Δ of this parameter as it arrives, before AccumulateGrad adds it into .grad and before
                 # any DP all-reduce: its norm now, while the gradient is still in cache; nothing is held.
-                norms.append(torch.linalg.vector_norm(grad))
+                slots.put(grad)
                 if mon._adam_on and mon._ensure_precond():
-                    norms_adam.append(torch.linalg.vector_norm(grad * mon._precond[i]))
+                    slots_adam.put(grad * mon._precond[i])
             return hook
 
         self._hooks = [p.register_hook(make(i)) for i, p in enumerate(self._params)]
@@ -304,7 +352,7 @@ class NoiseScaleMonitor:
             for h in self._hooks:
                 h.remove()
             self._hooks = []
-        self._in_norms.clear(), self._in_norms_adam.clear()
+        self._slots.drop(), self._slots_adam.drop()
         self._armed = on
 
     # -- names ---------------------------------------------------------------------------
@@ -346,8 +394,7 @@ class NoiseScaleMonitor:
     # -- window state ------------------------------------------------------------------------
 
     def _reset_window(self) -> None:
-        self._norms: list[torch.Tensor] = []           # |Δ| per (micro, parameter) in arrival order
-        self._norms_adam: list[torch.Tensor] = []
+        self._slots.reset(), self._slots_adam.reset()
         self._per_micro: list[int] = []                # how many norms each micro-batch added
         self._counts: list[Any] = []
         self._mults: list[Any] = []
@@ -415,7 +462,7 @@ class NoiseScaleMonitor:
         if not self._in_window:
             self._start_window()
         if not self._measuring:
-            self._in_norms.clear(), self._in_norms_adam.clear()
+            self._slots.drop(), self._slots_adam.drop()
             return
         if self._synced_micro >= 0:
             raise ValueError(f"micro_backward: micro-batch {len(self._counts)} follows a DDP gradient sync in "
@@ -423,11 +470,12 @@ class NoiseScaleMonitor:
         if self._hook_rank:
             self._synced_micro = len(self._counts)
         if self._micro:
-            n = len(self._in_norms)
-            self._norms += self._in_norms   # taken by the parameter hooks during the backward
-            self._norms_adam += self._in_norms_adam
-            self._in_norms.clear(), self._in_norms_adam.clear()
-            self._per_micro.append(n)
+            self._per_micro.append(self._slots.close_micro())  # norms the hooks wrote in this backward
+            self._slots_adam.close_micro()
+        if isinstance(count, torch.Tensor) and count.device.type == "cpu":
+            count = count.item()  # a CPU tensor (the driver's host counts): no device sync
+        if isinstance(grad_multiplier, torch.Tensor) and grad_multiplier.device.type == "cpu":
+            grad_multiplier = grad_multiplier.item()
         self._counts.append(count)
         self._mults.append(count if grad_multiplier is None else grad_multiplier)
         if samples is None:
@@ -525,7 +573,7 @@ class NoiseScaleMonitor:
             if is_adam and not adam:
                 parts.append(torch.zeros(2, dtype=torch.float64, device=dev))  # not present this window
             elif source == "micro":
-                norms = torch.stack(self._norms_adam if is_adam else self._norms)
+                norms = (self._slots_adam if is_adam else self._slots).written()
                 per = self._per_micro
                 if all(n == per[0] for n in per):                           # the usual case: same parameters
                     per_micro = torch.linalg.vector_norm(norms.view(k_local, per[0]), dim=1, dtype=torch.float64)
@@ -664,7 +712,7 @@ class NoiseScaleMonitor:
             if "big_sq" in last and last["big_sq"] is None:
                 last["big_sq"] = result.grad_norm ** 2  # pre-clip, unscaled, after the sync: host float
             self._last_measured = False
-        self._in_norms.clear(), self._in_norms_adam.clear()  # nothing from between windows reaches the next one
+        self._slots.drop(), self._slots_adam.drop()  # nothing from between windows reaches the next one
 
     # -- read-out (host sync) -------------------------------------------------------------------
 
