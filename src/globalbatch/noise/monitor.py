@@ -41,6 +41,7 @@ __all__ = ["SOURCES", "NoiseConfig", "NoiseScaleMonitor"]
 
 SOURCES = ("micro", "rank")
 _log = logging.getLogger("globalbatch.noise")
+_vector_norm = torch._C._linalg.linalg_vector_norm  # torch.linalg.vector_norm, called positionally in the hooks
 _FOLD_EVERY = 32  # measured windows queued (one small vector each) before they are folded in on the device
 
 
@@ -150,9 +151,9 @@ class _NormSlots:
 
     def put(self, grad: torch.Tensor) -> None:
         j = self.n
-        if j >= len(self.views) or self.buf.device != grad.device:
-            self.first_dtype = grad.dtype  # float64 gradients get a float64 buffer, all others float32
-            self._grow(grad.device, j)
+        if j >= len(self.views) or self.buf.device != grad.device or \
+                (grad.dtype == torch.float64 and self.buf.dtype != torch.float64):
+            self._grow(grad.device, j, float64=grad.dtype == torch.float64)
         v = self.views[j]
         if grad.dtype == v.dtype:
             torch.linalg.vector_norm(grad, out=v)
@@ -162,9 +163,10 @@ class _NormSlots:
             v.copy_(torch.linalg.vector_norm(grad))
         self.n = j + 1
 
-    def _grow(self, device: torch.device, need: int) -> None:
+    def _grow(self, device: torch.device, need: int, *, float64: bool) -> None:
+        """A bigger buffer (float64 once any float64 gradient was seen, else float32), contents kept."""
         old = self.buf
-        dtype = old.dtype if old is not None else (torch.float64 if self.first_dtype == torch.float64 else torch.float32)
+        dtype = torch.float64 if float64 or (old is not None and old.dtype == torch.float64) else torch.float32
         self.buf = torch.zeros(max(64, 2 * (need + 1)), dtype=dtype, device=device)
         if old is not None and old.device == device:
             self.buf[:self.n].copy_(old[:self.n])
@@ -336,7 +338,17 @@ class NoiseScaleMonitor:
             def hook(grad: torch.Tensor) -> None:
                 # Δ of this parameter as it arrives, before AccumulateGrad adds it into .grad and before
                 # any DP all-reduce: its norm now, while the gradient is still in cache; nothing is held.
-                slots.put(grad)
+                # (Lean on purpose: this runs once per parameter per micro-batch.)
+                j = slots.n
+                views = slots.views
+                if j < len(views) and grad.dtype is views[j].dtype:
+                    try:
+                        _vector_norm(grad, 2, None, False, out=views[j])
+                        slots.n = j + 1
+                    except RuntimeError:  # another device than the buffer's
+                        slots.put(grad)
+                else:
+                    slots.put(grad)
                 if mon._adam_on and mon._ensure_precond():
                     slots_adam.put(grad * mon._precond[i])
             return hook
