@@ -4,15 +4,17 @@ McCandlish, Kaplan, Amodei 2018 (arXiv 1812.06162), App. A.1 (the estimator is i
 :mod:`globalbatch.noise.estimator`). Sources, at no extra forward/backward:
 
 * ``"micro"``: the micro-batches of an accumulation window, pooled over ranks. A tensor hook on
-  every trainable parameter catches the gradient each micro backward *adds* to ``.grad``
-  (Δ = m_i·g_i, before accumulation and before any DP all-reduce); after the backward, one
-  ``_foreach_norm`` over those tensors gives |Δ|². One read of the gradient per micro-batch,
-  no snapshot copy, no second gradient buffer.
+  every trainable parameter sees the gradient each micro backward *adds* to ``.grad``
+  (Δ = m_i·g_i, before accumulation and before any DP all-reduce) and takes its norm at once,
+  while it is in cache, into a preallocated buffer slot. One in-cache read of the gradient per
+  micro-batch; no snapshot copy, no gradient held, no tensor created per norm.
 * ``"rank"``: each DP rank's window gradient before the all-reduce, one norm per bucket in a DDP
   comm hook that wraps the user's own hook (or DDP's default all-reduce).
 
 ``adam=True`` adds the Adam-preconditioned variant g/(√v̂ + eps). The per-window statistics
-are one small tensor chain; every estimator's state is a row of one matrix, updated at once.
+are one small tensor chain (under the StepDriver |G_big|² is its pre-clip norm, read in its one
+host sync); windows are queued and folded into every estimator at once (each estimator's state
+is a row of one matrix).
 ``every=n`` measures one window in n: between measured windows the parameter hooks are
 removed, so the skipped windows cost a few Python calls.
 """
