@@ -696,14 +696,14 @@ def test_compiled_module_gives_the_same_numbers(mlp_problem):
     assert out[1].g_sq == pytest.approx(out[0].g_sq, rel=1e-6)
 
 
-def test_fsdp2_is_refused_naming_the_model():
+def test_fsdp2_with_adam_variant_is_refused_naming_the_field():
     from globalbatch.parallel import fsdp_module_class
 
-    cls = fsdp_module_class()
     model = torch.nn.Linear(2, 2)
-    model.__class__ = type("FSDPLinear", (cls, torch.nn.Linear), {})  # what fully_shard does to a module
-    with pytest.raises(ValueError, match="^model: FSDP2"):
-        NoiseScaleMonitor(model)
+    model.__class__ = type("FSDPLinear", (fsdp_module_class(), torch.nn.Linear), {})  # what fully_shard does
+    opt = torch.optim.Adam(model.parameters())
+    with pytest.raises(ValueError, match="^adam True is not allowed with an FSDP2 model"):
+        NoiseScaleMonitor(model, optimizer=opt, config=NoiseConfig(adam=True))
 
 
 # ---------------------------------------------------------------------------
@@ -750,6 +750,24 @@ def test_compiled_ddp_and_comm_hooks_give_the_monitor_the_same_estimates():
         assert fp16["b_simple"] != ddp[source]["b_simple"]  # the compressed all-reduce really ran
         assert fp16["low"] <= out["truth"] <= fp16["high"]
     assert out["refused"].startswith("model: this DDP model already has a comm hook")
+
+
+@pytest.mark.dist
+def test_fsdp2_micro_source_equals_ddp_and_the_truth():
+    proc = run_torchrun(Path(__file__).parent / "dist" / "noise_fsdp2.py", "150")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("NOISE_FSDP2 "))
+    out = json.loads(line[len("NOISE_FSDP2 "):])
+    assert out["world"] == 2
+    for fsdp, ddp in (("fsdp2", "ddp"), ("fsdp2_plain_loop", "ddp_plain_loop")):
+        f, d = out[fsdp], out[ddp]
+        assert f["windows"] == d["windows"] > 0  # FSDP2 starts at its second window; DDP joined there too
+        # the same windows on the same ranks: sharded gradients give the same estimate as DDP
+        assert f["tr_sigma"] == pytest.approx(d["tr_sigma"], rel=1e-6)
+        assert f["g_sq"] == pytest.approx(d["g_sq"], rel=1e-6)
+    e = out["fsdp2"]
+    assert not e["flags"], e
+    assert e["b_simple"] == pytest.approx(out["truth"], rel=0.10)
+    assert e["low"] <= out["truth"] <= e["high"]
 
 
 # ---------------------------------------------------------------------------

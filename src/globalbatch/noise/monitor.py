@@ -141,6 +141,31 @@ def _host_weights(counts: list[Any], mults: list[Any],
     return sum(cs), [[c * i for c, i in zip(cs, inv)], [s * i for s, i in zip(smp, inv)]], float(sum(ms))
 
 
+def _fsdp_unsharded_params(module: torch.nn.Module) -> list[torch.Tensor] | None:
+    """The unsharded parameters FSDP2 computes gradients for (one per sharded trainable parameter),
+    or None before the first forward created them. FSDP2 keeps these objects across iterations
+    (it frees and refills their storage), so hooks on them persist. Private FSDP2 state: checked by
+    the 2-rank test against DDP on the same windows."""
+    out = []
+    for m in module.modules():
+        get = getattr(m, "_get_fsdp_state", None)
+        if get is None:
+            continue
+        state = get()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            for fp in group.fsdp_params:
+                if not fp.sharded_param.requires_grad:
+                    continue
+                if not hasattr(fp, "_unsharded_param"):
+                    return None
+                out.append(fp._unsharded_param)
+    return out
+
+
 class _NormSlots:
     """A float32 buffer the parameter hooks write |Δ| into, one 0-d view per slot: no tensor is
     created or freed per norm, and the window reads them all as one slice."""
@@ -244,11 +269,12 @@ class NoiseScaleMonitor:
             raise ValueError("optimizer None is not allowed with adam=True; allowed: the Adam/AdamW optimizer "
                              "(the variant needs its exp_avg_sq)")
         info = inspect_parallel(model)
-        if info.kind == "fsdp2":
-            raise ValueError("model: FSDP2 (fully_shard) is not allowed; allowed: a plain, DDP or torch.compile'd "
-                             "model (FSDP2's sharded gradients are not measured yet; see docs/noise.md)")
         ddp = info.sync_module if info.kind == "ddp" else None
-        if process_group is not None and ddp is None:
+        self._fsdp = info.sync_module if info.kind == "fsdp2" else None
+        if self._fsdp is not None and self.config.adam:
+            raise ValueError("adam True is not allowed with an FSDP2 model; allowed: adam False (the variant "
+                             "is measured on plain and DDP models only)")
+        if process_group is not None and ddp is None and self._fsdp is None:
             raise ValueError("process_group is not allowed with a plain module; allowed: a DDP model (the monitor "
                              "sees each rank's gradient before the all-reduce)")
         if comm_hook is not None and ddp is None:
@@ -260,8 +286,10 @@ class NoiseScaleMonitor:
         import torch.distributed as dist
 
         self._group = process_group if process_group is not None else (ddp.process_group if ddp is not None else None)
-        self.dp_world_size = dist.get_world_size(self._group) if ddp is not None else 1
-        self.sources = tuple(s for s in self.config.sources if s != "rank" or self.dp_world_size > 1)
+        self.dp_world_size = dist.get_world_size(self._group) if (ddp is not None or self._fsdp is not None) else 1
+        # FSDP2 has no comm hook to wrap: its "rank" source is left out (the micro source pools ranks).
+        self.sources = tuple(s for s in self.config.sources
+                             if s != "rank" or (self.dp_world_size > 1 and self._fsdp is None))
         if not self.sources:
             raise ValueError(f"sources {self.config.sources!r} is not allowed with dp_world_size {self.dp_world_size}; "
                              f"allowed: add 'micro' with grad_accum_steps ≥ 2 (the noise scale {NEEDS_TWO_BATCH_SIZES})")
@@ -355,7 +383,10 @@ class NoiseScaleMonitor:
                     slots_adam.put(grad * mon._precond[i])
             return hook
 
-        self._hooks = [p.register_hook(make(i)) for i, p in enumerate(self._params)]
+        targets = self._params if self._fsdp is None else _fsdp_unsharded_params(self._fsdp)
+        if targets is None:  # FSDP2 before its first forward: the unsharded parameters do not exist yet
+            return
+        self._hooks = [p.register_hook(make(i)) for i, p in enumerate(targets)]
 
     def _arm(self, on: bool) -> None:
         """Hooks in place exactly when the next window is measured (skipped windows cost nothing)."""
@@ -475,6 +506,9 @@ class NoiseScaleMonitor:
         """
         if not self._in_window:
             self._start_window()
+        if self._micro and self._armed and not self._hooks:  # FSDP2: hooks possible after the first forward
+            self._add_param_hooks()
+            self._measuring = False  # this window's earlier backward passes were not seen
         if not self._measuring:
             self._slots.drop(), self._slots_adam.drop()
             return
@@ -549,14 +583,21 @@ class NoiseScaleMonitor:
         active = [i for i, p in enumerate(self._params) if p.grad is not None]
         grads = [self._params[i].grad for i in active]
         if self._device is None:
-            self._device = grads[0].device if grads else torch.device("cpu")
+            g0 = getattr(grads[0], "_local_tensor", grads[0]) if grads else None
+            self._device = g0.device if g0 is not None else torch.device("cpu")
         dev = self._device
         adam = self.config.adam and self._ensure_precond()
         # |G_big|²: under the StepDriver, its pre-clip gradient norm (read in its one host sync) arrives
         # in on_step_end at no cost; otherwise one read of .grad here.
         big_later = big_from_driver and big_grad_multiplier is None
-        big = [torch.zeros((), dtype=torch.float64, device=dev) if big_later else
-               torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)), dtype=torch.float64)]
+        if self._fsdp is not None:  # sharded: local shard norms, × replicas so that Σ over ranks / R = |G|²
+            local = [getattr(g, "_local_tensor", g) for g in grads]
+            big = [torch.zeros((), dtype=torch.float64, device=dev) if big_later else
+                   torch.linalg.vector_norm(torch.stack(torch._foreach_norm(local)), dtype=torch.float64)
+                   * math.sqrt(self.dp_world_size)]
+        else:
+            big = [torch.zeros((), dtype=torch.float64, device=dev) if big_later else
+                   torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)), dtype=torch.float64)]
         if self.config.adam:
             big.append(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(torch._foreach_mul(
                 grads, [self._precond[i] for i in active]))), dtype=torch.float64) if adam else big[0])
