@@ -8,8 +8,9 @@ McCandlish, Kaplan, Amodei 2018 (arXiv 1812.06162), App. A.1 (the estimator is i
   (Δ = m_i·g_i, before accumulation and before any DP all-reduce) and takes its norm at once,
   while it is in cache, into a preallocated buffer slot. One in-cache read of the gradient per
   micro-batch; no snapshot copy, no gradient held, no tensor created per norm.
+  Under FSDP2 the hooks sit on its unsharded parameters (before the reduce-scatter).
 * ``"rank"``: each DP rank's window gradient before the all-reduce, one norm per bucket in a DDP
-  comm hook that wraps the user's own hook (or DDP's default all-reduce).
+  comm hook that wraps the user's own hook (or DDP's default all-reduce). Not under FSDP2.
 
 ``adam=True`` adds the Adam-preconditioned variant g/(√v̂ + eps). The per-window statistics
 are one small tensor chain (under the StepDriver |G_big|² is its pre-clip norm, read in its one
@@ -241,9 +242,11 @@ class NoiseScaleMonitor:
     part of that micro-batch (``torch.autograd.grad`` over the parameters too).
 
     Args:
-        model: the module, or its DDP / ``torch.compile`` wrappers at any depth
+        model: the module, or its DDP / FSDP2 / ``torch.compile`` wrappers at any depth
             (:func:`globalbatch.parallel.inspect_parallel`). Under DDP with the ``rank`` source
-            a comm hook is registered now: build the monitor before the first backward.
+            a comm hook is registered now: build the monitor before the first backward. FSDP2:
+            the micro source only, from the second window (FSDP2's unsharded parameters, which
+            the hooks attach to, appear at the first forward).
         optimizer: needed for ``adam=True`` (its ``exp_avg_sq``) and to log the LR.
         config: :class:`NoiseConfig`.
         unit: the loss's unit, ``"token"`` or ``"sample"``; None: follow the loss — ``"sample"``
