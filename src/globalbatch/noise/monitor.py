@@ -22,7 +22,6 @@ removed, so the skipped windows cost a few Python calls.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -43,7 +42,6 @@ from globalbatch.parallel import inspect_parallel
 __all__ = ["SOURCES", "NoiseConfig", "NoiseScaleMonitor"]
 
 SOURCES = ("micro", "rank")
-_log = logging.getLogger("globalbatch.noise")
 _vector_norm = torch._C._linalg.linalg_vector_norm  # torch.linalg.vector_norm, called positionally in the hooks
 _FOLD_EVERY = 32  # measured windows queued (one small vector each) before they are folded in on the device
 
