@@ -65,6 +65,7 @@ SLOW_TESTS = {
     "integrations/test_hf.py::test_noise_scale_in_the_logs_matches_the_monitor",  # 1
     "test_plan.py::test_warmup_steps_tokens_round_trip",  # 2 (hypothesis)
     "test_probe.py::test_real_probe_with_memory_limit_brackets_and_keeps_global_batch",  # 1
+    "test_memory.py::test_measured_prediction_matches_the_probe_on_tiny_tinygpt",  # 1.5-2
     "test_cli_voice.py::test_noise_json",
     "test_cli_voice.py::test_plan_and_report_json",
 }
