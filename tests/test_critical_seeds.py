@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 
-from globalbatch.critical import Curve, fit_hyperbola, points_for_target
+from globalbatch.critical import Curve
 from globalbatch.critical_seeds import (analyze_seeds, common_targets, fit_joint, is_monotone, recommend_over_seeds,
                                         seed_analysis_json, target_over_seeds)
 from globalbatch.readout import heldout_crossing, monotone_fit

@@ -557,7 +557,6 @@ def report_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the analysis over seeds as JSON (stable snake_case keys: targets with b_crit, b_crit_per_seed, steps_to_target, monotone; recommendation with batch, lr, per_seed, probability_fastest) instead of the tables."),
 ) -> None:
     """Write PNG plots and a self-contained HTML report of a sweep, with the recommended batch."""
-    from rich.console import Console
 
     from . import validate as V
     from ._util import flag_names

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from globalbatch._util import SettingError, load_task_checked, read_json_checked
+from globalbatch._util import SettingError, load_task_checked
 from globalbatch.lab.device import check_device
 from globalbatch.lab.rundir import check_manifest, lock_run_dir, remove_stale_tmp
 from globalbatch.validate import make_out_dir
