@@ -413,6 +413,66 @@ def branch_cmd(
     typer.echo(f"wrote {out}/result.json")
 
 
+@app.command("adaptive", short_help="An adaptive global batch (noise-tracking or goodput) vs fixed batches, over seeds.")
+def adaptive_cmd(
+    task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt (default: the demo's settings), mnist or package.module:function."),
+    policy: str = typer.Option("noise", "--policy", help="noise (B = c·B_simple, on its lower bound), goodput (Pollux) or package.module:function (a factory f(config) -> policy)."),
+    batches: str = typer.Option("4,8,16,32,64", "--batches", help="Fixed global batches to compare against, in samples, comma-separated."),
+    lr: float = typer.Option(3e-3, "--lr", help="Peak LR at --base-batch; other batches scale it by --lr-rule."),
+    base_batch: int = typer.Option(8, "--base-batch", help="The adaptive run's first batch (and the batch --lr belongs to)."),
+    lr_rule: str = typer.Option("sqrt", "--lr-rule", help="LR at a batch change: sqrt, linear, adascale (gain from B_simple) or none."),
+    c: float = typer.Option(1.0, "--c", help="Noise tracking: target batch = c × B_simple."),
+    max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Largest adaptive batch (default: the largest fixed batch)."),
+    any_batch: bool = typer.Option(False, "--any-batch", help="Allow any multiple of the micro-batch, not only powers of two."),
+    decide_every: int = typer.Option(10, "--decide-every", help="Optimizer steps between decisions."),
+    min_interval: int = typer.Option(50, "--min-interval", help="Optimizer steps between two batch changes."),
+    patience: int = typer.Option(2, "--patience", help="Decisions in a row that must agree before a change (hysteresis)."),
+    tokens: str = typer.Option("300K", "--tokens", help="Budget per run in the task's unit (tokens), e.g. 300K."),
+    seeds: str = typer.Option("1,2,3", "--seeds", help="Seeds (model init and data order), comma-separated; >= 3 for intervals."),
+    micro_batch: int = typer.Option(4, "--micro-batch", help="Samples per forward/backward, every arm."),
+    target: Optional[float] = typer.Option(None, "--target", help="Held-out loss target (default: the worst fixed batch's final loss + 0.01)."),
+    task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable)."),
+    out: str = typer.Option("runs/adaptive", "--out", help="Output directory; rerunning resumes it (finished runs are kept; --seeds may grow)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or mps (checked before anything is written)."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+) -> None:
+    """Train the adaptive policy and each fixed batch at equal tokens on every seed; report loss vs tokens/steps,
+    the batch over time and tokens-/steps-to-target with intervals."""
+    import math
+
+    from ._util import SettingError, flag_names, parse_list, parse_task_args
+    from .lab.adaptive_report import format_analysis, write_adaptive_report
+    from .lab.adaptive_run import AdaptiveConfig, run_adaptive
+    from .lab.sweep import demo_config
+    from .plan import parse_count
+
+    names = {"task": "--task", "task_overrides": "--task-arg", "policy": "--policy", "batches": "--batches",
+             "lr": "--lr", "base_batch": "--base-batch", "lr_rule": "--lr-rule", "c": "--c", "max_batch": "--max-batch",
+             "decide_every": "--decide-every", "min_interval_steps": "--min-interval", "patience": "--patience",
+             "budget": "--tokens", "seeds": "--seeds", "micro_batch": "--micro-batch", "threads": "--threads",
+             "out": "--out", "device": "--device", "precision": "--precision", "target": "--target"}
+    with flag_names(names):
+        overrides = parse_task_args(task_arg)
+        if task == "tinygpt":
+            overrides = {**demo_config().task_overrides, **overrides}
+        cfg = AdaptiveConfig(task=task, task_overrides=overrides, policy=policy,
+                             batches=parse_list(batches, "--batches", int), lr=lr, base_batch=base_batch,
+                             lr_rule=lr_rule, c=c, max_batch=max_batch, powers_of_two=not any_batch,
+                             decide_every=decide_every, min_interval_steps=min_interval, patience=patience,
+                             budget=parse_count(tokens, "--tokens"),
+                             seeds=parse_list(seeds, "--seeds", int, allowed="whole numbers ≥ 0, e.g. 1,2,3"),
+                             micro_batch=micro_batch, device=device, precision=precision)
+        if target is not None and not (target > 0 and math.isfinite(target)):
+            raise SettingError("target", target, "a finite held-out loss > 0")
+        result = run_adaptive(cfg, out, threads=threads, log=lambda m: typer.echo(m, err=True))
+    typer.echo(f"{len(result.ran)} run(s) trained, {len(result.skipped)} already finished, {result.wall_time_s:,.0f} s",
+               err=True)
+    analysis, files = write_adaptive_report(out, target=target)
+    typer.echo(format_analysis(analysis))
+    typer.echo(f"report: {files[-1]}")
+
+
 @app.command("demo", short_help="Quick sweep of a small tinygpt and its report (the main job).")
 def demo_cmd(
     out: str = typer.Option("demo_out", "--out", help="Output directory of the demo sweep and its report."),
