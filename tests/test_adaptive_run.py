@@ -1,0 +1,151 @@
+"""lab/adaptive_run + adaptive_report + the `globalbatch adaptive` command, on a tiny tinygpt."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from globalbatch._util import SettingError, read_jsonl
+from globalbatch.lab.adaptive_run import (
+    AdaptiveConfig,
+    _crossing,
+    _front_units,
+    _t_interval,
+    analyze_adaptive,
+    eval_points,
+    run_adaptive,
+)
+
+TINY = dict(n_layer=1, d_model=16, n_head=2, seq_len=16, max_corpus_bytes=100_000)
+TINY_ARGS = [f"--task-arg={k}={v}" for k, v in TINY.items()]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny(**kw) -> AdaptiveConfig:
+    base = dict(task_overrides=TINY, batches=[4, 8, 16], budget=3000, seeds=[1, 2], micro_batch=4, base_batch=8,
+                decide_every=2, min_interval_steps=2, patience=1, eval_points=6, max_val_samples=16)
+    base.update(kw)
+    return AdaptiveConfig(**base)
+
+
+def test_crossing_interpolates_units_and_steps():
+    ev = [{"consumed": 0, "step": 0, "val_loss": 5.0}, {"consumed": 100, "step": 10, "val_loss": 4.0},
+          {"consumed": 300, "step": 20, "val_loss": 3.0}]
+    assert _crossing(ev, 3.5) == (200.0, 15.0)
+    assert _crossing(ev, 5.5) == (0.0, 0.0)
+    assert all(math.isnan(v) for v in _crossing(ev, 2.0))
+
+
+def test_t_interval_matches_the_closed_form():
+    from scipy import stats
+
+    v = [1.0, 2.0, 4.0]
+    d = _t_interval(v)
+    import statistics
+
+    half = stats.t.ppf(0.975, 2) * statistics.stdev(v) / math.sqrt(3)
+    assert d["mean"] == pytest.approx(7 / 3, rel=1e-12) and d["high"] - d["mean"] == pytest.approx(half, rel=1e-9)
+    g = _t_interval(v, log=True)
+    assert g["mean"] == pytest.approx(2.0, rel=1e-12)  # geometric mean of 1, 2, 4
+    assert math.isnan(_t_interval([1.0, math.nan])["mean"])
+
+
+def test_front_units_is_log_log_interpolation():
+    pts = [(100.0, 1000.0), (25.0, 4000.0)]
+    assert _front_units(pts, 50.0) == pytest.approx(2000.0, rel=1e-12)  # E ∝ 1/S between the points
+    assert math.isnan(_front_units(pts, 10.0))
+
+
+def test_eval_points_are_log_spaced_and_end_at_the_budget():
+    p = eval_points(300_000, 24)
+    assert p[-1] == 300_000 and p == sorted(set(p)) and len(p) == 24
+    assert p[0] == round(300_000 / 64)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(SettingError, match="base_batch 4 is not allowed"):
+        tiny(base_batch=4)
+    with pytest.raises(SettingError, match="policy 'magic' is not allowed"):
+        tiny(policy="magic")
+    with pytest.raises(SettingError, match="seeds"):
+        tiny(seeds=[1, 1])
+
+
+def test_run_resume_policy_dirs_and_report(tmp_path):
+    out = tmp_path / "a"
+    cfg = tiny()
+    r = run_adaptive(cfg, out, threads=1)
+    assert len(r.ran) == 8 and not r.skipped
+    # rerun: nothing trained again; another c reuses the fixed runs and trains only its adaptive arm
+    assert run_adaptive(cfg, out, threads=1).ran == []
+    r2 = run_adaptive(tiny(c=50.0), out, threads=1)
+    assert sorted(r2.ran) == ["adaptive/s1", "adaptive/s2"] and len(r2.skipped) == 6
+    dirs = sorted(p.name for p in (out / "runs").iterdir())
+    assert dirs == sorted(["b4", "b8", "b16", tiny().adaptive_dir(), tiny(c=50.0).adaptive_dir()])
+    # a setting that changes the fixed runs is refused, naming the difference
+    with pytest.raises(SettingError, match="budget: 3000 -> 4000"):
+        run_adaptive(tiny(budget=4000), out, threads=1)
+    # c=50 grows the batch; every change is feasible and logged with its reason, batch never shrinks
+    a = analyze_adaptive(out, policy={"c": 50.0})
+    for seed, chs in a.changes.items():
+        assert chs, seed
+        assert all(ch["new_batch"] in (16,) and ch["new_batch"] > ch["old_batch"] for ch in chs)
+        assert all("grow" in ch["reason"] for ch in chs)
+    for seed in a.seeds:
+        evals = a.curves["adaptive"][seed]
+        assert evals[-1]["consumed"] >= 3000 and evals[-1]["batch"] == 16
+    # the c=1 arm never left batch 8 here: bitwise the b8 run (same init, data, LR), so the runs agree exactly
+    a1 = analyze_adaptive(out, policy={"c": 1.0})
+    for seed in a1.seeds:
+        if not a1.changes[seed]:
+            assert [e["val_loss"] for e in a1.curves["adaptive"][seed]] == [e["val_loss"] for e in a1.curves["b8"][seed]]
+    assert a1.best_fixed in ("b4", "b8", "b16") and "over 2 seeds" in a1.verdict
+
+
+def _cli(argv, capsys):
+    from globalbatch.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+def test_cli_adaptive_writes_the_report(tmp_path, capsys):
+    out = tmp_path / "cli"
+    code, so, se = _cli(["adaptive", *TINY_ARGS, "--batches", "4,8,16", "--tokens", "2K", "--seeds", "1,2",
+                         "--c", "50", "--decide-every", "2", "--min-interval", "2", "--patience", "1",
+                         "--threads", "1", "--out", str(out)], capsys)
+    assert code == 0, se
+    assert "best fixed batch by tokens" in so and "adaptive / best fixed" in so
+    rep = out / "report"
+    for f in ("loss_vs_tokens.png", "loss_vs_steps.png", "batch_over_time.png", "steps_vs_tokens.png", "report.md"):
+        assert (rep / f).is_file() and (rep / f).stat().st_size > 0, f
+    res = json.loads((rep / "result.json").read_text())
+    assert set(res["arms"]) == {"b4", "b8", "b16", "adaptive"} and res["seeds"] == [1, 2]
+    md = (rep / "report.md").read_text()
+    assert "Verdict" in md and "| adaptive |" in md and "→ 16" in md
+    recs = read_jsonl(next((out / "runs").glob("adaptive-*")) / "s1" / "metrics.jsonl")
+    assert any(r["kind"] == "change" for r in recs)
+
+
+def test_cli_adaptive_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    cases = {("--c", "-1"): "error: --c -1 is not allowed; allowed: a finite number > 0",
+             ("--lr-rule", "cube"): "error: --lr-rule 'cube' is not allowed; allowed: sqrt, linear, adascale or none",
+             ("--policy", "magic"): "error: --policy 'magic' is not allowed; allowed: noise, goodput or package.module:function",
+             ("--base-batch", "6"): "error: --base-batch 6 is not allowed",
+             ("--target", "-2"): "error: --target -2 is not allowed; allowed: a finite held-out loss > 0"}
+    for (flag, value), want in cases.items():
+        code, _, err = _cli(["adaptive", *TINY_ARGS, flag, value, "--out", str(tmp_path / "x")], capsys)
+        assert code == 2 and err.strip().startswith(want) and len(err.strip().splitlines()) == 1, (flag, err)
+    assert not (tmp_path / "x").exists()
