@@ -418,8 +418,9 @@ def adaptive_cmd(
     task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt (default: the demo's settings), mnist or package.module:function."),
     policy: str = typer.Option("noise", "--policy", help="noise (B = c·B_simple, on its lower bound), goodput (Pollux) or package.module:function (a factory f(config) -> policy)."),
     batches: str = typer.Option("4,8,16,32,64", "--batches", help="Fixed global batches to compare against, in samples, comma-separated."),
-    lr: float = typer.Option(3e-3, "--lr", help="Peak LR at --base-batch; other batches scale it by --lr-rule."),
-    base_batch: int = typer.Option(8, "--base-batch", help="The adaptive run's first batch (and the batch --lr belongs to)."),
+    lr: float = typer.Option(3e-3, "--lr", help="Peak LR at --lr-base-batch; other batches scale it by --lr-rule."),
+    lr_base_batch: int = typer.Option(8, "--lr-base-batch", help="The batch --lr belongs to: batch B trains at lr × rule(B / this)."),
+    initial_batch: Optional[int] = typer.Option(None, "--initial-batch", help="The adaptive run's first batch (default: the smallest fixed batch)."),
     lr_rule: str = typer.Option("sqrt", "--lr-rule", help="LR at a batch change: sqrt, linear, adascale (gain from B_simple) or none."),
     c: float = typer.Option(1.0, "--c", help="Noise tracking: target batch = c × B_simple."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Largest adaptive batch (default: the largest fixed batch)."),
@@ -430,7 +431,7 @@ def adaptive_cmd(
     tokens: str = typer.Option("300K", "--tokens", help="Budget per run in the task's unit (tokens), e.g. 300K."),
     seeds: str = typer.Option("1,2,3", "--seeds", help="Seeds (model init and data order), comma-separated; >= 3 for intervals."),
     micro_batch: int = typer.Option(4, "--micro-batch", help="Samples per forward/backward, every arm."),
-    target: Optional[float] = typer.Option(None, "--target", help="Held-out loss target (default: the worst fixed batch's final loss + 0.01)."),
+    target: list[float] = typer.Option([], "--target", help="Held-out loss target (repeatable); default two: every fixed batch's final loss reaches it (worst + 0.01), and half of them do (median + 0.01)."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable)."),
     out: str = typer.Option("runs/adaptive", "--out", help="Output directory; rerunning resumes it (finished runs are kept; --seeds may grow)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
@@ -448,7 +449,8 @@ def adaptive_cmd(
     from .plan import parse_count
 
     names = {"task": "--task", "task_overrides": "--task-arg", "policy": "--policy", "batches": "--batches",
-             "lr": "--lr", "base_batch": "--base-batch", "lr_rule": "--lr-rule", "c": "--c", "max_batch": "--max-batch",
+             "lr": "--lr", "base_batch": "--lr-base-batch", "initial_batch": "--initial-batch", "lr_rule": "--lr-rule",
+             "c": "--c", "max_batch": "--max-batch",
              "decide_every": "--decide-every", "min_interval_steps": "--min-interval", "patience": "--patience",
              "budget": "--tokens", "seeds": "--seeds", "micro_batch": "--micro-batch", "threads": "--threads",
              "out": "--out", "device": "--device", "precision": "--precision", "target": "--target"}
@@ -457,19 +459,22 @@ def adaptive_cmd(
         if task == "tinygpt":
             overrides = {**demo_config().task_overrides, **overrides}
         cfg = AdaptiveConfig(task=task, task_overrides=overrides, policy=policy,
-                             batches=parse_list(batches, "--batches", int), lr=lr, base_batch=base_batch,
+                             batches=parse_list(batches, "--batches", int), lr=lr, base_batch=lr_base_batch,
+                             initial_batch=initial_batch,
                              lr_rule=lr_rule, c=c, max_batch=max_batch, powers_of_two=not any_batch,
                              decide_every=decide_every, min_interval_steps=min_interval, patience=patience,
                              budget=parse_count(tokens, "--tokens"),
                              seeds=parse_list(seeds, "--seeds", int, allowed="whole numbers ≥ 0, e.g. 1,2,3"),
                              micro_batch=micro_batch, device=device, precision=precision)
-        if target is not None and not (target > 0 and math.isfinite(target)):
-            raise SettingError("target", target, "a finite held-out loss > 0")
+        for t in target:
+            if not (t > 0 and math.isfinite(t)):
+                raise SettingError("target", t, "a finite held-out loss > 0")
         result = run_adaptive(cfg, out, threads=threads, log=lambda m: typer.echo(m, err=True))
     typer.echo(f"{len(result.ran)} run(s) trained, {len(result.skipped)} already finished, {result.wall_time_s:,.0f} s",
                err=True)
-    analysis, files = write_adaptive_report(out, target=target)
-    typer.echo(format_analysis(analysis))
+    analyses, files = write_adaptive_report(out, targets=target or None)
+    for analysis in analyses:
+        typer.echo(format_analysis(analysis))
     typer.echo(f"report: {files[-1]}")
 
 

@@ -58,9 +58,15 @@ def format_analysis(a: AdaptiveAnalysis) -> str:
     return "\n".join(lines)
 
 
-def write_adaptive_report(out: str | Path, *, target: Optional[float] = None) -> tuple[AdaptiveAnalysis, list[str]]:
-    """Analyse ``out`` and write the PNGs, ``report.md`` and ``result.json`` into ``out/report``."""
-    a = analyze_adaptive(out, target=target)
+def write_adaptive_report(out: str | Path, *, targets: Optional[list[float]] = None,
+                          policy: Optional[dict] = None) -> tuple[list[AdaptiveAnalysis], list[str]]:
+    """Analyse ``out`` at each target (default: the "all" and "half" targets of :func:`analyze_adaptive`) and
+    write the PNGs (for the first target), ``report.md`` and ``result.json`` into ``out/report``."""
+    if targets:
+        analyses = [analyze_adaptive(out, target=t, policy=policy) for t in targets]
+    else:
+        analyses = [analyze_adaptive(out, policy=policy, default=d) for d in ("all", "half")]
+    a = analyses[0]
     rep = Path(out) / "report"
     plt = _plt()
     plots = []
@@ -76,7 +82,9 @@ def write_adaptive_report(out: str | Path, *, target: Optional[float] = None) ->
             x, m, lo, hi = _mean_curve(runs, key)
             ax.plot(x, m, label=arm, **style[arm])
             ax.fill_between(x, lo, hi, color=style[arm]["color"], alpha=0.15)
-        ax.axhline(a.target, ls="--", color="grey", lw=1, label=f"target {a.target:.3f}")
+        for i, t in enumerate(analyses):
+            ax.axhline(t.target, ls="--", color="grey", lw=1, label=f"target {t.target:.3f}" if i == 0 else
+                       f"target {t.target:.3f}", alpha=1.0 if i == 0 else 0.6)
         ax.set_xscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out loss per token")
@@ -122,9 +130,16 @@ def write_adaptive_report(out: str | Path, *, target: Optional[float] = None) ->
     ax.legend(fontsize=8)
     plots.append(_save(fig, rep / "steps_vs_tokens.png"))
 
-    rows = ["| arm | tokens to target (95% CI) | steps to target (95% CI) | final held-out loss |", "|---|---|---|---|"]
-    for arm, d in a.arms.items():
-        rows.append(f"| {arm} | {_ci(d['tokens'])} | {_ci(d['steps'])} | {d['final_loss']['mean']:.4f} |")
+    sections = []
+    for t in analyses:
+        sections += [f"## Target {t.target:.4f} ({t.target_source})", "", f"**Verdict.** {t.verdict}", "",
+                     f"Best fixed batch by tokens: {t.best_fixed}. Adaptive tokens ÷ the fixed front's tokens at the "
+                     f"adaptive run's steps: {_ratio(t.front_ratio)} (≤ 1: on or beyond the front).", "",
+                     "| arm | tokens to target (95% CI) | steps to target (95% CI) | final held-out loss |",
+                     "|---|---|---|---|"]
+        for arm, d in t.arms.items():
+            sections.append(f"| {arm} | {_ci(d['tokens'])} | {_ci(d['steps'])} | {d['final_loss']['mean']:.4f} |")
+        sections.append("")
     changes = []
     for s in a.seeds:
         chs = a.changes.get(s, [])
@@ -133,15 +148,13 @@ def write_adaptive_report(out: str | Path, *, target: Optional[float] = None) ->
                                                      for c in chs) or "no change"))
     md = "\n".join([
         "# globalbatch adaptive: adaptive global batch vs fixed batches", "",
-        f"**Verdict.** {a.verdict}", "",
-        f"Target held-out loss {a.target:.4f} ({a.target_source}); seeds {', '.join(map(str, a.seeds))}; "
-        f"best fixed batch by tokens: {a.best_fixed}.", "",
-        f"Adaptive tokens ÷ the fixed front's tokens at the adaptive steps: {_ratio(a.front_ratio)} "
-        "(≤ 1: on or beyond the front).", "",
-        *rows, "",
+        f"Seeds {', '.join(map(str, a.seeds))}; intervals are 95% t-intervals over seeds (ratios: paired, "
+        "geometric mean). Points to target are interpolated between held-out read-outs.", "",
+        *sections,
         "## Batch changes", "", *changes, "",
         *[f"![{Path(p).stem}]({Path(p).name})" for p in plots], "",
     ])
     atomic_write_text(rep / "report.md", md)
-    atomic_write_json(rep / "result.json", json.loads(json.dumps(a.as_dict(), default=float)))
-    return a, plots + [str(rep / "report.md")]
+    atomic_write_json(rep / "result.json",
+                      json.loads(json.dumps({"targets": [t.as_dict() for t in analyses]}, default=float)))
+    return analyses, plots + [str(rep / "report.md")]

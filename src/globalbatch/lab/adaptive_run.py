@@ -40,7 +40,7 @@ __all__ = ["AdaptiveConfig", "run_adaptive", "run_arm", "analyze_adaptive", "Ada
            "POLICIES", "ADAPTIVE_MANIFEST_VERSION"]
 
 ADAPTIVE_MANIFEST_VERSION = 1
-POLICY_FIELDS = ("policy", "c", "lr_rule", "max_batch", "powers_of_two", "decide_every", "min_interval_steps",
+POLICY_FIELDS = ("policy", "c", "initial_batch", "lr_rule", "max_batch", "powers_of_two", "decide_every", "min_interval_steps",
                  "patience", "noise_half_life_windows")
 """Settings that change only the adaptive arm: they may change between reruns into one directory (each policy
 setting gets its own run directory, and the fixed batches' runs are shared)."""
@@ -65,7 +65,10 @@ class AdaptiveConfig:
     lr: float = 3e-3
     """Peak LR at ``base_batch``; every other batch (fixed or adaptive) scales it by ``lr_rule``."""
     base_batch: int = 8
-    """The batch ``lr`` belongs to; also the adaptive run's first batch."""
+    """The batch ``lr`` belongs to (fixed batch B trains at ``lr × rule(B/base_batch)``)."""
+    initial_batch: Optional[int] = None
+    """The adaptive run's first batch (default: the smallest fixed batch); its LR follows the same rule, so at
+    any batch the adaptive run trains at the fixed run's LR of that batch (sqrt, linear, none)."""
     lr_rule: str = "sqrt"
     """``sqrt``, ``linear``, ``adascale`` (adaptive only; fixed batches then use sqrt) or ``none``."""
     policy: str = "noise"
@@ -89,7 +92,8 @@ class AdaptiveConfig:
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """Seeds (model init and data order); every arm runs every seed."""
     micro_batch: int = 4
-    """Samples per forward/backward for every arm (the adaptive run needs ≥ 2 per window)."""
+    """Samples per forward/backward for every arm; the adaptive run uses min(micro_batch, initial_batch ÷ 2)
+    (its noise monitor needs ≥ 2 micro-batches per window)."""
     eval_points: int = 24
     """Held-out read-outs, log-spaced over the budget (plus one at 0)."""
     max_val_samples: int = 128
@@ -122,14 +126,17 @@ class AdaptiveConfig:
         if bad:
             raise E("micro_batch", self.micro_batch, "a whole number that divides every batch larger than it",
                     why=f"does not divide {', '.join(map(str, bad))}")
-        if self.base_batch < 2 * self.micro_batch or self.base_batch % self.micro_batch:
-            raise E("base_batch", self.base_batch, f"a multiple of micro_batch {self.micro_batch} with ≥ 2 micro-batches "
-                    "(the noise scale needs two)")
+        if isinstance(self.base_batch, bool) or not isinstance(self.base_batch, int) or self.base_batch < 1:
+            raise E("base_batch", self.base_batch, "a whole number ≥ 1")
+        first = self.start_batch
+        if isinstance(first, bool) or not isinstance(first, int) or first < 2 or first % self.adaptive_micro_batch:
+            raise E("initial_batch", first, f"a whole number ≥ 2 with ≥ 2 micro-batches of "
+                    f"min(micro_batch {self.micro_batch}, batch ÷ 2) (the noise scale needs two)")
         top = self.max_batch if self.max_batch is not None else self.batches[-1]
-        if top < self.base_batch:
-            raise E("max_batch", top, f"≥ base_batch {self.base_batch}")
-        if self.powers_of_two and self.base_batch & (self.base_batch - 1):
-            raise E("base_batch", self.base_batch, "a power of two (or turn off powers_of_two)")
+        if top < first:
+            raise E("max_batch", top, f"≥ initial_batch {first}")
+        if self.powers_of_two and first & (first - 1):
+            raise E("initial_batch", first, "a power of two (or turn off powers_of_two)")
         if isinstance(self.budget, bool) or int(self.budget) != self.budget or self.budget < 1:
             raise E("budget", self.budget, "a whole number of units ≥ 1, e.g. 300K")
         self.budget = int(self.budget)
@@ -154,6 +161,16 @@ class AdaptiveConfig:
             raise E("warmup_fraction", self.warmup_fraction, "0 ≤ warmup_fraction < 1")
         if self.max_val_samples < 1:
             raise E("max_val_samples", self.max_val_samples, "a whole number ≥ 1")
+
+    @property
+    def start_batch(self) -> int:
+        """The adaptive run's first batch."""
+        return self.initial_batch if self.initial_batch is not None else self.batches[0]
+
+    @property
+    def adaptive_micro_batch(self) -> int:
+        b = self.initial_batch if self.initial_batch is not None else self.batches[0]
+        return max(1, min(self.micro_batch, b // 2))
 
     @property
     def top_batch(self) -> int:
@@ -251,16 +268,16 @@ def run_arm(cfg: AdaptiveConfig, out: str | os.PathLike, arm: str, seed: int, *,
     task = load_task(cfg.task, **cfg.task_overrides)
     unit = task.unit
     adaptive = arm == "adaptive"
-    batch = cfg.base_batch if adaptive else int(arm[1:])
-    micro = min(cfg.micro_batch, batch)
-    lr = cfg.lr if adaptive else cfg.fixed_lr(batch)
+    batch = cfg.start_batch if adaptive else int(arm[1:])
+    micro = cfg.adaptive_micro_batch if adaptive else min(cfg.micro_batch, batch)
+    lr = cfg.fixed_lr(batch)  # the adaptive run's LR at its first batch; changes rescale it from there
     lr_schedule = TokenLRSchedule(peak_lr=lr, total=cfg.budget, warmup=int(cfg.warmup_fraction * cfg.budget),
                                   shape="constant", unit=unit)
     sched = None
     if adaptive:
-        feasible = FeasibleBatches(micro_batch=micro, min_batch=cfg.base_batch, max_batch=cfg.top_batch,
+        feasible = FeasibleBatches(micro_batch=micro, min_batch=batch, max_batch=cfg.top_batch,
                                    powers_of_two=cfg.powers_of_two)
-        sched = AdaptiveBatchSchedule(_build_policy(cfg, throughput or {}), feasible, cfg.base_batch,
+        sched = AdaptiveBatchSchedule(_build_policy(cfg, throughput or {}), feasible, batch,
                                       lr_rule=cfg.lr_rule, unit=unit, decide_every=cfg.decide_every,
                                       min_interval_steps=cfg.min_interval_steps, patience=cfg.patience)
 
@@ -467,10 +484,12 @@ def load_runs(out: str | os.PathLike, overrides: Optional[dict[str, Any]] = None
 
 
 def analyze_adaptive(out: str | os.PathLike, *, target: Optional[float] = None, margin: float = 0.01,
-                     policy: Optional[dict[str, Any]] = None) -> AdaptiveAnalysis:
+                     policy: Optional[dict[str, Any]] = None, default: str = "all") -> AdaptiveAnalysis:
     """Tokens- and steps-to-target with intervals; the verdict on "within 1.1× the tokens of the best fixed batch
-    while taking fewer steps". Only seeds where every arm finished are compared. Default target: the worst
-    fixed batch's seed-mean final loss + ``margin`` (every fixed batch reaches it)."""
+    while taking fewer steps". Only seeds where every arm finished are compared. Without ``target``:
+    ``default="all"`` — the worst fixed batch's seed-mean final loss + ``margin`` (every fixed batch reaches it);
+    ``"half"`` — the median fixed batch's + ``margin`` (about half of them do). ``policy`` selects the adaptive
+    arm by its settings (default: the manifest's, i.e. the last run's)."""
     cfg, curves, changes = load_runs(out, policy)
     arms = cfg.arms()
     seeds = sorted(set.intersection(*[set(curves.get(a, {})) for a in arms])) if curves else []
@@ -480,8 +499,16 @@ def analyze_adaptive(out: str | os.PathLike, *, target: Optional[float] = None, 
     fixed = arms[:-1]
     final = {a: _t_interval([curves[a][s][-1]["val_loss"] for s in seeds]) for a in arms}
     if target is None:
-        target = max(final[a]["mean"] for a in fixed) + margin
-        source = f"worst fixed batch's final held-out loss + {margin:g}"
+        import statistics
+
+        if default not in ("all", "half"):
+            raise SettingError("default", default, "all or half")
+        finals = [final[a]["mean"] for a in fixed]
+        if default == "all":
+            target, source = max(finals) + margin, f"every fixed batch reaches it: worst final loss + {margin:g}"
+        else:
+            target = statistics.median(finals) + margin
+            source = f"about half the fixed batches reach it: median final loss + {margin:g}"
     else:
         source = "given"
     per: dict[str, dict[str, Any]] = {}
