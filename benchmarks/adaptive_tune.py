@@ -14,13 +14,13 @@ from globalbatch.lab.adaptive_run import AdaptiveConfig, analyze_adaptive, run_a
 
 def main() -> None:
     out, seeds, cs = Path(sys.argv[1]), [int(s) for s in sys.argv[2].split(",")], [float(c) for c in sys.argv[3].split(",")]
-    base = AdaptiveConfig(seeds=seeds)
+    base = AdaptiveConfig(seeds=seeds, eval_points=16)  # as the fixed tuning runs were read out
     fixed_dir = out / "fixed"
     fixed_dir.mkdir(parents=True, exist_ok=True)
     for seed in seeds:
         for b in base.batches:
             from globalbatch.lab.adaptive_run import run_done
-            if not run_done(fixed_dir, f"b{b}", seed):
+            if not run_done(fixed_dir, f"b{b}", seed, base):
                 s = run_arm(base, fixed_dir, f"b{b}", seed)
                 print(f"b{b}/s{seed}: {s['steps']} steps {s['wall_s']:.0f} s", flush=True)
     for c in cs:
@@ -29,7 +29,7 @@ def main() -> None:
             src = fixed_dir / "runs" / f"b{b}"
             if not (d / "runs" / f"b{b}").exists():
                 shutil.copytree(src, d / "runs" / f"b{b}")
-        cfg = AdaptiveConfig(seeds=seeds, c=c)
+        cfg = AdaptiveConfig(seeds=seeds, c=c, eval_points=16)
         run_adaptive(cfg, d, threads=1, log=lambda m: print(f"c={c:g} {m}", flush=True))
         a = analyze_adaptive(d)
         print(f"c={c:g}: target {a.target:.4f}; front ratio {a.front_ratio['mean']:.3f}; {a.verdict}", flush=True)
