@@ -60,12 +60,13 @@ def format_analysis(a: AdaptiveAnalysis) -> str:
 
 def write_adaptive_report(out: str | Path, *, targets: Optional[list[float]] = None,
                           policy: Optional[dict] = None) -> tuple[list[AdaptiveAnalysis], list[str]]:
-    """Analyse ``out`` at each target (default: the "all" and "half" targets of :func:`analyze_adaptive`) and
+    """Analyse ``out`` at each target (default: the "half" and "all" targets of :func:`analyze_adaptive`) and
     write the PNGs (for the first target), ``report.md`` and ``result.json`` into ``out/report``."""
     if targets:
         analyses = [analyze_adaptive(out, target=t, policy=policy) for t in targets]
     else:
-        analyses = [analyze_adaptive(out, policy=policy, default=d) for d in ("all", "half")]
+        # "half" first: the "all" target is often reached before the first change (then adaptive = its first batch)
+        analyses = [analyze_adaptive(out, policy=policy, default=d) for d in ("half", "all")]
     a = analyses[0]
     rep = Path(out) / "report"
     plt = _plt()
