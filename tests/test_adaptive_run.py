@@ -65,8 +65,8 @@ def test_front_units_is_log_log_interpolation_on_the_pareto_front():
     pts = [(100.0, 1000.0), (25.0, 4000.0), (60.0, 5000.0), (math.nan, 1.0)]  # (60, 5000) is dominated
     assert pareto_front(pts) == [(25.0, 4000.0), (100.0, 1000.0)]
     assert _front_units(pts, 50.0) == pytest.approx(2000.0, rel=1e-12)  # E ∝ 1/S between the points
-    assert _front_units(pts, 100.0 * (1 + 1e-8)) == 1000.0  # an end point, up to rounding
-    assert math.isnan(_front_units(pts, 10.0)) and math.isnan(_front_units(pts, 200.0))
+    assert _front_units(pts, 100.0 * (1 + 1e-8)) == 1000.0  # beyond the end point: flat
+    assert _front_units(pts, 10.0) == 4000.0 and math.isnan(_front_units(pts, math.nan))
 
 
 def test_eval_points_are_log_spaced_and_end_at_the_budget():

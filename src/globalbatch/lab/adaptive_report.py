@@ -46,6 +46,14 @@ def _ratio(d: dict) -> str:
     return f"{d['mean']:.3f} [{d['low']:.3f}, {d['high']:.3f}]"
 
 
+def _per_seed(a: AdaptiveAnalysis) -> str:
+    out = []
+    for s, v in zip(a.seeds, a.front_ratio.get("values") or [math.nan] * len(a.seeds)):
+        dom = a.dominated_by.get(s, [])
+        out.append(f"seed {s}: {v:.3f}" + (f" (dominated by {', '.join(dom)})" if dom else ""))
+    return "; ".join(out)
+
+
 def format_analysis(a: AdaptiveAnalysis) -> str:
     """A plain-text summary (the CLI prints it; the markdown page holds the same numbers)."""
     lines = [f"target held-out loss {a.target:.4f} ({a.target_source}); seeds {', '.join(map(str, a.seeds))}",
@@ -53,7 +61,8 @@ def format_analysis(a: AdaptiveAnalysis) -> str:
     for arm, d in a.arms.items():
         lines.append(f"{arm:>10}  {_ci(d['tokens']):>34}  {_ci(d['steps']):>28}  {d['final_loss']['mean']:.4f}")
     lines.append(f"best fixed batch by tokens: {a.best_fixed}")
-    lines.append(f"adaptive / front tokens at its steps: {_ratio(a.front_ratio)} (<= 1: on or beyond the front)")
+    lines.append(f"adaptive / front tokens at its steps: {_ratio(a.front_ratio)} (<= 1: on or beyond the front); "
+                 f"per seed {_per_seed(a)}")
     lines.append(a.verdict)
     return "\n".join(lines)
 
@@ -135,7 +144,7 @@ def write_adaptive_report(out: str | Path, *, targets: Optional[list[float]] = N
     for t in analyses:
         sections += [f"## Target {t.target:.4f} ({t.target_source})", "", f"**Verdict.** {t.verdict}", "",
                      f"Best fixed batch by tokens: {t.best_fixed}. Adaptive tokens ÷ the fixed front's tokens at the "
-                     f"adaptive run's steps: {_ratio(t.front_ratio)} (≤ 1: on or beyond the front).", "",
+                     f"adaptive run's steps: {_ratio(t.front_ratio)} (≤ 1: on or beyond the front); {_per_seed(t)}.", "",
                      "| arm | tokens to target (95% CI) | steps to target (95% CI) | final held-out loss |",
                      "|---|---|---|---|"]
         for arm, d in t.arms.items():

@@ -436,15 +436,16 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
     return front
 
 
-def _front_units(points: list[tuple[float, float]], steps: float, rel_tol: float = 1e-6) -> float:
-    """Units on the fixed batches' Pareto front at ``steps`` (log-log interpolation between its points; NaN outside
-    its step range, which is widened by ``rel_tol`` so that a run equal to an end point is on the front)."""
+def _front_units(points: list[tuple[float, float]], steps: float) -> float:
+    """Units on the fixed batches' Pareto front at ``steps``: log-log interpolation between its points; outside its
+    step range, the nearest end point's units (flat). Beyond the largest step count the true front can only be
+    lower, so the ratio to it is then a lower bound; below the smallest, an upper bound."""
     front = pareto_front(points)
-    if not front:
+    if not front or not math.isfinite(steps):
         return math.nan
-    if len(front) == 1 or abs(steps - front[0][0]) <= rel_tol * front[0][0]:
-        return front[0][1] if abs(steps - front[0][0]) <= rel_tol * front[0][0] else math.nan
-    if abs(steps - front[-1][0]) <= rel_tol * front[-1][0]:
+    if steps <= front[0][0]:
+        return front[0][1]
+    if steps >= front[-1][0]:
         return front[-1][1]
     for (s0, e0), (s1, e1) in zip(front, front[1:]):
         if s0 <= steps <= s1:
@@ -464,7 +465,10 @@ class AdaptiveAnalysis:
     """Adaptive / best fixed tokens-to-target, paired over seeds (geometric mean, 95 % t-interval)."""
     steps_ratio: dict[str, Any]
     front_ratio: dict[str, Any]
-    """Adaptive units / the fixed front's units at the adaptive run's steps (≤ 1: on or beyond the front)."""
+    """Adaptive units / the fixed batches' Pareto front's units at the adaptive run's steps, per seed (≤ 1: on or
+    beyond the front; see :func:`_front_units` outside the front's step range)."""
+    dominated_by: dict[int, list[str]]
+    """Per seed: the fixed batches that reached the target in both fewer steps and fewer units than the adaptive run."""
     verdict: str
     seeds: list[int]
     curves: dict[str, dict[int, list[dict]]] = field(repr=False, default_factory=dict)
@@ -538,6 +542,7 @@ def analyze_adaptive(out: str | os.PathLike, *, target: Optional[float] = None, 
     best = min(reached, key=lambda a: per[a]["tokens"]["mean"]) if reached else None
     nan = {"mean": math.nan, "low": math.nan, "high": math.nan, "n": len(seeds), "values": []}
     tok_r, stp_r, front_r = dict(nan), dict(nan), dict(nan)
+    dominated: dict[int, list[str]] = {}
     if best is not None:
         tok_r = _t_interval([cross["adaptive"][s][0] / cross[best][s][0] for s in seeds], log=True)
         stp_r = _t_interval([cross["adaptive"][s][1] / cross[best][s][1] for s in seeds], log=True)
@@ -545,11 +550,14 @@ def analyze_adaptive(out: str | os.PathLike, *, target: Optional[float] = None, 
         for s in seeds:
             pts = [(cross[a][s][1], cross[a][s][0]) for a in fixed]
             fr.append(cross["adaptive"][s][0] / _front_units(pts, cross["adaptive"][s][1]))
+            sa, ea = cross["adaptive"][s][1], cross["adaptive"][s][0]
+            tol = 1 - 1e-6  # interpolation rounding: an equal run is not dominated
+            dominated[s] = [a for a in fixed if cross[a][s][1] < sa * tol and cross[a][s][0] < ea * tol]
         front_r = _t_interval(fr, log=True)
     verdict = _verdict(tok_r, stp_r, best, len(seeds))
     return AdaptiveAnalysis(target=target, target_source=source, arms=per, best_fixed=best, tokens_ratio=tok_r,
-                            steps_ratio=stp_r, front_ratio=front_r, verdict=verdict, seeds=seeds, curves=curves,
-                            changes=changes)
+                            steps_ratio=stp_r, front_ratio=front_r, dominated_by=dominated, verdict=verdict,
+                            seeds=seeds, curves=curves, changes=changes)
 
 
 def _verdict(tok: dict, stp: dict, best: Optional[str], n: int) -> str:
