@@ -104,9 +104,10 @@ def write_adaptive_report(out: str | Path, *, targets: Optional[list[float]] = N
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for s in a.seeds:
         ev = a.curves["adaptive"][s]
-        xs, bs = [1.0], [ev[0]["batch"]]
+        x0 = float(ev[1]["consumed"]) if len(ev) > 1 else 1.0  # the first read-out after 0 (log axis)
+        xs, bs = [x0], [ev[0]["batch"]]
         for ch in a.changes.get(s, []):
-            xs += [max(1.0, ch["position"]), max(1.0, ch["position"])]
+            xs += [max(x0, ch["position"]), max(x0, ch["position"])]
             bs += [bs[-1], ch["new_batch"]]
         xs.append(float(ev[-1]["consumed"]))
         bs.append(bs[-1])
@@ -134,6 +135,10 @@ def write_adaptive_report(out: str | Path, *, targets: Optional[list[float]] = N
         ax.plot([p[0] for p in pts], [p[1] for p in pts], color="grey", lw=1, ls=":", label="fixed-batch front")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    from matplotlib.ticker import NullFormatter
+
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("optimizer steps to target")
     ax.set_ylabel("tokens to target")
     ax.set_title(f"steps vs tokens to loss {a.target:.3f}")
