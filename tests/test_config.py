@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -26,10 +27,11 @@ def test_yaml_and_toml_agree(tmp_path):
     t = write(tmp_path, "a.toml", 'micro_batch = 2\ngrad_accum_steps = 8\ndp_world_size = 64\nseq_len = 2048\ntotal_tokens = "100B"\n')
     ry = build_plan(PlanConfig(**load_config(y)))
     rt = build_plan(PlanConfig(**load_config(t)))
-    ry.pop("source"), rt.pop("source")
-    assert ry == rt
-    assert ry["global_batch_tokens"] == 2_097_152
-    assert ry["optimizer_steps"] == 47_684  # ceil(1e11 / 2,097,152)
+    assert dataclasses.replace(ry, source=None) == dataclasses.replace(rt, source=None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ry.micro_batch = 4  # the report is frozen
+    assert ry.global_batch_tokens == 2_097_152
+    assert ry.optimizer_steps == 47_684  # ceil(1e11 / 2,097,152)
 
 
 def test_unknown_key_in_our_schema_is_an_error(tmp_path):
@@ -83,8 +85,8 @@ def test_deepspeed_rules(tmp_path, ds, expect):
     ds = dict(ds, zero_optimization={"stage": 2}, fp16={"enabled": True})  # unknown keys ignored
     p = write(tmp_path, "ds.json", json.dumps(ds))
     r = build_plan(PlanConfig(**load_config(p, dp_world_size=4)))
-    assert (r["global_batch_sequences"], r["micro_batch"], r["grad_accum_steps"]) == expect
-    assert r["dp_world_size"] == 4 and r["source"] == "deepspeed"
+    assert (r.global_batch_sequences, r.micro_batch, r.grad_accum_steps) == expect
+    assert r.dp_world_size == 4 and r.source == "deepspeed"
 
 
 def test_deepspeed_inconsistent_and_missing(tmp_path):
@@ -106,15 +108,15 @@ def test_hf_training_arguments(tmp_path):
     }))
     kw = load_config(p, dp_world_size=8, seq_len=512)
     r = build_plan(PlanConfig(**kw))
-    assert (r["global_batch_sequences"], r["micro_batch"], r["grad_accum_steps"], r["dp_world_size"]) == (256, 8, 4, 8)
-    assert r["lr"] == 5e-5 and r["warmup_steps"] == 100 and r["warmup_tokens"] == 100 * 256 * 512
+    assert (r.global_batch_sequences, r.micro_batch, r.grad_accum_steps, r.dp_world_size) == (256, 8, 4, 8)
+    assert r.lr == 5e-5 and r.warmup_steps == 100 and r.warmup_tokens == 100 * 256 * 512
 
 
 def test_valid_tokens_and_padding_fraction():
     r = build_plan(PlanConfig(micro_batch=2, grad_accum_steps=8, dp_world_size=64, seq_len=2048, valid_tokens_per_seq=1500))
-    assert r["global_batch_valid_tokens"] == 1_536_000
+    assert r.global_batch_valid_tokens == 1_536_000
     r2 = build_plan(PlanConfig(micro_batch=2, grad_accum_steps=8, dp_world_size=64, seq_len=2048, padding_fraction=0.25))
-    assert r2["global_batch_valid_tokens"] == 1024 * 1536
+    assert r2.global_batch_valid_tokens == 1024 * 1536
     with pytest.raises(ValueError, match=r"disagrees with \(1 − padding_fraction 0.25\) × seq_len 2048 = 1,536 valid"):
         build_plan(PlanConfig(micro_batch=2, grad_accum_steps=8, dp_world_size=64, seq_len=2048, padding_fraction=0.25, valid_tokens_per_seq=1500))
     with pytest.raises(ValueError, match="valid_tokens_per_seq 3,000 is not allowed; allowed: ≤ seq_len 2048"):
@@ -125,7 +127,7 @@ def test_valid_tokens_and_padding_fraction():
 
 def test_budget_uses_valid_tokens_when_known():
     r = build_plan(PlanConfig(micro_batch=2, grad_accum_steps=8, dp_world_size=64, seq_len=2048, valid_tokens_per_seq=1500, total_tokens=1.536e9))
-    assert r["optimizer_steps"] == 1000 and r["tokens_per_step_counted"] == "valid"
+    assert r.optimizer_steps == 1000 and r.tokens_per_step_counted == "valid"
 
 
 @pytest.mark.parametrize(
@@ -160,32 +162,32 @@ def test_plan_config_validation(kwargs, match):
 
 def test_pipeline_warning_and_allreduce_in_report():
     r = build_plan(PlanConfig(micro_batch=1, grad_accum_steps=2, dp_world_size=8, pp_stages=4, params=1e9, grad_bytes_per_param=2, no_sync=False))
-    assert r["pipeline_bubble_fraction"] == pytest.approx(1.5)
-    assert any("pipeline never fills" in w for w in r["warnings"])
+    assert r.pipeline_bubble_fraction == pytest.approx(1.5)
+    assert any("pipeline never fills" in w for w in r.warnings)
     # each of the 4 pipeline stages holds params / 4; 2 syncs per step without no_sync
-    assert r["allreduce_bytes_per_step"] == pytest.approx(2 * 7 / 8 * (2e9 / 4) * 2)
+    assert r.allreduce_bytes_per_step == pytest.approx(2 * 7 / 8 * (2e9 / 4) * 2)
 
 
 def test_warmup_steps_without_seq_len_is_reported_in_steps():
     r = build_plan(PlanConfig(micro_batch=2, grad_accum_steps=2, dp_world_size=2, warmup_steps=5))
-    assert r["warmup_steps"] == 5 and r["warmup_tokens"] is None
+    assert r.warmup_steps == 5 and r.warmup_tokens is None
 
 
 def test_warmup_longer_than_the_run_warns():
     r = build_plan(PlanConfig(micro_batch=2, grad_accum_steps=8, dp_world_size=64, seq_len=2048, total_tokens=1e9, warmup_tokens=1e10))
-    assert any("longer than the whole run" in w for w in r["warnings"])
+    assert any("longer than the whole run" in w for w in r.warnings)
 
 
 def test_decimal_budgets_parse_exactly(tmp_path):
     p = write(tmp_path, "a.yaml", "micro_batch: 1\ngrad_accum_steps: 1\ndp_world_size: 1\nseq_len: 1000\ntotal_tokens: 4.1B\n")
-    assert build_plan(PlanConfig(**load_config(p)))["optimizer_steps"] == 4_100_000
+    assert build_plan(PlanConfig(**load_config(p))).optimizer_steps == 4_100_000
 
 
 def test_new_dp_for_a_file_whose_dp_is_solved(tmp_path):
     # the file gives global, micro, accum (dp solves to 64): --dp 32 keeps the global batch
     p = write(tmp_path, "a.yaml", "global_batch: 1024\nmicro_batch: 2\ngrad_accum_steps: 8\n")
     r = make_plan(p, {}, dp_world_size=32)
-    assert (r["global_batch_sequences"], r["grad_accum_steps"], r["dp_world_size"]) == (1024, 16, 32)
+    assert (r.global_batch_sequences, r.grad_accum_steps, r.dp_world_size) == (1024, 16, 32)
     with pytest.raises(ValueError, match="not divisible by micro_batch 2 × dp 96 = 192"):
         make_plan(p, {}, dp_world_size=96)
 
@@ -193,26 +195,26 @@ def test_new_dp_for_a_file_whose_dp_is_solved(tmp_path):
 def test_flag_overriding_a_file_value_that_changes_the_global_batch_warns(tmp_path):
     p = write(tmp_path, "a.yaml", "micro_batch: 2\ngrad_accum_steps: 8\ndp_world_size: 64\n")
     r = make_plan(p, {"micro_batch": 4})
-    assert r["global_batch_sequences"] == 2048
-    assert "--micro-batch 4 overrides micro_batch 2" in r["warnings"][0]
-    assert "global batch 1,024" in r["warnings"][1] and "2,048" in r["warnings"][1]
+    assert r.global_batch_sequences == 2048
+    assert "--micro-batch 4 overrides micro_batch 2" in r.warnings[0]
+    assert "global batch 1,024" in r.warnings[1] and "2,048" in r.warnings[1]
 
 
 def test_deepspeed_flags_fill_auto_values_before_deepspeeds_rules(tmp_path):
     p = write(tmp_path, "ds.json", json.dumps({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
                                                "gradient_accumulation_steps": "auto", "optimizer": {"params": None}}))
     r = make_plan(p, {"micro_batch": 2, "grad_accum_steps": 4}, dp_world_size=8)
-    assert r["global_batch_sequences"] == 64
-    assert any("changes with --dp" in w for w in r["warnings"])
+    assert r.global_batch_sequences == 64
+    assert any("changes with --dp" in w for w in r.warnings)
     p = write(tmp_path, "ds2.json", json.dumps({"train_batch_size": 1024}))
     r = make_plan(p, {"micro_batch": 2}, dp_world_size=64)
-    assert (r["global_batch_sequences"], r["grad_accum_steps"]) == (1024, 8)
+    assert (r.global_batch_sequences, r.grad_accum_steps) == (1024, 8)
 
 
 def test_deepspeed_dp_is_solved_when_all_three_are_given(tmp_path):
     p = write(tmp_path, "ds.json", json.dumps({"train_batch_size": 1024, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8}))
     r = make_plan(p, {})
-    assert r["dp_world_size"] == 64 and any("solved from" in w for w in r["warnings"])
+    assert r.dp_world_size == 64 and any("solved from" in w for w in r.warnings)
 
 
 @pytest.mark.parametrize("content, kind", [

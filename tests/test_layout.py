@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "globalbatch"
-CORE = ["plan.py", "config.py", "schedule.py", "step.py", "checkpoint.py", "optim", "critical.py", "noise", "probe"]
+CORE = ["plan.py", "config.py", "plan_report.py", "schedule.py", "step.py", "checkpoint.py", "optim", "critical.py", "noise", "probe",
+        "losses.py", "integrations"]
 
 
 def _imports(path: Path) -> list[str]:
@@ -47,7 +48,7 @@ def test_the_checker_sees_lazy_and_relative_imports():
 def test_front_door_imports_no_torch_and_resolves_the_core():
     code = ("import sys, globalbatch as gb; gb.__version__; assert 'torch' not in sys.modules, 'torch imported';"
             "gb.solve_geometry; assert 'torch' not in sys.modules, 'plan imported torch';"
-            "import globalbatch.optim; assert 'torch' not in sys.modules, 'the registry table imported torch';"
+            "import globalbatch.optim, globalbatch.config; assert 'torch' not in sys.modules, 'the registry or the plan report imported torch';"
             "print(gb.StepDriver.__name__, gb.StepConfig.__name__, gb.NoiseScaleMonitor.__name__,"
             " gb.probe_micro_batch.__name__, gb.TokenLRSchedule.__name__, gb.save_checkpoint.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

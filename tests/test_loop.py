@@ -58,7 +58,7 @@ def test_one_optimizer_recipe_everywhere(task):
     sgd = build_optimizer("sgd", torch.nn.Linear(2, 2), lr=0.1, weight_decay=0.01)
     assert [g["weight_decay"] for g in sgd.param_groups] == [0.01, 0.0]  # matrices decay, biases do not
     assert [len(g["params"]) for g in sgd.param_groups] == [1, 1]
-    with pytest.raises(ValueError, match="optimizer 'adam' is not allowed; allowed: adamw, sgd"):
+    with pytest.raises(ValueError, match="optimizer 'adam' is not allowed; allowed: adamw, sgd, lars, lamb"):
         build_optimizer("adam", torch.nn.Linear(2, 2), lr=0.1)
 
 

@@ -530,7 +530,7 @@ def test_cli_runs_tinygpt_and_writes_csv(tmp_path, capsys):
     (("--log-every", "-1"), "--log-every -1 is not allowed; allowed: a whole number ≥ 1"),
     (("--threads", "0"), "--threads 0 is not allowed; allowed: a whole number ≥ 1"),
     (("--lr", "-1"), "--lr -1 is not allowed; allowed: a finite number ≥ 0"),
-    (("--optimizer", "adam"), "--optimizer adam is not allowed; allowed: adamw, sgd"),
+    (("--optimizer", "adam"), "--optimizer adam is not allowed; allowed: adamw, sgd, lars, lamb"),
     (("--optimizer", "sgd", "--adam-variant"),
      "--adam-variant is not allowed with --optimizer sgd; allowed: --optimizer adamw"),
     (("--half-life-windows", "0"), "--half-life-windows 0 is not allowed; allowed: a number > 0"),
@@ -546,7 +546,7 @@ def test_run_config_errors_name_the_field():
 
     with pytest.raises(ValueError, match="^micro_batch 0 is not allowed; allowed: a whole number ≥ 1$"):
         NoiseRunConfig(micro_batch=0)
-    with pytest.raises(ValueError, match="^optimizer 'adam' is not allowed; allowed: adamw, sgd$"):
+    with pytest.raises(ValueError, match="^optimizer 'adam' is not allowed; allowed: adamw, sgd, lars, lamb$"):
         NoiseRunConfig(optimizer="adam")
 
 

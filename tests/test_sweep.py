@@ -52,8 +52,8 @@ def test_config_errors_name_field_and_value():
         tiny_config(budget=0)
     with pytest.raises(ValueError, match="micro_batch 3 is not allowed"):
         tiny_config(micro_batch=3)
-    with pytest.raises(ValueError, match="optimizer 'lamb' is not allowed; allowed: adamw, sgd"):
-        tiny_config(optimizer="lamb")
+    with pytest.raises(ValueError, match="optimizer 'lion' is not allowed; allowed: adamw, sgd, lars, lamb"):
+        tiny_config(optimizer="lion")
     assert tiny_config(batches=[4, 48], micro_batch=16).micro_batch_for(48) == 16
     assert tiny_config(batches=[4, 24]).micro_batch_for(24) == 8  # gcd(24, 16)
     assert tiny_config().micro_batch_for(4) == 4
@@ -319,7 +319,7 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
         ("--tokens", "0"): "error: --tokens 0 is not allowed; allowed: a whole number of units ≥ 1, e.g. 2M",
         ("--lrs", "-1"): "error: --lrs -1 is not allowed; allowed: distinct finite numbers > 0, e.g. 3e-4,1e-3",
         ("--threads", "0"): "error: --threads 0 is not allowed; allowed: a whole number ≥ 1",
-        ("--optimizer", "lamb"): "error: --optimizer 'lamb' is not allowed; allowed: adamw, sgd",
+        ("--optimizer", "lion"): "error: --optimizer 'lion' is not allowed; allowed: adamw, sgd, lars, lamb",
     }
     for (flag, value), want in cases.items():
         code, _, err = _cli(["sweep", *TINY_ARGS, "--batches", "4", flag, value, "--out", str(tmp_path / "x")], capsys)

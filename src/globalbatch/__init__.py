@@ -9,7 +9,7 @@ none either)::
     driver = gb.StepDriver(model, opt, gb.StepConfig(micro_batch=2, global_batch=16,
                                                      lr_schedule=gb.TokenLRSchedule(peak_lr=3e-4, total="2B")))
 
-Layers: the core (``plan``, ``schedule``, ``step``, ``checkpoint``, ``optim``), the
+Layers: the core (``plan``, ``schedule``, ``step``, ``checkpoint``, ``optim``, ``nn``), the
 measurements (``noise``, ``probe``, ``critical``), the lab that runs experiments
 (``globalbatch.lab``: tasks, the one training loop, sweep, branch, report) and the CLI.
 """
@@ -39,11 +39,19 @@ _EXPORTS: dict[str, str] = {
     "StepResult": "globalbatch.step",
     "NonFiniteError": "globalbatch.step",
     "plan_for_world": "globalbatch.step",
+    "causal_lm_loss_sum": "globalbatch.losses",
     "save_checkpoint": "globalbatch.checkpoint",
     "load_checkpoint": "globalbatch.checkpoint",
     # optimizers
     "build_optimizer": "globalbatch.optim",
     "optimizer_names": "globalbatch.optim",
+    "lr_for_batch": "globalbatch.optim",
+    "LARS": "globalbatch.optim.large_batch",
+    "LAMB": "globalbatch.optim.large_batch",
+    # layers
+    "GhostBatchNorm1d": "globalbatch.nn",
+    "GhostBatchNorm2d": "globalbatch.nn",
+    "convert_to_ghost_bn": "globalbatch.nn",
     # measurements
     "NoiseScaleMonitor": "globalbatch.noise",
     "NoiseConfig": "globalbatch.noise",

@@ -75,7 +75,8 @@ def plan_cmd(
     total_tokens: Optional[str] = typer.Option(None, "--total-tokens", help="Training budget in tokens, e.g. 100B."),
     lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate (tuned at --lr-base-batch if given)."),
     lr_base_batch: Optional[int] = typer.Option(None, "--lr-base-batch", help="Global batch (sequences) at which --lr was tuned."),
-    lr_rule: Optional[str] = typer.Option(None, "--lr-rule", help="linear | sqrt | none (default sqrt)."),
+    lr_rule: Optional[str] = typer.Option(None, "--lr-rule", help="linear | sqrt | none (default sqrt, or --optimizer's rule)."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="A registry name (adamw, sgd, lars, lamb): its LR rule is the default --lr-rule."),
     warmup_tokens: Optional[str] = typer.Option(None, "--warmup-tokens", help="Warmup in tokens, e.g. 375M (converted to steps)."),
     warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", help="Warmup in steps (converted to tokens)."),
     pp_stages: Optional[int] = typer.Option(None, "--pp-stages", help="Pipeline stages p (micro-batches per step m = grad accum)."),
@@ -97,6 +98,15 @@ def plan_cmd(
     def count(text: Optional[str], flag: str) -> Optional[float]:
         return None if text is None else float(P.parse_count(text, flag))
 
+    if optimizer is not None:  # the registry's table imports no torch
+        from ._util import SettingError
+        from .optim.registry import lr_scaling_rule, optimizer_names
+
+        if optimizer not in optimizer_names():
+            raise SettingError("--optimizer", optimizer, ", ".join(optimizer_names()), flag=True)
+        if lr_rule is None:
+            lr_rule = lr_scaling_rule(optimizer)
+
     flags = {
         "global_batch": global_batch, "micro_batch": micro_batch, "grad_accum_steps": grad_accum,
         "seq_len": seq_len, "valid_tokens_per_seq": valid_tokens_per_seq, "padding_fraction": padding_fraction,
@@ -111,15 +121,18 @@ def plan_cmd(
     }
     report = make_plan(config, flags, dp_world_size=dp, round_down=round_down)
     if as_json:
-        typer.echo(json.dumps(report, indent=2, sort_keys=True))
+        out = report.to_dict()
+        if optimizer is not None:
+            out["optimizer"] = optimizer
+        typer.echo(json.dumps(out, indent=2, sort_keys=True))
     else:
         from rich.console import Console
 
         console = Console(width=max(Console().width, 120))  # the arithmetic column reads best unwrapped
         console.print(plan_table(report))
-        if report["priors"]:
+        if report.priors:
             console.print("priors are scaling-law predictions, not measurements: measure with `globalbatch sweep`/`noise`.")
-    for w in report["warnings"]:
+    for w in report.warnings:
         typer.echo(f"warning: {w}", err=True)
 
 

@@ -1,8 +1,8 @@
 """The exact global-batch optimizer step: a driver that plugs into the user's own loop.
 
 The user keeps the loop and the data loader. For each micro-batch they compute the
-**summed** loss and its count of loss-bearing units (non-padding tokens, or samples)
-and hand both to the driver; after the last micro-batch of the window they call
+**summed** loss and its count of loss-bearing units (the tokens that are *targets* of the
+loss, or samples) and hand both to the driver; after the last micro-batch of the window they call
 :meth:`StepDriver.step`. The result is the optimizer step of the token-mean loss
 over the whole global batch, whatever the padding, the micro-batch sizes, the
 number of DP ranks or a short last window::
@@ -301,6 +301,7 @@ class StepDriver:
         self.last_micro_samples = config.micro_batch
 
         self._reset_window()
+        self._batchnorm_checked = False
         self._t_last: Optional[float] = None
         # log on rank 0 only: skips and batch changes are agreed on by all ranks
         self._log = dist.get_rank() == 0 if dist.is_available() and dist.is_initialized() else True
@@ -367,8 +368,12 @@ class StepDriver:
 
         Args:
             loss_sum: 0-d sum of per-unit losses of this micro-batch (not a mean).
-            count: loss-bearing units in it (labels != ignore_index, or samples); a device
-                tensor avoids a host-to-device copy.
+            count: loss-bearing units in it: the targets the loss was summed over (or samples).
+                For a causal LM whose model shifts the labels internally (Hugging Face
+                ``labels=input_ids``) that is ``labels[..., 1:] != ignore_index``, one fewer per
+                sequence than ``labels != ignore_index``; take both from
+                :func:`globalbatch.losses.causal_lm_loss_sum`. A device tensor avoids a
+                host-to-device copy.
             samples: samples (sequences) in this micro-batch; default ``config.micro_batch``.
         """
         if loss_sum.dim() != 0:
@@ -416,6 +421,16 @@ class StepDriver:
 
     # ------------------------------------------------------------------ step
 
+    def _warn_batchnorm(self) -> None:
+        from globalbatch.nn.ghost_bn import batchnorm_accumulation_warning
+
+        msg = batchnorm_accumulation_warning(
+            unwrap_model(self.model), micro_batch=self.config.micro_batch, global_batch=self.global_batch,
+            micro_steps=self._micro_index, dp_world_size=self.dp_world_size)
+        if msg is not None and self._log:
+            logger.warning(msg)
+            warnings.warn(msg, stacklevel=3)
+
     def _params_with_grad(self) -> list[nn.Parameter]:
         return [p for p in self._params if p.grad is not None]
 
@@ -437,6 +452,9 @@ class StepDriver:
             raise RuntimeError(
                 "the last micro-batch ran without gradient sync; open it with micro_step(last=True)"
             )
+        if not self._batchnorm_checked:  # once per driver: BatchNorm statistics under accumulation
+            self._batchnorm_checked = True
+            self._warn_batchnorm()
         device = self._acc_loss.device
         local_count = self._acc_units if self._acc_units is not None else torch.zeros((), dtype=torch.float64, device=device)
         if self._units_host:

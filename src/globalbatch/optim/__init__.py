@@ -5,10 +5,11 @@ from globalbatch.optim.registry import (  # noqa: F401
     OptimizerRecipe,
     build_optimizer,
     decay_param_groups,
+    lr_for_batch,
     lr_scaling_rule,
     optimizer_names,
     register_optimizer,
 )
 
-__all__ = ["OPTIMIZERS", "OptimizerRecipe", "build_optimizer", "decay_param_groups", "lr_scaling_rule",
+__all__ = ["OPTIMIZERS", "OptimizerRecipe", "build_optimizer", "decay_param_groups", "lr_for_batch", "lr_scaling_rule",
            "optimizer_names", "register_optimizer"]

@@ -8,6 +8,7 @@ imports torch lazily.
 
 Parameter groups: weight decay applies to matrices (``p.ndim ≥ 2``) only; biases and
 normalization weights (1-D) get none — the convention of GPT-2/3 and of the LARS/LAMB papers.
+LARS and LAMB (:mod:`globalbatch.optim.large_batch`) also leave 1-D tensors out of the trust ratio.
 With ``weight_decay=0`` (the harness default) there is a single group.
 """
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 __all__ = ["OptimizerRecipe", "OPTIMIZERS", "optimizer_names", "register_optimizer", "build_optimizer",
-           "decay_param_groups", "lr_scaling_rule"]
+           "decay_param_groups", "lr_scaling_rule", "lr_for_batch"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,13 @@ register_optimizer(OptimizerRecipe(
 register_optimizer(OptimizerRecipe(
     name="sgd", description="SGD with momentum 0.9 (weight decay on matrices)",
     factory="torch.optim:SGD", defaults={"momentum": 0.9}, lr_scaling="linear"))
+register_optimizer(OptimizerRecipe(
+    name="lars", description="LARS (You et al. 2017): momentum 0.9, trust coefficient 0.001; no decay or trust ratio on 1-D",
+    factory="globalbatch.optim.large_batch:LARS", defaults={"momentum": 0.9, "trust_coefficient": 0.001},
+    lr_scaling="linear"))
+register_optimizer(OptimizerRecipe(
+    name="lamb", description="LAMB (You et al. 2019): betas 0.9/0.999, eps 1e-6, bias-corrected; no decay or trust ratio on 1-D",
+    factory="globalbatch.optim.large_batch:LAMB", defaults={"betas": (0.9, 0.999), "eps": 1e-6}, lr_scaling="sqrt"))
 
 
 def optimizer_names() -> tuple[str, ...]:
@@ -64,6 +72,18 @@ def optimizer_names() -> tuple[str, ...]:
 def lr_scaling_rule(name: str) -> str:
     """``sqrt`` or ``linear``: how this optimizer's LR should follow the batch size."""
     return _recipe(name).lr_scaling
+
+
+def lr_for_batch(name: str, base_lr: float, base_batch: float, global_batch: float) -> float:
+    """The LR at ``global_batch`` from ``base_lr`` tuned at ``base_batch``, by ``name``'s rule.
+
+    ``lars``/``sgd``: linear (Goyal et al. 2017); ``lamb``/``adamw``: square root (You et al. 2019).
+    The arithmetic is :func:`globalbatch.plan.scale_lr`; warmup goes in tokens through
+    :class:`globalbatch.schedule.TokenLRSchedule`.
+    """
+    from globalbatch.plan import scale_lr
+
+    return scale_lr(base_lr, base_batch, global_batch, lr_scaling_rule(name))
 
 
 def _recipe(name: str) -> OptimizerRecipe:

@@ -1,0 +1,224 @@
+"""PyTorch Lightning: exact token-normalized accumulation through :class:`~globalbatch.step.StepDriver`.
+
+What Lightning does by default (2.x, read from ``loops/optimization/automatic.py``): with
+``Trainer(accumulate_grad_batches=k)`` the closure divides each micro-batch's returned loss by
+``k`` (``ClosureResult.from_training_step_output(..., normalize=k)``) and back-propagates it; the
+step is the gradient of the **mean of the micro-batch means**. On ragged padded batches that weights
+a token of a short micro-batch more than one of a long micro-batch, and a last window with fewer
+than ``k`` micro-batches is divided by ``k`` anyway. A world-size change silently changes the global
+batch (``k`` is per rank).
+
+:class:`ExactAccumulationMixin` switches the module to manual optimization and runs each window
+through a :class:`~globalbatch.step.StepDriver`: the user's ``loss_sum(batch)`` returns the
+summed loss and its count (``globalbatch.losses.causal_lm_loss_sum`` for a causal LM); the driver
+back-propagates the sum, all-reduces the count once per window, rescales the gradients to the
+global token mean, clips and steps (through Lightning's optimizer wrapper, so ``global_step``,
+``max_steps`` and the precision plugin's ``optimizer_step`` still apply). Under DDP, Lightning runs
+``training_step`` inside the DDP forward and, in manual optimization, arms DDP's reducer only in
+``manual_backward``; the mixin arms it (``prepare_for_backward``) for the last micro-batch of each
+window only, so the others accumulate locally, as under ``no_sync``.
+
+:class:`GlobalBatchCallback` prints and checks the plan at train start (a pinned global batch that
+the run would not train stops it with the numbers) and logs, through ``pl_module.log``, the valid
+tokens per second, the padding share, the global batch in valid tokens and B_simple with its
+interval (:class:`~globalbatch.noise.NoiseScaleMonitor` fed by the driver).
+
+Limits: one optimizer; mixed-precision plugins that scale the loss (16-mixed) are not applied to the
+driver's backward (use bf16 or 32/64-bit); FSDP/DeepSpeed strategies are not supported. Tested on one
+process and under DDP with 2 gloo ranks (tests/dist/integrations_ddp.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from globalbatch.integrations import require
+from globalbatch.integrations._common import WindowMeter, check_plan, derive_grad_accum_steps, noise_metrics, plan_line
+from globalbatch.step import StepConfig, StepDriver, StepResult
+
+pl = require("lightning.pytorch", "lightning")
+
+__all__ = ["ExactAccumulationMixin", "GlobalBatchCallback"]
+
+
+class GlobalBatchCallback(pl.Callback):
+    """Plan check at train start; throughput, padding and B_simple logged through ``pl_module.log``.
+
+    Args:
+        global_batch: pin the global batch (sequences per optimizer step, all ranks); a run that
+            would train another stops at train start with the numbers.
+        noise: measure B_simple (with :class:`ExactAccumulationMixin`; needs ≥ 2 micro-batches per
+            window over all ranks).
+        noise_config: a :class:`globalbatch.noise.NoiseConfig` (default: micro source).
+        log_noise_every_n_steps: read the estimate (one host sync) every this many optimizer steps;
+            default: the Trainer's ``log_every_n_steps``.
+    """
+
+    def __init__(self, *, global_batch: Optional[int] = None, noise: bool = True, noise_config: Any = None,
+                 log_noise_every_n_steps: Optional[int] = None) -> None:
+        if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
+                                         or global_batch < 1):
+            raise ValueError(f"global_batch {global_batch!r} is not allowed; allowed: a whole number >= 1 or None")
+        self.global_batch = global_batch
+        self.noise = bool(noise)
+        self.noise_config = noise_config
+        self.log_noise_every_n_steps = log_noise_every_n_steps
+        self.meter = WindowMeter()
+        self.monitor: Any = None
+        self.plan: Optional[str] = None
+
+    def _geometry(self, trainer: Any, pl_module: Any) -> tuple[int, int, int]:
+        if isinstance(pl_module, ExactAccumulationMixin):
+            micro, accum = pl_module.gb_micro_batch, pl_module.gb_grad_accum_steps
+        else:
+            loader = trainer.train_dataloader
+            micro = getattr(loader, "batch_size", None)
+            if micro is None:
+                raise ValueError("train_dataloader batch_size None is not allowed; allowed: a DataLoader with a "
+                                 "fixed batch_size (the plan is micro_batch × accumulation × ranks)")
+            accum = trainer.accumulate_grad_batches
+        return micro, accum, trainer.world_size
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        micro, accum, world = self._geometry(trainer, pl_module)
+        check_plan(global_batch=self.global_batch, micro_batch=micro, grad_accum_steps=accum, dp_world_size=world)
+        self.plan = plan_line(micro_batch=micro, grad_accum_steps=accum, dp_world_size=world,
+                              pinned=self.global_batch is not None)
+        if trainer.is_global_zero:
+            print(self.plan, flush=True)
+        self.meter.start()
+
+    def on_window_end(self, pl_module: Any, result: StepResult, padded_tokens: float) -> None:
+        """Called by the mixin after each driver step (host numbers from the step's one sync)."""
+        self.meter.record(result.global_units, padded_tokens, result.global_samples)
+        if self.meter.windows == 1 and pl_module.trainer.is_global_zero:
+            print(self.meter.first_window_line(), flush=True)
+        every = self.log_noise_every_n_steps or pl_module.trainer.log_every_n_steps or 1
+        metrics = {**self.meter.read(), "globalbatch/optimizer_step": float(result.step)}
+        if self.monitor is not None and result.step % every == 0:
+            metrics.update(noise_metrics(self.monitor))
+        metrics = {k: v for k, v in metrics.items() if v == v}  # NaN-free (Lightning rejects nothing, but loggers do)
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=int(result.global_samples))
+
+
+class ExactAccumulationMixin:
+    """Put before ``LightningModule``: each window of micro-batches is one exact global-batch step.
+
+    Call :meth:`configure_global_batch` in ``__init__`` and implement ``loss_sum(batch)`` returning
+    ``(summed loss, count of loss-bearing units)``. Do not define ``training_step`` (the mixin's
+    runs the window) and do not pass ``accumulate_grad_batches`` to the Trainer (manual
+    optimization forbids it; the mixin accumulates ``grad_accum_steps`` batches itself).
+    ``configure_optimizers`` returns one optimizer, optionally with a step-based LR scheduler.
+    """
+
+    # -- configuration -----------------------------------------------------------------------------
+
+    def configure_global_batch(self, *, micro_batch: int, grad_accum_steps: Optional[int] = None,
+                               global_batch: Optional[int] = None, max_grad_norm: Optional[float] = None,
+                               dp_world_size: Optional[int] = None) -> None:
+        """Set the geometry: give ``grad_accum_steps`` (per rank), or pin ``global_batch`` (then the
+        accumulation is re-derived for the world size at fit start, or a ValueError with the numbers)."""
+        if (grad_accum_steps is None) == (global_batch is None):
+            raise ValueError(f"grad_accum_steps {grad_accum_steps!r} and global_batch {global_batch!r}: allowed: "
+                             "exactly one of them")
+        self.automatic_optimization = False
+        self.gb_micro_batch = int(micro_batch)
+        self.gb_pinned_global_batch = global_batch
+        self.gb_grad_accum_steps = int(grad_accum_steps) if grad_accum_steps is not None else \
+            derive_grad_accum_steps(global_batch, micro_batch, dp_world_size or 1)
+        self.gb_max_grad_norm = max_grad_norm
+        self.gb_driver: Optional[StepDriver] = None
+        self.gb_last_result: Optional[StepResult] = None
+        self._gb_padded = 0.0
+
+    def loss_sum(self, batch: Any) -> tuple[torch.Tensor, Any]:  # pragma: no cover - user code
+        raise NotImplementedError("loss_sum(batch) must return (summed loss, count of loss-bearing units)")
+
+    def batch_samples(self, batch: Any) -> int:
+        """Sequences in a batch: ``batch['input_ids']`` rows for a dict, else ``len(batch[0])``."""
+        if isinstance(batch, dict):
+            first = batch.get("input_ids", next(iter(batch.values())))
+            return int(first.shape[0])
+        return len(batch[0])
+
+    def batch_tokens(self, batch: Any) -> float:
+        """Padded tokens in a batch (``input_ids.numel()``), for the padding share; 0 if unknown."""
+        if isinstance(batch, dict) and "input_ids" in batch:
+            return float(batch["input_ids"].numel())
+        return 0.0
+
+    # -- the window --------------------------------------------------------------------------------
+
+    def _gb_callback(self) -> Optional[GlobalBatchCallback]:
+        return next((c for c in self.trainer.callbacks if isinstance(c, GlobalBatchCallback)), None)
+
+    def on_fit_start(self) -> None:
+        if getattr(self, "gb_micro_batch", None) is None:
+            raise ValueError("configure_global_batch was not called; allowed: call it in __init__")
+        if self.trainer.accumulate_grad_batches != 1:  # pragma: no cover - Lightning refuses this first
+            raise ValueError(f"accumulate_grad_batches {self.trainer.accumulate_grad_batches} is not allowed; "
+                             "allowed: 1 (configure_global_batch sets the accumulation)")
+        world = self.trainer.world_size
+        if self.gb_pinned_global_batch is not None:
+            self.gb_grad_accum_steps = derive_grad_accum_steps(self.gb_pinned_global_batch, self.gb_micro_batch, world)
+        super().on_fit_start()
+
+    def _gb_build_driver(self) -> StepDriver:
+        strategy_model = self.trainer.strategy.model
+        model = strategy_model if isinstance(strategy_model, torch.nn.parallel.DistributedDataParallel) else self
+        optimizer = self.optimizers()
+        if isinstance(optimizer, list):
+            raise ValueError(f"{len(optimizer)} optimizers are not allowed; allowed: one")
+        schedulers = self.lr_schedulers()
+        cb = self._gb_callback()
+        callbacks = []
+        world = self.trainer.world_size
+        if cb is not None and cb.noise and self.gb_grad_accum_steps * world >= 2:
+            from globalbatch.noise import NoiseConfig, NoiseScaleMonitor
+
+            cfg = cb.noise_config if cb.noise_config is not None else NoiseConfig(sources=("micro",))
+            raw = getattr(optimizer, "optimizer", optimizer)
+            cb.monitor = NoiseScaleMonitor(model, optimizer=raw, config=cfg)
+            callbacks.append(cb.monitor)
+        config = StepConfig(micro_batch=self.gb_micro_batch,
+                            global_batch=self.gb_micro_batch * self.gb_grad_accum_steps * world,
+                            max_grad_norm=self.gb_max_grad_norm)
+        # The LightningOptimizer: its step() goes through the strategy and advances global_step.
+        return StepDriver(model, optimizer, config, lr_scheduler=schedulers, callbacks=callbacks)
+
+    def _gb_is_last(self, batch_idx: int) -> bool:
+        return (batch_idx % self.gb_grad_accum_steps == self.gb_grad_accum_steps - 1
+                or batch_idx == self.trainer.num_training_batches - 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        if self.gb_driver is None:
+            self.gb_driver = self._gb_build_driver()
+        driver = self.gb_driver
+        last = self._gb_is_last(batch_idx)
+        ddp = self.trainer.strategy.model
+        with driver.micro_step(last=last):
+            loss_sum, count = self.loss_sum(batch)
+            if last and isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+                # Lightning runs training_step inside the DDP forward and, in manual optimization, leaves
+                # DDP's reducer unarmed until manual_backward; arm it for the window's syncing backward only
+                # (the other micro-batches stay local: that is the no_sync).
+                from lightning.pytorch.overrides.distributed import prepare_for_backward
+
+                prepare_for_backward(ddp, loss_sum)
+            driver.backward(loss_sum, count, samples=self.batch_samples(batch))
+        self._gb_padded += self.batch_tokens(batch)
+        if last:
+            padded = torch.tensor(self._gb_padded, dtype=torch.float64)
+            self._gb_padded = 0.0
+            if self.trainer.world_size > 1:  # one more tiny collective per window, for the padding share
+                padded = self.trainer.strategy.reduce(padded.to(self.device), reduce_op="sum")
+            result = driver.step()  # the window's one host sync (float(padded) below rides after it)
+            self.gb_last_result = result
+            self.log("train/loss_per_token", result.loss_per_unit, on_step=True, on_epoch=False, prog_bar=True,
+                     batch_size=int(result.global_samples))
+            cb = self._gb_callback()
+            if cb is not None:
+                cb.on_window_end(self, result, float(padded))
+        return None
