@@ -157,7 +157,8 @@ def test_cli_adaptive_bad_input_is_one_line_exit_2(tmp_path, capsys):
              ("--lr-rule", "cube"): "error: --lr-rule 'cube' is not allowed; allowed: sqrt, linear, adascale or none",
              ("--policy", "magic"): "error: --policy 'magic' is not allowed; allowed: noise, goodput or package.module:function",
              ("--initial-batch", "6"): "error: --initial-batch 6 is not allowed",
-             ("--target", "-2"): "error: --target -2 is not allowed; allowed: a finite held-out loss > 0"}
+             ("--target", "-2"): "error: --target -2 is not allowed; allowed: a finite held-out loss > 0",
+             ("--optimizer", "rmsprop"): "error: --optimizer 'rmsprop' is not allowed; allowed: "}
     for (flag, value), want in cases.items():
         code, _, err = _cli(["adaptive", *TINY_ARGS, flag, value, "--out", str(tmp_path / "x")], capsys)
         assert code == 2 and err.strip().startswith(want) and len(err.strip().splitlines()) == 1, (flag, err)

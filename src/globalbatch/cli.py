@@ -444,6 +444,7 @@ def adaptive_cmd(
     tokens: str = typer.Option("300K", "--tokens", help="Budget per run in the task's unit (tokens), e.g. 300K."),
     seeds: str = typer.Option("1,2,3", "--seeds", help="Seeds (model init and data order), comma-separated; >= 3 for intervals."),
     micro_batch: int = typer.Option(4, "--micro-batch", help="Samples per forward/backward, every arm."),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + _OPTIMIZERS + " (pick --lr-rule to match: sqrt for Adam-type, linear for SGD)."),
     target: list[float] = typer.Option([], "--target", help="Held-out loss target (repeatable); default two: every fixed batch's final loss reaches it (worst + 0.01), and half of them do (median + 0.01)."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable)."),
     out: str = typer.Option("runs/adaptive", "--out", help="Output directory; rerunning resumes it (finished runs are kept; --seeds may grow)."),
@@ -466,7 +467,8 @@ def adaptive_cmd(
              "c": "--c", "max_batch": "--max-batch",
              "decide_every": "--decide-every", "min_interval_steps": "--min-interval", "patience": "--patience",
              "budget": "--tokens", "seeds": "--seeds", "micro_batch": "--micro-batch", "threads": "--threads",
-             "out": "--out", "device": "--device", "precision": "--precision", "target": "--target"}
+             "out": "--out", "device": "--device", "precision": "--precision", "target": "--target",
+             "optimizer": "--optimizer"}
     with flag_names(names):
         overrides = parse_task_args(task_arg)
         if task == "tinygpt":
@@ -478,7 +480,7 @@ def adaptive_cmd(
                              decide_every=decide_every, min_interval_steps=min_interval, patience=patience,
                              budget=parse_count(tokens, "--tokens"),
                              seeds=parse_list(seeds, "--seeds", int, allowed="whole numbers ≥ 0, e.g. 1,2,3"),
-                             micro_batch=micro_batch, device=device, precision=precision)
+                             micro_batch=micro_batch, optimizer=optimizer, device=device, precision=precision)
         for t in target:
             if not (t > 0 and math.isfinite(t)):
                 raise SettingError("target", t, "a finite held-out loss > 0")
