@@ -286,6 +286,7 @@ def test_noise_tracking_grows_with_the_measured_noise_scale():
 
 # --------------------------------------------------------------------------- distributed
 
+@pytest.mark.dist
 def test_all_ranks_make_the_same_decisions(tmp_path):
     proc = run_torchrun(Path(__file__).parent / "dist" / "adaptive_agree.py", str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
