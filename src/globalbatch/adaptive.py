@@ -28,15 +28,15 @@ Policies:
   B_crit ≈ B_noise), using the EMA estimate's Fieller interval: grow only when c × the *lower*
   bound clears the next feasible batch (shrink only when c × the upper bound is below the
   current one).
-* :class:`GoodputPolicy` — Pollux (Qiao et al., OSDI 2021, eq. 3–4): statistical efficiency
-  E(B) = (B_noise + B₀)/(B_noise + B) (McCandlish's form, B₀ the initial batch) times the
+* :class:`GoodputPolicy` — Pollux (Qiao et al., OSDI 2021): goodput = throughput × statistical
+  efficiency, E(B) = (B_noise + B₀)/(B_noise + B) (McCandlish's form, B₀ the initial batch), with the
   throughput at B (a measured table — e.g. the sweep's timing pass — updated online with the
   batches actually run); the feasible batch maximising goodput = throughput × E is chosen when it
   beats the current goodput by ``min_gain`` (Pollux: 5 %).
 * any object with ``propose(observation, feasible) -> Proposal`` (:class:`BatchPolicy`).
 
 LR rules at a change (relative to the first batch B₀, S = B/B₀): ``sqrt`` (× √S, Adam-type),
-``linear`` (× S, SGD), ``adascale`` (AdaScale, Johnson et al. 2020, eq. 5: gain
+``linear`` (× S, SGD), ``adascale`` (the gain ratio of AdaScale SGD, Johnson et al., ICML 2020:
 r = (σ² + μ²)/(σ²/S + μ²) = S·(B_simple + B₀)/(B_simple + B), B_simple in samples, evaluated at
 the change and then held), ``none``.
 

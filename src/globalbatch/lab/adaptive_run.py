@@ -11,7 +11,8 @@ policy settings, :data:`POLICY_FIELDS`: each policy setting runs in its own ``ad
 the shared fixed-batch runs, so several policies are compared against one set of fixed runs)::
 
     OUT/manifest.json  events.jsonl
-    OUT/runs/<b4|…|adaptive-noise-c1-sqrt-1a2b3c>/s<seed>/metrics.jsonl   header, one "eval" line per read-out, one "change" line per batch change
+    OUT/runs/<b4|…|adaptive-noise-c1-sqrt-1a2b3c>/s<seed>/metrics.jsonl
+        header, one "eval" line per read-out, one "change" line per batch change
     OUT/runs/<arm>/s<seed>/summary.json    the done marker
 
 :func:`analyze_adaptive` reads the runs back: tokens- and steps-to-target per arm with
@@ -480,7 +481,11 @@ class AdaptiveAnalysis:
         return d
 
 
-def load_runs(out: str | os.PathLike, overrides: Optional[dict[str, Any]] = None) -> tuple[AdaptiveConfig, dict[str, dict[int, list[dict]]], dict[int, list[dict]]]:
+Curves = dict[str, dict[int, list[dict]]]
+
+
+def load_runs(out: str | os.PathLike,
+              overrides: Optional[dict[str, Any]] = None) -> tuple[AdaptiveConfig, Curves, dict[int, list[dict]]]:
     """The manifest's config, each finished run's eval records ``curves[arm][seed]`` and the adaptive changes."""
     out = Path(out)
     try:
@@ -509,8 +514,8 @@ def analyze_adaptive(out: str | os.PathLike, *, target: Optional[float] = None, 
     """Tokens- and steps-to-target with intervals; the verdict on "within 1.1× the tokens of the best fixed batch
     while taking fewer steps". Only seeds where every arm finished are compared. Without ``target``:
     ``default="all"`` — the worst final loss of any fixed batch and seed + ``margin`` (every fixed batch reaches
-    it in every seed); ``"half"`` — the median over fixed batches of their worst seed's final loss + ``margin``. ``policy`` selects the adaptive
-    arm by its settings (default: the manifest's, i.e. the last run's)."""
+    it in every seed); ``"half"`` — the median over fixed batches of their worst seed's final loss + ``margin``.
+    ``policy`` selects the adaptive arm by its settings (default: the manifest's, i.e. the last run's)."""
     cfg, curves, changes = load_runs(out, policy)
     arms = cfg.arms()
     seeds = sorted(set.intersection(*[set(curves.get(a, {})) for a in arms])) if curves else []
