@@ -75,6 +75,18 @@ def test_eval_points_are_log_spaced_and_end_at_the_budget():
     assert p[0] == round(300_000 / 64)
 
 
+def test_throughput_from_a_sweep_timing_pass(tmp_path):
+    from globalbatch._util import atomic_write_json
+    from globalbatch.lab.adaptive_run import throughput_from_timing
+    from globalbatch.lab.sweep.timing import timing_path
+
+    for b, secs in ((4, 2.0), (8, 2.5)):
+        atomic_write_json(timing_path(tmp_path, b), {"batch": b, "units": 8 * b * 64, "steps": 8, "seconds": secs})
+    assert throughput_from_timing(tmp_path) == {4: 16.0, 8: 25.6}  # samples/s = steps × batch / seconds
+    with pytest.raises(SettingError, match="throughput_from"):
+        throughput_from_timing(tmp_path / "none")
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(SettingError, match="initial_batch 6 is not allowed"):
         tiny(initial_batch=6)  # not a power of two
@@ -158,7 +170,8 @@ def test_cli_adaptive_bad_input_is_one_line_exit_2(tmp_path, capsys):
              ("--policy", "magic"): "error: --policy 'magic' is not allowed; allowed: noise, goodput or package.module:function",
              ("--initial-batch", "6"): "error: --initial-batch 6 is not allowed",
              ("--target", "-2"): "error: --target -2 is not allowed; allowed: a finite held-out loss > 0",
-             ("--optimizer", "rmsprop"): "error: --optimizer 'rmsprop' is not allowed; allowed: "}
+             ("--optimizer", "rmsprop"): "error: --optimizer 'rmsprop' is not allowed; allowed: ",
+             ("--throughput-from", str(tmp_path / "nosweep")): "error: --throughput-from"}
     for (flag, value), want in cases.items():
         code, _, err = _cli(["adaptive", *TINY_ARGS, flag, value, "--out", str(tmp_path / "x")], capsys)
         assert code == 2 and err.strip().startswith(want) and len(err.strip().splitlines()) == 1, (flag, err)

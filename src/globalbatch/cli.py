@@ -435,6 +435,7 @@ def adaptive_cmd(
     lr_base_batch: int = typer.Option(8, "--lr-base-batch", help="The batch --lr belongs to: batch B trains at lr × rule(B / this)."),
     initial_batch: Optional[int] = typer.Option(None, "--initial-batch", help="The adaptive run's first batch (default: the smallest fixed batch)."),
     lr_rule: str = typer.Option("sqrt", "--lr-rule", help="LR at a batch change: sqrt, linear, adascale (gain from B_simple) or none."),
+    throughput_from: Optional[str] = typer.Option(None, "--throughput-from", help="Goodput: a sweep directory whose timing pass gives throughput per batch (default: the fixed runs')."),
     c: float = typer.Option(2.0, "--c", help="Noise tracking: target batch = c × B_simple (2: tuned on the demo tinygpt, seeds 101-102)."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Largest adaptive batch (default: the largest fixed batch)."),
     any_batch: bool = typer.Option(False, "--any-batch", help="Allow any multiple of the micro-batch, not only powers of two."),
@@ -468,7 +469,7 @@ def adaptive_cmd(
              "decide_every": "--decide-every", "min_interval_steps": "--min-interval", "patience": "--patience",
              "budget": "--tokens", "seeds": "--seeds", "micro_batch": "--micro-batch", "threads": "--threads",
              "out": "--out", "device": "--device", "precision": "--precision", "target": "--target",
-             "optimizer": "--optimizer"}
+             "optimizer": "--optimizer", "throughput_from": "--throughput-from"}
     with flag_names(names):
         overrides = parse_task_args(task_arg)
         if task == "tinygpt":
@@ -476,7 +477,7 @@ def adaptive_cmd(
         cfg = AdaptiveConfig(task=task, task_overrides=overrides, policy=policy,
                              batches=parse_list(batches, "--batches", int), lr=lr, base_batch=lr_base_batch,
                              initial_batch=initial_batch,
-                             lr_rule=lr_rule, c=c, max_batch=max_batch, powers_of_two=not any_batch,
+                             lr_rule=lr_rule, c=c, throughput_from=throughput_from, max_batch=max_batch, powers_of_two=not any_batch,
                              decide_every=decide_every, min_interval_steps=min_interval, patience=patience,
                              budget=parse_count(tokens, "--tokens"),
                              seeds=parse_list(seeds, "--seeds", int, allowed="whole numbers ≥ 0, e.g. 1,2,3"),

@@ -41,7 +41,7 @@ __all__ = ["AdaptiveConfig", "run_adaptive", "run_arm", "analyze_adaptive", "Ada
            "POLICIES", "ADAPTIVE_MANIFEST_VERSION"]
 
 ADAPTIVE_MANIFEST_VERSION = 1
-POLICY_FIELDS = ("policy", "c", "initial_batch", "lr_rule", "max_batch", "powers_of_two", "decide_every", "min_interval_steps",
+POLICY_FIELDS = ("policy", "c", "initial_batch", "throughput_from", "lr_rule", "max_batch", "powers_of_two", "decide_every", "min_interval_steps",
                  "patience", "noise_half_life_windows")
 """Settings that change only the adaptive arm: they may change between reruns into one directory (each policy
 setting gets its own run directory, and the fixed batches' runs are shared)."""
@@ -74,6 +74,9 @@ class AdaptiveConfig:
     """``sqrt``, ``linear``, ``adascale`` (adaptive only; fixed batches then use sqrt) or ``none``."""
     policy: str = "noise"
     """``noise`` (B = c·B_simple on its lower bound), ``goodput`` (Pollux) or ``module:function``."""
+    throughput_from: Optional[str] = None
+    """Goodput: a sweep directory whose timing pass (``timing/b<batch>.json``) gives samples/s per batch; None: the
+    fixed runs of the same seed (each trained alone, in sequence)."""
     c: float = 2.0
     """Noise-tracking multiple: B = c·B_simple (2: tuned on the demo tinygpt, seeds 101 and 102; docs/adaptive.md)."""
     max_batch: Optional[int] = None
@@ -215,6 +218,24 @@ def eval_points(budget: int, n: int, first_fraction: float = 1 / 64) -> list[int
     pts = sorted({int(round(lo * (budget / lo) ** (i / (n - 1)))) for i in range(n)})
     pts[-1] = budget
     return pts
+
+
+def throughput_from_timing(sweep_dir: str | os.PathLike) -> dict[int, float]:
+    """Samples/s per batch from a sweep's timing pass (:mod:`globalbatch.lab.sweep.timing`)."""
+    from globalbatch.lab.sweep.timing import timing_path
+
+    table = {}
+    for path in sorted(timing_path(Path(sweep_dir), 0).parent.glob("b*.json")):
+        try:
+            rec = json.loads(path.read_text())
+            b, units, steps, secs = int(rec["batch"]), float(rec["units"]), int(rec["steps"]), float(rec["seconds"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if secs > 0 and steps > 0:
+            table[b] = b * steps / secs  # samples per second: steps × batch samples in secs
+    if not table:
+        raise SettingError("throughput_from", str(sweep_dir), "a sweep directory with a timing pass (timing/b*.json)")
+    return table
 
 
 def _build_policy(cfg: AdaptiveConfig, throughput: dict[int, float]):
@@ -360,6 +381,8 @@ def run_adaptive(cfg: AdaptiveConfig, out: str | os.PathLike, *, threads: Option
     load_task_checked(cfg.task, cfg.task_overrides)
     if ":" in cfg.policy:
         _build_policy(cfg, {})
+    if cfg.throughput_from is not None:
+        throughput_from_timing(cfg.throughput_from)
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise SettingError("out", str(out), "a directory (new or a previous adaptive run)", why="it is a file")
@@ -376,7 +399,9 @@ def run_adaptive(cfg: AdaptiveConfig, out: str | os.PathLike, *, threads: Option
                 skipped.append(name)
                 continue
             table = None
-            if arm == "adaptive" and cfg.policy == "goodput":
+            if arm == "adaptive" and cfg.policy == "goodput" and cfg.throughput_from is not None:
+                table = throughput_from_timing(cfg.throughput_from)
+            elif arm == "adaptive" and cfg.policy == "goodput":
                 table = {}
                 for b in cfg.batches:
                     if run_done(out, f"b{b}", seed, cfg):
