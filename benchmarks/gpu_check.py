@@ -9,7 +9,9 @@ Run through ``benchmarks/gpu_check.sh``. Each check prints one ``SUMMARY`` line:
 3. ``globalbatch noise --device cuda`` (a finite B_simple);
 4. the probe against a real CUDA out-of-memory: the process is capped to a small memory fraction, so the
    probe's largest fitting micro-batch is set by the allocator's own OOM;
-5. the step-overhead benchmark on CUDA (driver vs a hand-written loop).
+5. the step-overhead benchmark on CUDA (driver vs a hand-written loop);
+6. MFU of the tinygpt training step (bf16 autocast): model FLOPs counted by FlopCounterMode over the
+   A100/H100/H200 table's dense bf16 peak (a measured matmul on CPU), and valid tokens/s.
 
 ``--device cpu`` runs the same checks on a CPU (how the script itself is tested here).
 """
@@ -135,6 +137,29 @@ def check_overhead(device: str) -> bool:
     return summary("step-overhead", r.returncode == 0 and bool(line), line or r.stderr[-300:])
 
 
+def check_mfu(device: torch.device) -> bool:
+    import statistics
+
+    from globalbatch.lab.loop import Experiment
+    from globalbatch.lab.tasks import load_task
+
+    big = dict(n_layer=4, d_model=512, n_head=8, seq_len=256, max_corpus_bytes=2_000_000)
+    task = load_task("tinygpt", **(big if device.type == "cuda" else TINY))
+    micro = 32 if device.type == "cuda" else 4
+    exp = Experiment(task, batch=micro * 2, micro_batch=micro, lr=1e-3, device=device, precision="bf16",
+                     measure_flops=True)
+    order = task.sample_order(0)
+    results = [exp.train_window(order).result for _ in range(8)][3:]  # 3 warm-up windows
+    mfus = [r.mfu for r in results if r.mfu is not None]
+    if not mfus:
+        return summary("mfu", False, f"no MFU: peak {exp.peak} (a GPU missing from the table needs a peak)")
+    med = statistics.median(mfus)
+    return summary("mfu", 0 < med < 1,
+                   f"MFU median {med:.1%} (min {min(mfus):.1%}, max {max(mfus):.1%}) against "
+                   f"{exp.peak.flops_per_s / 1e12:,.1f} TFLOP/s ({exp.peak.source}); valid tokens/s "
+                   f"{statistics.median(r.valid_tokens_per_s for r in results):,.0f}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -148,7 +173,8 @@ def main(argv=None) -> int:
                          ("sweep", lambda: check_sweep(args.device, Path(tmp) / "sweep")),
                          ("noise", lambda: check_noise(args.device, Path(tmp) / "noise")),
                          ("probe", lambda: check_probe_oom(device)),
-                         ("overhead", lambda: check_overhead(args.device))):
+                         ("overhead", lambda: check_overhead(args.device)),
+                         ("mfu", lambda: check_mfu(device))):
             try:
                 results.append(fn())
             except Exception as exc:  # one failing check must not hide the others' lines

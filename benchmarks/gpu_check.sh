@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check for a lent GPU machine (< 8 minutes on one GPU): CUDA step equivalence (fp32, bf16), a bf16 sweep,
-# noise, the probe against a real CUDA OOM, the step-overhead benchmark. One SUMMARY line per check.
+# noise, the probe against a real CUDA OOM, the step-overhead benchmark, MFU. One SUMMARY line per check.
 # Usage: bash benchmarks/gpu_check.sh [device]   (default cuda; "cpu" dry-runs the same checks)
 set -euo pipefail
 cd "$(dirname "$0")/.."

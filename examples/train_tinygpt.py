@@ -28,6 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from globalbatch.flops import SequenceFlops, peak_flops_per_s
 from globalbatch.plan import fmt_int
 from globalbatch.schedule import TokenLRSchedule, constant_batch, parse_step_schedule
 from globalbatch.checkpoint import load_checkpoint, save_checkpoint
@@ -138,6 +139,11 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         task = load_task("tinygpt", n_layer=args.n_layer, d_model=args.d_model, seq_len=args.seq_len,
                          max_corpus_bytes=1_000_000)
         model = task.build_model(args.seed).to(device)
+        # Model FLOPs of any (batch, padded width): two FlopCounterMode counts of the plain model, before DDP.
+        seq_flops = SequenceFlops(
+            model, lambda w: {"input_ids": torch.zeros(1, w, dtype=torch.long, device=device),
+                              "labels": torch.zeros(1, w, dtype=torch.long, device=device)},
+            lambda m, b: task.loss_sum(m, b)[0], widths=(max(1, task.seq_len // 2), task.seq_len))
         if world > 1:
             model = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -151,8 +157,12 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
                         else max(int(args.steps * schedule.batch_at(0) * mean_units), args.warmup_tokens + 1))
         lr_schedule = TokenLRSchedule(peak_lr=args.lr, warmup=args.warmup_tokens, total=total_tokens,
                                       shape=args.lr_shape, min_lr_ratio=0.1)
+        try:  # CPU: a measured matmul; CUDA: the A100/H100/H200 table (fp32 here); another GPU: no MFU
+            peak = peak_flops_per_s(device=str(device), dtype="fp32")
+        except ValueError:
+            peak = None
         config = StepConfig(micro_batch=args.micro_batch, batch_schedule=schedule, max_grad_norm=args.max_grad_norm,
-                            lr_schedule=lr_schedule)
+                            lr_schedule=lr_schedule, peak_flops_per_s=None if peak is None else peak.flops_per_s)
         driver = StepDriver(model, optimizer, config)
     except ValueError as e:
         return fail(str(e))
@@ -171,6 +181,8 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         f"{fmt_int(sum(p.numel() for p in model.parameters()))} parameters, device {device}")
     say(f"global {g.arithmetic()}; ≤ {fmt_int(g.tokens(task.seq_len))} token slots per step "
         f"(padding included; ~{fmt_int(round(g.global_batch * mean_units))} loss-bearing)")
+    say(f"peak {peak.flops_per_s / 1e9:,.1f} GFLOP/s per device ({peak.source}); model FLOPs counted "
+        f"with FlopCounterMode at widths {seq_flops.widths}" if peak is not None else "peak FLOP/s unknown: no MFU")
     say(f"batch schedule [{schedule}] in tokens, lr {lr_schedule.shape} peak {args.lr:g}, "
         f"warmup {fmt_int(args.warmup_tokens)} tokens, decay over {fmt_int(total_tokens)} tokens")
 
@@ -187,12 +199,15 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
             batch = task.collate(idx, device)                            # padded to its own longest doc
             with driver.micro_step(last=i == len(micro) - 1):           # no DDP sync before the last
                 loss_sum, count = task.loss_sum(model, batch)
-                driver.backward(loss_sum, count, samples=len(idx))
+                driver.backward(loss_sum, count, samples=len(idx),
+                                flops=seq_flops(len(idx), batch["input_ids"].shape[1]))
         result = driver.step()
         if result.step % args.log_every == 0 or result.skipped or result.step == args.steps:
             say(f"step {result.step:4d} | loss/token {result.loss_per_unit:.4f} | tokens {result.global_units:5d} "
                 f"| grad norm {result.grad_norm:.3f} | lr {result.lr:.2e} | batch {result.global_batch} "
-                f"| {result.units_per_s:,.0f} tok/s{' | SKIPPED' if result.skipped else ''}")
+                f"| {result.valid_tokens_per_s:,.0f} valid tok/s"
+                + (f" | MFU {result.mfu:.1%}" if result.mfu is not None else "")
+                + (" | SKIPPED" if result.skipped else ""))
         if args.checkpoint and args.checkpoint_every and result.step % args.checkpoint_every == 0 \
                 and not result.skipped:
             save_checkpoint(args.checkpoint, model, optimizer, driver)

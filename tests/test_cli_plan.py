@@ -128,3 +128,11 @@ def test_decimal_budget_on_the_command_line():
     assert out["optimizer_steps"] == 1956  # ceil(4.1e9 / 2,097,152)
     bad = cli("plan", *SEED, "--total-tokens", "1,5B")
     assert bad.returncode == 2 and "--total-tokens '1,5B' is not a quantity" in bad.stderr
+
+
+def test_plan_model_flops_per_step_is_the_labelled_6n_formula():
+    out = json.loads(cli("plan", *SEED, "--params", "7B", "--json").stdout)
+    assert out["model_flops_per_step"] == 6 * 7e9 * 1024 * 2048  # 6·N × padded token slots per step
+    assert "formula" in out["model_flops_formula"]
+    bare = json.loads(cli("plan", *SEED, "--json").stdout)
+    assert bare["model_flops_per_step"] is None  # no params: no FLOPs

@@ -520,6 +520,8 @@ def test_cli_runs_tinygpt_and_writes_csv(tmp_path, capsys):
         assert int(r["batch_samples"]) == 12
         # the sample-unit estimate of a token-mean loss: about tokens-per-sample times smaller
         assert float(r["b_simple_micro_sample"]) < float(r["b_simple_micro_token"])
+        assert float(r["valid_tokens_per_s"]) > 0 and 0 < float(r["mfu"]) < 1  # throughput of the window
+    assert "valid tok/s" in out and "MFU" in out
     assert "B_simple (micro-batches, per token):" in out and "B_simple (micro-batches, per sample):" in out
     assert not list(out_dir.glob(".*tmp*"))  # atomic writes leave no temporary files
 

@@ -185,6 +185,18 @@ def test_throughput_comes_from_the_timing_pass_not_the_contended_trials(tmp_path
     assert res.analysis.recommendation.batch_size == 64 * TOKENS_PER_SAMPLE
     page = Path(res.html).read_text()
     assert "in-trial tokens/s" in page and "1,000,000,000" in page
+    assert "<th>MFU</th>" in page and "–" in page  # no MFU recorded in these timing records
+
+
+def test_report_shows_the_timing_pass_mfu(tmp_path):
+    write_synthetic_sweep(tmp_path, with_noise_scale=False)
+    for i, b in enumerate((16, 32, 64, 128, 256, 512)):
+        atomic_write_json(tmp_path / "timing" / f"b{b}.json",
+                          {"batch": b, "units_per_s": 2000.0 * math.sqrt(b * TOKENS_PER_SAMPLE), "mfu": 0.125 + i / 100})
+    res = write_report(tmp_path, tmp_path / "r", n_targets=1)
+    page = Path(res.html).read_text()
+    shown = [f"{0.125 + i / 100:.1%}" for i in range(6)]
+    assert sum(s in page for s in shown) >= 3  # the batches that reached the target show their MFU
 
 
 def test_extrapolated_b_crit_is_reported_as_a_one_sided_bound(tmp_path):

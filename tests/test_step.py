@@ -374,7 +374,7 @@ def test_distributed_equivalence_skip_resume_fsdp2(tmp_path):
     proc = run_torchrun(_DIST / "step_equivalence_script.py", str(tmp_path))
     out = proc.stdout
     for check in ("ddp-float64", "ddp-float32", "ddp-short-window", "ddp-uneven-ranks",
-                  "ddp-no-sync-deferred", "ddp-nan-skip", "ddp-k-skips-raise", "ddp-resume", "fsdp2-float64"):
+                  "ddp-no-sync-deferred", "ddp-flops", "ddp-nan-skip", "ddp-k-skips-raise", "ddp-resume", "fsdp2-float64"):
         assert f"PASS {check}" in out, out[-3000:]
 
 

@@ -389,6 +389,10 @@ def test_timing_pass_is_sequential_recorded_and_used_by_the_analysis(reference_s
     for b in (4, 8):
         rec = json.loads((out / "timing" / f"b{b}.json").read_text())
         assert rec["steps"] == 8 and rec["warmup_steps"] == 2 and rec["units_per_s"] > 0 and len(rec["step_units_per_s"]) == 8
+        # valid (loss-bearing) tokens/s and MFU: timed model FLOP/s over the measured peak of the same threads
+        assert rec["valid_tokens_per_s"] == rec["units_per_s"] and 0 < rec["mfu"] < 1
+        assert rec["mfu"] == pytest.approx(rec["model_flops_per_s"] / rec["peak_flops_per_s"])
+        assert rec["peak_flops_source"].startswith("measured: cpu")
         # the best-LR config of the batch (lowest final validation loss)
         best = min((s for s in res.summaries if s["batch"] == b), key=lambda s: s["final_val_loss"])
         assert rec["lr"] == best["lr"]

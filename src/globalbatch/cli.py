@@ -76,7 +76,7 @@ def plan_cmd(
     lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate (tuned at --lr-base-batch if given)."),
     lr_base_batch: Optional[int] = typer.Option(None, "--lr-base-batch", help="Global batch (sequences) at which --lr was tuned."),
     lr_rule: Optional[str] = typer.Option(None, "--lr-rule", help="linear | sqrt | none (default sqrt, or --optimizer's rule)."),
-    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="A registry name (adamw, sgd, lars, lamb): its LR rule is the default --lr-rule."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="A registry name (adamw, sgd, lars, lamb): its LR rule is the default --lr-rule; with --memory also its state bytes (plus sgd-plain, sgd-momentum, adafactor; default adamw)."),
     warmup_tokens: Optional[str] = typer.Option(None, "--warmup-tokens", help="Warmup in tokens, e.g. 375M (converted to steps)."),
     warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", help="Warmup in steps (converted to tokens)."),
     pp_stages: Optional[int] = typer.Option(None, "--pp-stages", help="Pipeline stages p (micro-batches per step m = grad accum)."),
@@ -87,6 +87,13 @@ def plan_cmd(
     sync_every_micro_step: bool = typer.Option(False, "--sync-every-micro-step", help="All-reduce on every micro-step (no no_sync)."),
     compute: Optional[str] = typer.Option(None, "--compute", help="Training FLOPs C for the DeepSeek prior (default 6·N·D)."),
     loss: Optional[float] = typer.Option(None, "--loss", help="Loss in nats/token for the Kaplan B_crit prior."),
+    memory: Optional[str] = typer.Option(None, "--memory", help="Device memory, e.g. 80GiB: predict the largest micro-batch and show the memory breakdown (needs --params and --activation-bytes-per-sample, or --task)."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="With --memory: fp32 or bf16-mixed (bf16 weights/grads, fp32 master; default fp32)."),
+    sharding: Optional[str] = typer.Option(None, "--sharding", help="With --memory: none, zero1, zero2, zero3 or fsdp, over --dp ranks (default none)."),
+    activation_bytes: Optional[str] = typer.Option(None, "--activation-bytes-per-sample", help="With --memory: activation bytes per sample, e.g. 1.5GiB (else measured with --task)."),
+    checkpoint_divisor: Optional[float] = typer.Option(None, "--checkpoint-divisor", help="With --memory: activation checkpointing divides activations by this (default 1: none)."),
+    task: Optional[str] = typer.Option(None, "--task", help="With --memory: measure params and activations of this task (tinygpt, mnist or package.module:function; needs torch)."),
+    task_arg: list[str] = typer.Option([], "--task-arg", help="With --task: override KEY=VALUE (repeatable), e.g. d_model=64."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys."),
 ) -> None:
     """State the whole batch geometry of a run, check it, and say what follows from it."""
@@ -102,10 +109,37 @@ def plan_cmd(
         from ._util import SettingError
         from .optim.registry import lr_scaling_rule, optimizer_names
 
+        from .memory import OPTIMIZER_STATES
+
         if optimizer not in optimizer_names():
-            raise SettingError("--optimizer", optimizer, ", ".join(optimizer_names()), flag=True)
-        if lr_rule is None:
+            if memory is None and optimizer in OPTIMIZER_STATES:
+                raise SettingError("--optimizer", optimizer, f"{', '.join(optimizer_names())} (the registry; "
+                                   f"{optimizer} names optimizer state for --memory only)", flag=True)
+            if memory is None:
+                raise SettingError("--optimizer", optimizer, ", ".join(optimizer_names()), flag=True)
+            if optimizer not in OPTIMIZER_STATES:
+                raise SettingError("--optimizer", optimizer, ", ".join(dict.fromkeys(
+                    [*optimizer_names(), *OPTIMIZER_STATES])), flag=True)
+        if lr_rule is None and optimizer in optimizer_names():
             lr_rule = lr_scaling_rule(optimizer)
+
+    memory_flags = {"--precision": precision, "--sharding": sharding,
+                    "--activation-bytes-per-sample": activation_bytes, "--checkpoint-divisor": checkpoint_divisor,
+                    "--task": task, "--task-arg": task_arg or None}
+    memory_inputs = None
+    if memory is None:
+        for flag, value in memory_flags.items():
+            if value is not None:
+                raise ValueError(f"{flag} {value if not isinstance(value, list) else ','.join(value)} is not allowed "
+                                 "without --memory; allowed: add --memory DEVICE_BYTES, e.g. --memory 80GiB")
+    else:
+        memory_inputs = _memory_inputs(memory, params=params, dp=dp, optimizer=optimizer, precision=precision,
+                                       sharding=sharding, activation_bytes=activation_bytes,
+                                       checkpoint_divisor=checkpoint_divisor, task=task, task_arg=task_arg)
+    geometry_given = config is not None or any(v is not None for v in (global_batch, micro_batch, grad_accum))
+    if memory_inputs is not None and not geometry_given:
+        _print_memory(memory_inputs, None, as_json)
+        return
 
     flags = {
         "global_batch": global_batch, "micro_batch": micro_batch, "grad_accum_steps": grad_accum,
@@ -120,20 +154,111 @@ def plan_cmd(
         "no_sync": False if sync_every_micro_step else None,
     }
     report = make_plan(config, flags, dp_world_size=dp, round_down=round_down)
+    warnings = list(report.warnings)
+    memory_section = None
+    if memory_inputs is not None:
+        memory_section = _memory_section(memory_inputs, report.micro_batch)
+        if not memory_section["fits"]:
+            warnings.append(
+                f"micro_batch {memory_section['breakdown']['micro_batch']} needs "
+                f"{memory_section['breakdown']['total_bytes'] / 2**30:,.2f} GiB, more than --memory {memory}; "
+                f"the largest that fits is {memory_section['largest_micro_batch']}")
     if as_json:
         out = report.to_dict()
         if optimizer is not None:
             out["optimizer"] = optimizer
+        if memory_section is not None:
+            out["memory"] = memory_section
+            out["warnings"] = warnings
         typer.echo(json.dumps(out, indent=2, sort_keys=True))
     else:
         from rich.console import Console
 
         console = Console(width=max(Console().width, 120))  # the arithmetic column reads best unwrapped
         console.print(plan_table(report))
+        if memory_section is not None:
+            from .memory import memory_table
+
+            console.print(memory_table(memory_section))
         if report.priors:
             console.print("priors are scaling-law predictions, not measurements: measure with `globalbatch sweep`/`noise`.")
-    for w in report.warnings:
+    for w in warnings:
         typer.echo(f"warning: {w}", err=True)
+
+
+def _memory_inputs(memory: str, *, params: Optional[str], dp: Optional[int], optimizer: Optional[str],
+                   precision: Optional[str], sharding: Optional[str], activation_bytes: Optional[str],
+                   checkpoint_divisor: Optional[float], task: Optional[str], task_arg: list[str]) -> tuple:
+    """Check every ``plan --memory`` flag (before anything is printed), then measure the task if one is given."""
+    from ._util import SettingError, flag_names, parse_task_args
+    from .memory import Activations, MemoryConfig
+    from .plan import parse_bytes, parse_count
+
+    device_bytes = parse_bytes(memory, "--memory")
+    if device_bytes < 1:
+        raise ValueError(f"--memory {memory} is not allowed; allowed: a device memory of at least 1 byte")
+    if task is not None and (params is not None or activation_bytes is not None):
+        given = "--params" if params is not None else "--activation-bytes-per-sample"
+        raise ValueError(f"{given} is not allowed with --task {task}: the task's model gives it; "
+                         "allowed: --task, or --params with --activation-bytes-per-sample")
+    if task is None:
+        if params is None:
+            raise ValueError("--memory needs --params (e.g. 7B) or --task; allowed: add one of them")
+        if activation_bytes is None:
+            raise ValueError("--memory needs --activation-bytes-per-sample (e.g. 1.5GiB) or --task to measure it; "
+                             "allowed: add one of them")
+    if task_arg and task is None:
+        raise ValueError("--task-arg is not allowed without --task; allowed: add --task, e.g. --task tinygpt")
+    per_sample = None
+    if activation_bytes is not None:
+        per_sample = parse_bytes(activation_bytes, "--activation-bytes-per-sample")
+        if per_sample < 1:
+            raise ValueError(f"--activation-bytes-per-sample {activation_bytes} is not allowed; allowed: at least 1 byte")
+    names = {"params": "--params", "optimizer": "--optimizer", "precision": "--precision", "sharding": "--sharding",
+             "dp_world_size": "--dp", "checkpoint_divisor": "--checkpoint-divisor"}
+    common = dict(optimizer=optimizer or "adamw", precision=precision or "fp32", sharding=sharding or "none",
+                  dp_world_size=1 if dp is None else dp,
+                  checkpoint_divisor=1.0 if checkpoint_divisor is None else checkpoint_divisor)
+    with flag_names(names):
+        MemoryConfig(params=1 if params is None else parse_count(params, "--params"), **common)  # check the flags
+    if task is None:
+        cfg = MemoryConfig(params=parse_count(params, "--params"), **common)
+        return device_bytes, cfg, Activations(bytes_per_sample=float(per_sample), source="given")
+    from ._util import load_task_checked
+    from .probe.activations import task_memory_inputs
+
+    with flag_names({"task": "--task", "task_overrides": "--task-arg"}):
+        try:
+            task_obj = load_task_checked(task, parse_task_args(task_arg))
+        except SettingError:
+            raise
+        except ValueError as exc:
+            raise SettingError("task", task, "tinygpt, mnist or package.module:function", why=str(exc)) from None
+    n, shapes, acts = task_memory_inputs(task_obj, device="cpu")
+    return device_bytes, MemoryConfig(params=n, param_shapes=shapes, **common), acts
+
+
+def _memory_section(inputs: tuple, micro_batch: Optional[int]) -> dict:
+    from .memory import memory_report
+
+    device_bytes, cfg, acts = inputs
+    return memory_report(cfg, acts, device_bytes, micro_batch=micro_batch)
+
+
+def _print_memory(inputs: tuple, micro_batch: Optional[int], as_json: bool) -> None:
+    import json
+
+    report = _memory_section(inputs, micro_batch)
+    if as_json:
+        typer.echo(json.dumps({"memory": report}, indent=2, sort_keys=True))
+        return
+    from rich.console import Console
+
+    from .memory import memory_table
+
+    Console(width=max(Console().width, 120)).print(memory_table(report))
+    if report["largest_micro_batch"] == 0:
+        typer.echo("warning: not even micro-batch 1 fits: the static bytes alone exceed --memory", err=True)
 
 
 @app.command("probe", short_help="Find the largest micro-batch that fits and the fastest one.")
@@ -191,12 +316,21 @@ def probe_cmd(
         return
     from rich.console import Console
 
-    console = Console(width=max(Console().width, 110))
+    console = Console(width=max(Console().width, 130))
     budget = f", memory limit {format_bytes(limit)}" if limit is not None else ""
     console.print(probe_table(result, title=f"globalbatch probe: {task}{budget}, {result.num_trials} trials"))
+    if result.peak_flops_per_s is not None:
+        console.print(f"MFU: model FLOPs (forward + backward, FlopCounterMode) per median step over the peak "
+                      f"{result.peak_flops_per_s / 1e9:,.1f} GFLOP/s ({result.peak_flops_source})")
     limited = limit_text(result, max_micro_batch=max_micro_batch, global_batch=global_batch, dp_world_size=dp,
                          flag_names=True)
     console.print(f"largest that fits: {result.largest_fit} (limited by {limited})")
+    if result.predicted_micro_batch is not None:
+        error = (result.predicted_micro_batch - result.largest_fit) / result.largest_fit
+        console.print(f"predicted before running: {result.predicted_micro_batch} (measured {result.largest_fit}, "
+                      f"error {error:+.1%}; {result.predicted_note})")
+    for conflict in result.conflicts:
+        console.print(f"[yellow]intermittent out of memory:[/yellow] {conflict}")
     console.print(f"fastest: {result.fastest} (smallest within {result.tolerance:.0%} of the best throughput)")
     for choice in result.choices:
         if choice.geometry is not None:
@@ -348,7 +482,8 @@ def noise_cmd(
         keys = [k[len("b_simple_"):] for k in row if k.startswith("b_simple_")]
         parts = [f"{k}={format_interval(row['b_simple_' + k], row['low_' + k], row['high_' + k], row['flags_' + k])}"
                  for k in keys]
-        console.print(f"step {row['step']:>5}  loss {row['loss']:.4f}  " + "  ".join(parts), markup=False,
+        rate = _rate_text(row)
+        console.print(f"step {row['step']:>5}  loss {row['loss']:.4f}  " + "  ".join(parts) + rate, markup=False,
                       highlight=False, soft_wrap=True)
 
     try:
@@ -359,11 +494,13 @@ def noise_cmd(
         return  # not rank 0
     table = Table(title=f"B_simple curve ({result.unit}-mean loss; interval {next(iter(result.final.values())).confidence:.0%} Fieller)")
     keys = [k[len("b_simple_"):] for k in result.rows[0] if k.startswith("b_simple_")]
-    for col in ["step", "loss", "lr", "batch"] + keys:
+    for col in ["step", "loss", "lr", "batch", "valid tok/s", "MFU"] + keys:
         table.add_column(col, justify="right")
     for row in result.rows:
         cells = [str(row["step"]), f"{row['loss']:.4f}", f"{row['lr']:.3g}",
-                 f"{row['batch_units']:,} {result.unit}s"]
+                 f"{row['batch_units']:,} {result.unit}s",
+                 "–" if row["valid_tokens_per_s"] != row["valid_tokens_per_s"] else f"{row['valid_tokens_per_s']:,.0f}",
+                 "–" if row["mfu"] != row["mfu"] else f"{row['mfu']:.1%}"]
         cells += [format_interval(row["b_simple_" + k], row["low_" + k], row["high_" + k], row["flags_" + k])
                   for k in keys]
         table.add_row(*[Text(c) for c in cells])  # Text: "[...]" is not rich markup
@@ -377,6 +514,16 @@ def noise_cmd(
                       soft_wrap=True)
     if result.csv_path:
         console.print(f"wrote {result.csv_path}" + (f" and {out}/tb" if tensorboard else ""))
+
+
+def _rate_text(row: dict) -> str:
+    """``  1,234 valid tok/s  MFU 12.3%`` for a noise row (nothing for what is not known)."""
+    parts = []
+    if row.get("valid_tokens_per_s") == row.get("valid_tokens_per_s") and row.get("valid_tokens_per_s") is not None:
+        parts.append(f"{row['valid_tokens_per_s']:,.0f} valid tok/s")
+    if row.get("mfu") == row.get("mfu") and row.get("mfu") is not None:
+        parts.append(f"MFU {row['mfu']:.1%}")
+    return ("  " + "  ".join(parts)) if parts else ""
 
 
 @app.command("branch", short_help="Branch test (Merrill et al. 2025): the largest safe batch multiple k.")

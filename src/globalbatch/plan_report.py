@@ -74,6 +74,11 @@ class PlanReport:
     allreduce_bytes_per_step: Optional[float]
     grad_bytes: Optional[float]
     allreduce_syncs_per_step: int
+    model_flops_per_step: Optional[float] = None
+    """Training FLOPs per optimizer step (all ranks) by the formula ``6·N·tokens`` over the padded token
+    slots (PaLM App. B without the attention term); None without ``params`` and ``seq_len``."""
+    model_flops_formula: Optional[str] = None
+    """How ``model_flops_per_step`` was computed (a formula, not a measurement)."""
     priors: tuple[P.Prior, ...] = ()
     """Scaling-law predictions (labelled priors, not measurements)."""
     warnings: tuple[str, ...] = ()
@@ -253,6 +258,11 @@ def build_plan(cfg: PlanConfig) -> PlanReport:
             grad_bytes, geo.dp_world_size, grad_accum_steps=geo.grad_accum_steps, no_sync=cfg.no_sync
         )
     out["allreduce_syncs_per_step"] = 1 if cfg.no_sync else geo.grad_accum_steps
+    if cfg.params is not None and out.get("global_batch_tokens") is not None:
+        from globalbatch.flops import dense_flops_per_token  # torch-free
+
+        out["model_flops_per_step"] = dense_flops_per_token(cfg.params) * out["global_batch_tokens"]
+        out["model_flops_formula"] = "6·N·tokens (formula, PaLM App. B; attention term not included)"
 
     # Priors
     priors = P.scaling_law_priors(
@@ -344,6 +354,9 @@ def plan_table(report: PlanReport):
             + (f" (params / {report.pp_stages} stages)" if report.pp_stages else "")
             + f" × {report.allreduce_syncs_per_step} sync{'s' if report.allreduce_syncs_per_step != 1 else ''}",
         )
+    if report.model_flops_per_step is not None:
+        t.add_row("model FLOPs per step", f"{report.model_flops_per_step:.3g}",
+                  f"6·N × {fmt(report.global_batch_tokens)} token slots (formula, no attention)")
     for prior in report.priors:
         value = f"{_human_count(prior.batch_tokens)} tok" if prior.batch_tokens is not None else ""
         extra = f"; lr {prior.lr:.3g}" if prior.lr is not None else ""

@@ -135,6 +135,15 @@ class StepConfig:
     """Clip the global gradient norm (after accumulation and unscaling) to this; None: no clipping."""
     max_consecutive_skips: int = 8
     """Raise :class:`NonFiniteError` when this many windows in a row were skipped."""
+    loss_unit: str = "token"
+    """What ``count`` counts: ``"token"`` (non-padding tokens: ``valid_tokens_per_s`` is reported) or
+    ``"sample"``."""
+    flops_per_sample: Optional[float] = None
+    """Model FLOPs (forward + backward) per sample, for micro-batches whose ``backward`` gets no
+    ``flops=`` (e.g. ``globalbatch.flops.transformer_flops_per_token(...) × seq_len``, or a
+    :class:`globalbatch.flops.FlopsCounter` count ÷ micro_batch); None: no FLOPs unless given per micro-batch."""
+    peak_flops_per_s: Optional[float] = None
+    """Peak FLOP/s of one device (``globalbatch.flops.peak_flops_per_s``); with FLOPs it gives ``mfu``."""
 
     def __post_init__(self) -> None:
         if isinstance(self.micro_batch, bool) or not isinstance(self.micro_batch, int) or self.micro_batch < 1:
@@ -165,6 +174,13 @@ class StepConfig:
         k = self.max_consecutive_skips
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"max_consecutive_skips {k!r} is not allowed; allowed: a whole number >= 1")
+        if self.loss_unit not in ("token", "sample"):
+            raise ValueError(f"loss_unit {self.loss_unit!r} is not allowed; allowed: 'token' or 'sample'")
+        for name in ("flops_per_sample", "peak_flops_per_s"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
+                                  or not math.isfinite(v)):
+                raise ValueError(f"{name} {v!r} is not allowed; allowed: a finite number > 0 or None")
 
     def schedule(self) -> BatchSchedule:
         """The batch schedule (a constant one for a fixed ``global_batch``)."""
@@ -197,6 +213,15 @@ class StepResult:
     """Loss-bearing units per second since the previous step returned."""
     consumed_units: int
     """Loss-bearing units drawn so far, skipped windows included."""
+    valid_tokens_per_s: Optional[float] = None
+    """Non-padding tokens per second, all ranks (= ``units_per_s`` when ``StepConfig.loss_unit`` is
+    ``"token"``; None for a per-sample loss)."""
+    model_flops: Optional[float] = None
+    """Model FLOPs of this window, all ranks (forward + backward; None when no FLOPs were supplied)."""
+    model_flops_per_s: Optional[float] = None
+    """``model_flops`` over the seconds since the previous step returned."""
+    mfu: Optional[float] = None
+    """Model FLOPs utilization: ``model_flops_per_s / (dp_world_size × peak_flops_per_s)`` (needs both)."""
 
 
 class StepDriver:
@@ -325,6 +350,8 @@ class StepDriver:
         self._acc_units: Optional[torch.Tensor] = None  # float64 0-d, this rank's loss-bearing units
         self._acc_loss: Optional[torch.Tensor] = None  # float64 0-d, this rank's summed loss (non-finite if any term is)
         self._samples_local = 0  # host int
+        self._flops_local = 0.0  # host float: model FLOPs of this rank's micro-batches so far
+        self._flops_known = self.config.flops_per_sample is not None  # every micro-batch has a count
         self._units_host = 0  # host number: counts passed as Python numbers
         self._unscaled = False
         self._last_synced = False
@@ -363,7 +390,8 @@ class StepDriver:
         if self._t_last is None:
             self._t_last = time.perf_counter()
 
-    def backward(self, loss_sum: torch.Tensor, count: Any, *, samples: Optional[int] = None) -> None:
+    def backward(self, loss_sum: torch.Tensor, count: Any, *, samples: Optional[int] = None,
+                 flops: Optional[float] = None) -> None:
         """Back-propagate one micro-batch's **summed** loss.
 
         Args:
@@ -375,6 +403,9 @@ class StepDriver:
                 :func:`globalbatch.losses.causal_lm_loss_sum`. A device tensor avoids a
                 host-to-device copy.
             samples: samples (sequences) in this micro-batch; default ``config.micro_batch``.
+            flops: model FLOPs (forward + backward) of this micro-batch, a host number (e.g. from
+                :class:`globalbatch.flops.FlopsCounter`, cached per shape); default
+                ``config.flops_per_sample × samples``.
         """
         if loss_sum.dim() != 0:
             raise ValueError(f"loss_sum shape {tuple(loss_sum.shape)} is not allowed; allowed: a 0-d summed loss")
@@ -410,6 +441,16 @@ class StepDriver:
                 self._acc_units.add_(count_t)
         self.last_micro_samples = self.config.micro_batch if samples is None else int(samples)  # for callbacks
         self._samples_local += self.last_micro_samples
+        if flops is not None:
+            if isinstance(flops, bool) or not isinstance(flops, (int, float)) or not flops >= 0:
+                raise ValueError(f"flops {flops!r} is not allowed; allowed: a host number >= 0 (FLOPs of this micro-batch)")
+            self._flops_local += float(flops)
+            if self._micro_index == 0:
+                self._flops_known = True
+        elif self.config.flops_per_sample is not None:
+            self._flops_local += self.config.flops_per_sample * self.last_micro_samples
+        else:
+            self._flops_known = False  # a micro-batch without a count: no FLOPs for this window
         if self.scaler is not None:
             self.scaler.scale(loss_sum).backward()
         else:
@@ -459,10 +500,14 @@ class StepDriver:
         local_count = self._acc_units if self._acc_units is not None else torch.zeros((), dtype=torch.float64, device=device)
         if self._units_host:
             local_count = local_count + self._units_host  # host counts folded in once per window
+        # samples and FLOPs are host numbers: torch.full is a fill kernel, no copy from pageable memory
+        # (no sync). A rank without a FLOPs count sends -inf so the window's sum says "unknown" everywhere.
         samples_t = torch.full((), float(self._samples_local), dtype=torch.float64, device=device)
-        stats = torch.stack([local_count, self._acc_loss, samples_t])  # [units, loss sum, samples]
+        flops_t = torch.full((), self._flops_local if self._flops_known else -math.inf, dtype=torch.float64,
+                             device=device)
+        stats = torch.stack([local_count, self._acc_loss, samples_t, flops_t])  # [units, loss sum, samples, flops]
         if self.dp_world_size > 1:
-            dist.all_reduce(stats, group=self.dp_group)  # one collective for count, loss (= flag), samples
+            dist.all_reduce(stats, group=self.dp_group)  # one collective for count, loss (= flag), samples, flops
         global_count = stats[0]
 
         # DDP/FSDP2 averaged Σ∇loss_sum over ranks; × W / N gives ∇(global loss sum / N).
@@ -487,7 +532,7 @@ class StepDriver:
         grad_norm = self._clip(params)
         packed = torch.cat([stats, grad_norm.detach().reshape(1).to(device=stats.device, dtype=torch.float64)])
         # HOST SYNC (the only one per step): the skip decision needs these numbers.
-        units_f, loss_f, samples_f, norm_f = packed.tolist()
+        units_f, loss_f, samples_f, flops_f, norm_f = packed.tolist()
         units, samples = int(round(units_f)), int(round(samples_f))
         planned_batch = self.global_batch
         if samples > planned_batch:
@@ -522,6 +567,10 @@ class StepDriver:
         now = time.perf_counter()
         dt = now - self._t_last if self._t_last is not None else float("nan")
         self._t_last = now
+        ups = units / dt if dt > 0 else float("nan")
+        flops_window = flops_f if math.isfinite(flops_f) else None
+        flops_per_s = flops_window / dt if flops_window is not None and dt > 0 else None
+        peak = self.config.peak_flops_per_s
         result = StepResult(
             step=self.optimizer_steps,
             window=self.windows,
@@ -532,8 +581,12 @@ class StepDriver:
             grad_norm=norm_f,
             lr=lr_used,
             global_batch=planned_batch,
-            units_per_s=units / dt if dt > 0 else float("nan"),
+            units_per_s=ups,
             consumed_units=self.consumed_units,
+            valid_tokens_per_s=ups if self.config.loss_unit == "token" else None,
+            model_flops=flops_window,
+            model_flops_per_s=flops_per_s,
+            mfu=flops_per_s / (self.dp_world_size * peak) if flops_per_s is not None and peak else None,
         )
         for cb in self._cb_step:
             cb(self, result)
@@ -651,6 +704,7 @@ class StepDriver:
         loss_fn: Callable[[nn.Module, Any], tuple[torch.Tensor, Any]],
         *,
         samples_per_micro: Optional[Sequence[int]] = None,
+        flops_per_micro: Optional[Sequence[float]] = None,
     ) -> StepResult:
         """One whole window: ``loss_fn(model, micro)`` → ``(loss_sum, count)`` per micro-batch, then :meth:`step`."""
         n = len(micro_batches)
@@ -658,10 +712,13 @@ class StepDriver:
             raise ValueError("micro_batches is empty; allowed: at least one micro-batch per window")
         if samples_per_micro is not None and len(samples_per_micro) != n:
             raise ValueError(f"samples_per_micro has {len(samples_per_micro)} entries for {n} micro-batches")
+        if flops_per_micro is not None and len(flops_per_micro) != n:
+            raise ValueError(f"flops_per_micro has {len(flops_per_micro)} entries for {n} micro-batches")
         for i, micro in enumerate(micro_batches):
             with self.micro_step(last=i == n - 1):
                 loss_sum, count = loss_fn(self.model, micro)
-                self.backward(loss_sum, count, samples=None if samples_per_micro is None else samples_per_micro[i])
+                self.backward(loss_sum, count, samples=None if samples_per_micro is None else samples_per_micro[i],
+                              flops=None if flops_per_micro is None else flops_per_micro[i])
         return self.step()
 
     # ------------------------------------------------------------------ state

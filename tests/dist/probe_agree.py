@@ -129,6 +129,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from clean_exit import clean_exit
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    sys.exit(main())
+    rc = main()
+    if rc:
+        sys.exit(rc)
+    clean_exit()

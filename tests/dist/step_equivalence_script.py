@@ -114,10 +114,39 @@ def main(scratch: Path) -> None:
                 grad_tol=f64, param_tol=f64)
 
     check_no_sync_deferred()
+    check_flops()
     check_nan_skip()
     check_resume(scratch)
     check_fsdp2()
     dist.destroy_process_group()
+
+
+def check_flops() -> None:
+    """Model FLOPs are summed over ranks in the step's one all-reduce; a rank without a count makes it None."""
+    base = sc.build_model(dtype=torch.float32)
+    ours, opt = sc.clone_model_opt(base)
+    drv = StepDriver(DDP(ours), opt, StepConfig(micro_batch=2, global_batch=16, peak_flops_per_s=1e9))
+    seqs = sc.make_sequences(16, seed=13)
+    sizes = [[2, 2, 2, 1], [2, 2, 1]]  # uneven ranks: 7 and 5 samples
+    mine = split_for_rank(seqs, sizes)
+    per_micro = 100.0 if RANK == 0 else 1000.0
+    for i, m in enumerate(mine):
+        with drv.micro_step(last=i == len(mine) - 1):
+            loss_sum, count = sc.loss_fn(drv.model, sc.collate(m))
+            drv.backward(loss_sum, count, samples=len(m), flops=per_micro * len(m))
+    res = drv.step()
+    want = 100.0 * 7 + 1000.0 * 5
+    check(res.model_flops == want, f"flops: model_flops {res.model_flops} != {want}")
+    dt = res.global_units / res.units_per_s
+    check(abs(res.mfu - want / dt / (2 * 1e9)) <= 1e-9 * res.mfu, f"flops: mfu {res.mfu} (dp 2 × peak)")
+    check(res.valid_tokens_per_s == res.units_per_s, "flops: valid tokens/s")
+    for i, m in enumerate(mine):  # rank 1 gives no count for its micro-batches: unknown on both ranks
+        with drv.micro_step(last=i == len(mine) - 1):
+            loss_sum, count = sc.loss_fn(drv.model, sc.collate(m))
+            drv.backward(loss_sum, count, samples=len(m), flops=None if RANK == 1 else 5.0)
+    res = drv.step()
+    check(res.model_flops is None and res.mfu is None, f"flops: partial counts gave {res.model_flops}")
+    log("PASS ddp-flops")
 
 
 def check_no_sync_deferred() -> None:
@@ -247,8 +276,11 @@ def check_fsdp2() -> None:
 
 
 if __name__ == "__main__":
+    from clean_exit import clean_exit
+
     # every rank must see the same scratch directory (the test passes its tmp_path)
     default = Path(tempfile.gettempdir()) / f"step_equiv_{os.environ.get('TORCHELASTIC_RUN_ID', 'manual')}"
     scratch = Path(sys.argv[1]) if len(sys.argv) > 1 else default
     scratch.mkdir(parents=True, exist_ok=True)
     main(scratch)
+    clean_exit()  # every check passed: skip gloo's teardown (see clean_exit.py)

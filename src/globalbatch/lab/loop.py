@@ -76,6 +76,8 @@ class Experiment:
         device: ``cpu``, ``cuda``, ``cuda:N``, ``mps`` or a ``torch.device``.
         precision: ``fp32``, ``bf16`` or ``fp16``.
         ddp: wrap in DDP when a process group of > 1 ranks is initialized.
+        measure_flops: count the model's FLOPs at set-up (:mod:`globalbatch.lab.throughput`) and measure
+            the device peak, so every window's :class:`StepResult` has ``model_flops_per_s`` and ``mfu``.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class Experiment:
         device: Any = "cpu",
         precision: str = "fp32",
         ddp: bool = False,
+        measure_flops: bool = False,
     ) -> None:
         self.task = task
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
@@ -104,6 +107,15 @@ class Experiment:
         torch.manual_seed(seed)
         model = task.build_model(seed).to(self.device)
         model.train()
+        self.flops_of: Optional[Callable[[Any, int], float]] = None
+        self.peak = None
+        if measure_flops:  # counted on the plain model, before DDP, outside every timed window
+            from globalbatch.lab.throughput import task_flops, task_peak
+
+            with torch.random.fork_rng(devices=[]):  # the matmul peak draws random numbers: training must not see it
+                self.flops_of = task_flops(task, model, self.device)
+                self.peak = task_peak(self.device, self.precision.name)
+            model.zero_grad(set_to_none=True)
         if self.world > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
@@ -112,7 +124,9 @@ class Experiment:
         self.driver = StepDriver(
             model, self.optimizer,
             StepConfig(micro_batch=micro_batch, global_batch=None if batch_schedule is not None else batch,
-                       batch_schedule=batch_schedule, max_grad_norm=max_grad_norm, lr_schedule=lr_schedule),
+                       batch_schedule=batch_schedule, max_grad_norm=max_grad_norm, lr_schedule=lr_schedule,
+                       loss_unit="token" if getattr(task, "unit", "token") == "token" else "sample",
+                       peak_flops_per_s=None if self.peak is None else self.peak.flops_per_s),
             scaler=self.precision.grad_scaler(self.device),
             callbacks=list(callbacks(model, self.optimizer)) if callbacks is not None else (),
         )
@@ -142,7 +156,9 @@ class Experiment:
         drawn = [int(i) for i in itertools.islice(order, n)]
         micros = self.split(drawn)
         batches = [self.task.collate(ix, self.device) for ix in micros]
-        result = self.driver.run_window(batches, self.loss_fn, samples_per_micro=[len(ix) for ix in micros])
+        flops = None if self.flops_of is None else [self.flops_of(b, len(ix)) for b, ix in zip(batches, micros)]
+        result = self.driver.run_window(batches, self.loss_fn, samples_per_micro=[len(ix) for ix in micros],
+                                        flops_per_micro=flops)
         return Window(result=result, drawn=drawn)
 
     # ------------------------------------------------------------------ evaluation

@@ -118,7 +118,10 @@ class NoiseRunResult:
 def _row(step: int, res: Any, estimates: dict[str, NoiseScaleEstimate], keys: Sequence[str]) -> dict[str, Any]:
     row: dict[str, Any] = {"step": step, "units_seen": res.consumed_units, "lr": res.lr,
                            "loss": res.loss_per_unit, "batch_units": res.global_units,
-                           "batch_samples": res.global_samples}
+                           "batch_samples": res.global_samples,
+                           # this window's throughput (noise monitoring included); nan when not known
+                           "valid_tokens_per_s": math.nan if res.valid_tokens_per_s is None else res.valid_tokens_per_s,
+                           "mfu": math.nan if res.mfu is None else res.mfu}
     for key in keys:
         e = estimates.get(key)
         name = key.replace("/", "_")
@@ -185,7 +188,7 @@ def measure_noise(config: NoiseRunConfig, *, out_dir: str | None = None, tensorb
         noise_config = NoiseConfig(half_life_windows=config.half_life_windows, adam=config.adam_variant)
         exp = Experiment(task, batch=config.micro_batch * config.grad_accum_steps * world, micro_batch=config.micro_batch,
                          optimizer=config.optimizer, lr=config.lr, seed=config.seed, device=device,
-                         precision=config.precision, ddp=world > 1,
+                         precision=config.precision, ddp=world > 1, measure_flops=True,
                          callbacks=lambda model, opt: [NoiseScaleMonitor(model, optimizer=opt, unit=task.unit,
                                                                          config=noise_config)])
         monitor = exp.driver.callbacks[0]

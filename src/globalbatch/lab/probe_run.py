@@ -4,7 +4,7 @@ built on the requested device and precision, with the optimizer registry's AdamW
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -70,8 +70,52 @@ def probe_task(
 
     unit = getattr(task, "unit", None)
     count_tokens = (lambda batch: None) if unit == "sample" else task.tokens_in
+    predicted, predicted_note = None, ""
+    if memory_limit_bytes is not None:  # predict before running: the memory model, fwd+bwd at 8 and 16
+        from globalbatch.memory import MemoryConfig, largest_micro_batch
+        from globalbatch.probe.activations import measure_activations
+
+        acts = measure_activations(model, make_batch, loss_fn)
+        n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        predicted = min(largest_micro_batch(MemoryConfig(params=n, optimizer="adamw", precision="fp32"), acts,
+                                            memory_limit_bytes), cap)
+        predicted_note = (f"memory model: {n:,} params × 16 B (fp32 weights, AdamW) + activations "
+                          f"{acts.bytes_per_sample / 2**20:,.3f} MiB/sample ({acts.source})")
     result = probe(model, make_batch, loss_fn, global_batch=global_batch, dp_world_size=dp_world_size,
                    memory_limit_bytes=memory_limit_bytes, max_micro_batch=max_micro_batch,
-                   steps_per_trial=steps_per_trial, tolerance=tolerance, count_tokens=count_tokens)
-    return dataclasses.replace(result, unit=unit)
+                   steps_per_trial=steps_per_trial, tolerance=tolerance, count_tokens=count_tokens,
+                   count_step=_task_step_counter(task, model, unit))
+    peak = _peak_or_none(torch_device, precision)
+    return dataclasses.replace(result, unit=unit, predicted_micro_batch=predicted, predicted_note=predicted_note,
+                               peak_flops_per_s=None if peak is None else peak.flops_per_s,
+                               peak_flops_source="" if peak is None else peak.source)
+
+
+def _task_step_counter(task: Any, model: nn.Module,
+                       unit: Optional[str]) -> Callable[[Any], tuple[Optional[float], Optional[int]]]:
+    """``batch -> (FLOPs, valid tokens)`` in one counted forward + backward; valid tokens are the loss count."""
+    from globalbatch.flops import count_flops
+
+    def count(batch: Any) -> tuple[Optional[float], Optional[int]]:
+        seen: list[int] = []
+
+        def loss(m: nn.Module, b: Any) -> torch.Tensor:
+            loss_sum, n = task.loss_sum(m, b)
+            seen.append(int(n))  # host read: once per trial, outside the timed steps
+            return loss_sum
+
+        flops = float(count_flops(model, batch, loss))
+        return flops, (seen[-1] if seen and unit != "sample" else None)
+
+    return count
+
+
+def _peak_or_none(device: torch.device, precision: str) -> Any:
+    """The device's peak FLOP/s for the precision (measured matmul on CPU, the table on CUDA); None if unknown."""
+    from globalbatch.flops import peak_flops_per_s
+
+    try:
+        return peak_flops_per_s(device=str(device), dtype=precision)
+    except ValueError:
+        return None
 

@@ -274,9 +274,11 @@ def _point_rows(data: SweepData, analysis: Analysis) -> list[list[str]]:
     for p in t.points:
         mark = "◀ recommended" if rec is not None and rec.batch_size == p.batch_size else ""
         rows.append([batch_label(data, p.batch_size), f"{p.lr:g}", f"{p.steps:,.1f}", f"{p.examples:,.0f}",
-                     _fmt(p.examples_per_s), _fmt(_in_trial(data, p.batch_size)), _fmt(p.time_s, ",.1f"), mark])
+                     _fmt(p.examples_per_s), _pct(data.mfu_at(p.batch_size)), _fmt(_in_trial(data, p.batch_size)),
+                     _fmt(p.time_s, ",.1f"), mark])
     for u in t.unreached:
-        rows.append([batch_label(data, u), "–", "not reached", "–", "–", _fmt(_in_trial(data, u)), "–", ""])
+        rows.append([batch_label(data, u), "–", "not reached", "–", "–", _pct(data.mfu_at(u)),
+                     _fmt(_in_trial(data, u)), "–", ""])
     return rows
 
 
@@ -288,8 +290,14 @@ def _in_trial(data: SweepData, units: float) -> Optional[float]:
     return data.in_trial_units_per_s(min(pairs, key=lambda kv: abs(kv[1] - units))[0])
 
 
-POINT_HEADER = ["batch", "best lr", "steps", "units to target", "units/s", "in-trial units/s",
+def _pct(x: Optional[float]) -> str:
+    return "–" if x is None else f"{x:.1%}"
+
+
+POINT_HEADER = ["batch", "best lr", "steps", "units to target", "units/s", "MFU", "in-trial units/s",
                 "time to target (s)", ""]
+"""units/s: loss-bearing units, i.e. valid (non-padding) tokens/s for a token task; MFU: the timing pass's
+model FLOP/s over the device peak (``–`` without a timing pass)."""
 
 
 def _trial_rows(data: SweepData) -> list[list[str]]:

@@ -44,6 +44,8 @@ class MemoryModel:
     """Activation (and batch) bytes added per sample."""
     sizes: tuple[int, ...]
     """The micro-batch sizes the line was fitted on."""
+    max_residual_bytes: float = 0.0
+    """Largest distance of a fitted peak from the line (0 for two points, or for exactly linear peaks)."""
 
     def peak_bytes(self, micro_batch: int) -> float:
         return self.intercept_bytes + self.bytes_per_sample * micro_batch
@@ -52,8 +54,12 @@ class MemoryModel:
         """The largest size the line puts at or under ``budget_bytes`` (None if the slope is not positive)."""
         if not self.bytes_per_sample > 0 or not math.isfinite(self.bytes_per_sample):
             return None
-        # + 1e-6: a boundary that lands exactly on an integer must not round down through lstsq's rounding error.
-        return math.floor((budget_bytes - self.intercept_bytes) / self.bytes_per_sample + 1e-6)
+        # Peaks are whole bytes: a boundary at exactly the budget must not round down through the fit's
+        # rounding error, and a budget one byte below a boundary must not round up. Half a byte of slack
+        # (less for a slope under one byte per sample) does both; a slack in samples (the old + 1e-6)
+        # swallowed budgets up to b·1e-6 bytes below a boundary (30 bytes at 30 MiB/sample).
+        slack_bytes = min(0.5, 0.5 * self.bytes_per_sample)
+        return math.floor((budget_bytes - self.intercept_bytes + slack_bytes) / self.bytes_per_sample)
 
 
 def fit_memory_model(trials: Iterable[TrialResult], *, max_points: int = 3) -> Optional[MemoryModel]:
@@ -73,9 +79,15 @@ def fit_memory_model(trials: Iterable[TrialResult], *, max_points: int = 3) -> O
     sizes = sorted(points)[-max_points:]
     x = np.asarray(sizes, dtype=np.float64)
     y = np.asarray([points[s] for s in sizes], dtype=np.float64)
-    design = np.stack([np.ones_like(x), x], axis=1)
-    (intercept, slope), *_ = np.linalg.lstsq(design, y, rcond=None)
-    return MemoryModel(intercept_bytes=float(intercept), bytes_per_sample=float(slope), sizes=tuple(sizes))
+    # Centred on the mean size and peak: a well-conditioned fit, so exact peaks give the line to well
+    # under a byte (the half-byte slack of ``largest_fitting`` needs that).
+    x0, y0 = float(x.mean()), float(y.mean())
+    design = np.stack([np.ones_like(x), x - x0], axis=1)
+    (offset, slope), *_ = np.linalg.lstsq(design, y - y0, rcond=None)
+    intercept = y0 + offset - slope * x0
+    residual = float(np.max(np.abs(y - (intercept + slope * x))))
+    return MemoryModel(intercept_bytes=float(intercept), bytes_per_sample=float(slope), sizes=tuple(sizes),
+                       max_residual_bytes=residual)
 
 
 

@@ -14,20 +14,29 @@ def probe_table(result: ProbeResult, title: str = "probe") -> Any:
 
     use_tokens = result.unit != "sample" and all(
         t.tokens_per_step is not None for t in result.trials if t.fits and t.step_time_s)
+    show_valid = any(t.valid_tokens_per_s() is not None for t in result.trials)
+    show_mfu = result.peak_flops_per_s is not None and any(t.model_flops_per_s() is not None for t in result.trials)
     table = Table(title=title)
-    for name in ("micro_batch", "fits", "peak memory", "step time", "tokens/s" if use_tokens else "samples/s",
-                 "trial #", "note"):
+    columns = ["micro_batch", "fits", "peak memory", "step time", "tokens/s" if use_tokens else "samples/s"]
+    columns += ["valid tok/s"] if show_valid else []
+    columns += ["MFU"] if show_mfu else []
+    for name in columns + ["trial #", "note"]:
         table.add_column(name, justify="right" if name not in ("fits", "note") else "left")
     order = {id(t): i + 1 for i, t in enumerate(result.trials)}
     for t in result.by_size():
         rate = t.tokens_per_s() if use_tokens else t.samples_per_s()
         marks = [m for m, size in (("largest", result.largest_fit), ("fastest", result.fastest))
                  if size == t.micro_batch]
-        table.add_row(
-            str(t.micro_batch), "yes" if t.fits else "no", format_bytes(t.peak_memory_bytes),
-            "-" if t.step_time_s is None else f"{t.step_time_s * 1e3:,.1f} ms",
-            "-" if rate is None else f"{rate:,.0f}", str(order[id(t)]),
-            ", ".join(marks) if marks else t.note)
+        cells = [str(t.micro_batch), "yes" if t.fits else "no", format_bytes(t.peak_memory_bytes),
+                 "-" if t.step_time_s is None else f"{t.step_time_s * 1e3:,.1f} ms",
+                 "-" if rate is None else f"{rate:,.0f}"]
+        if show_valid:
+            valid = t.valid_tokens_per_s()
+            cells.append("-" if valid is None else f"{valid:,.0f}")
+        if show_mfu:
+            share = t.mfu(result.peak_flops_per_s)
+            cells.append("-" if share is None else f"{share:.1%}")
+        table.add_row(*cells, str(order[id(t)]), ", ".join(marks) if marks else t.note)
     return table
 
 

@@ -81,13 +81,15 @@ class TrainStepRunner:
                  loss_fn: Callable[[nn.Module, Any], torch.Tensor], *,
                  optimizer_factory: Optional[Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = None,
                  count_tokens: Optional[Callable[[Any], Optional[int]]] = None,
-                 config: Optional[TrialConfig] = None) -> None:
+                 config: Optional[TrialConfig] = None,
+                 count_step: Optional[Callable[[Any], tuple[Optional[float], Optional[int]]]] = None) -> None:
         self.model = model
         self.make_batch = make_batch
         self.loss_fn = loss_fn
         self.optimizer_factory = optimizer_factory or _default_optimizer
         self.count_tokens = count_tokens or _default_count_tokens
         self.config = config or TrialConfig()
+        self.count_step = count_step  # batch -> (model FLOPs, valid tokens): run after the timed steps
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
 
@@ -169,9 +171,12 @@ class TrainStepRunner:
                     start = time.perf_counter()
                     self._step(batch, optimizer)
                     step_times_s.append(time.perf_counter() - start)
+            flops, valid = (None, None)
+            if self.count_step is not None:  # after the peak and the timing: it runs one more forward + backward
+                flops, valid = self.count_step(batch)
             return TrialResult(micro_batch=micro_batch, peak_memory_bytes=peak,
                                step_time_s=float(np.median(step_times_s)), tokens_per_step=tokens,
-                               capacity_bytes=capacity)
+                               capacity_bytes=capacity, model_flops_per_step=flops, valid_tokens_per_step=valid)
         finally:
             optimizer.state.clear()
             del optimizer
@@ -211,6 +216,7 @@ def probe(
     count_tokens: Optional[Callable[[Any], Optional[int]]] = None,
     cpu_memory: str = "tensors",
     use_memory_model: bool = True,
+    count_step: Optional[Callable[[Any], tuple[Optional[float], Optional[int]]]] = None,
 ) -> ProbeResult:
     """Probe ``model`` on its current device; leave its weights, RNG and memory as they were.
 
@@ -231,9 +237,11 @@ def probe(
         count_tokens: ``batch -> tokens``; default ``batch["input_ids"].numel()`` when present.
         cpu_memory: ``"tensors"`` or ``"rss"`` (see :mod:`globalbatch.probe`).
         use_memory_model: cut the search with the fitted memory line.
+        count_step: ``batch -> (model FLOPs of one forward + backward, valid tokens)``, run once per
+            fitting trial after its timed steps (for MFU and valid tokens/s); None: not counted.
     """
     runner = TrainStepRunner(
-        model, make_batch, loss_fn, optimizer_factory=optimizer_factory, count_tokens=count_tokens,
+        model, make_batch, loss_fn, optimizer_factory=optimizer_factory, count_tokens=count_tokens, count_step=count_step,
         config=TrialConfig(steps_per_trial=steps_per_trial, warmup_steps=warmup_steps,
                            memory_limit_bytes=memory_limit_bytes, cpu_memory=cpu_memory))
     with _restored(model):

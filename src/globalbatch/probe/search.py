@@ -168,6 +168,16 @@ class ProbeResult:
     """For a given global batch: one choice per role (empty when no global batch was given)."""
     unit: Optional[str] = None
     """The task's loss unit, ``"token"`` or ``"sample"`` (None when unknown: plain :func:`probe`)."""
+    conflicts: tuple[str, ...] = ()
+    """Trials that contradict monotone memory (a size failed although a larger one fit: an intermittent
+    out of memory, e.g. fragmentation), each with the decision taken; empty when memory was monotone."""
+    predicted_micro_batch: Optional[int] = None
+    """The memory model's prediction of ``largest_fit`` (``globalbatch.memory``), when one was made."""
+    predicted_note: str = ""
+    """How ``predicted_micro_batch`` was made (which trials, which model)."""
+    peak_flops_per_s: Optional[float] = None
+    """Peak FLOP/s of one device for the trials' MFU (``globalbatch.flops.peak_flops_per_s``); None: unknown."""
+    peak_flops_source: str = ""
 
     @property
     def num_trials(self) -> int:
@@ -190,8 +200,13 @@ class ProbeResult:
             "num_trials": self.num_trials,
             "prediction_misses": self.prediction_misses,
             "unit": self.unit,
+            "conflicts": list(self.conflicts),
+            "predicted_micro_batch": self.predicted_micro_batch,
+            "predicted_note": self.predicted_note,
+            "peak_flops_per_s": self.peak_flops_per_s,
+            "peak_flops_source": self.peak_flops_source,
             "memory_model": None if self.memory_model is None else dataclasses.asdict(self.memory_model),
-            "trials": [t.to_dict() for t in self.trials],
+            "trials": [dict(t.to_dict(), mfu=t.mfu(self.peak_flops_per_s)) for t in self.trials],
             "choices": [
                 {"role": c.role, "micro_batch": c.micro_batch, "geometry": geo(c.geometry), "error": c.error,
                  "suggested_micro_batch": c.suggested_micro_batch,
@@ -233,6 +248,8 @@ class _Search:
         self.hi = config.max_micro_batch + 1  # smallest size known not to fit (virtual until observed)
         self.hi_observed = False
         self.misses = 0
+        self.missed: set[int] = set()  # sizes already counted as a wrong prediction: one miss each
+        self.conflicts: list[str] = []
         self.model: Optional[MemoryModel] = None
         self.confirm: Optional[int] = None  # after a predicted p fit: p + 1 must run next (expected to fail)
         self.next_growth = config.start_micro_batch  # the next doubling; predicted trials never move it
@@ -269,14 +286,32 @@ class _Search:
         result = _agree(result, size, _OOM if result.oom else _FITS)
         self.trials.append(result)
         self.by_size[size] = result
-        if result.fits:
+        if result.fits and size >= self.hi and self.hi_observed:
+            # A size fit above one that failed: the failure stands (it will fail in training too).
+            self._conflict(f"micro_batch {size} fit although {self.hi} ran out of memory earlier; "
+                           f"kept {self.hi} as the smallest failure")
+        elif result.fits:
             self.lo = max(self.lo, size)
+        elif size <= self.lo:
+            # A size failed although an equal or larger one fit: an intermittent out of memory.
+            # Decision: trust the failure (training would hit it too): the largest fit becomes the
+            # largest measured fit below this size, and the search resumes above that.
+            below = [s for s, t in self.by_size.items() if t.fits and s < size]
+            new_lo = max(below, default=0)
+            self._conflict(f"micro_batch {size} ran out of memory ({result.note}) although micro_batch "
+                           f"{self.lo} fit earlier (intermittent: fragmentation?); decided: largest fit "
+                           f"lowered to {new_lo}, the largest measured fit below {size}")
+            self.lo, self.hi, self.hi_observed = new_lo, size, True
         else:
             self.hi = min(self.hi, size)
             self.hi_observed = True
         self.model = fit_memory_model(self.trials) if self.config.use_memory_model else None
         _log_trial(result)
         return result
+
+    def _conflict(self, text: str) -> None:
+        self.conflicts.append(text)
+        log.warning("probe: %s", text)
 
     # -- choosing the next size -----------------------------------------------------
 
@@ -289,6 +324,11 @@ class _Search:
     def prediction(self, upper: int) -> Optional[tuple[int, bool]]:
         """(candidate, expected to fit) from the memory line, if it lands in [lo, upper)."""
         if self.model is None or self.misses >= self.config.max_prediction_misses or self.lo < 1:
+            return None
+        if len(self.model.sizes) < 3 or not self.model.max_residual_bytes <= 0.5 * self.model.bytes_per_sample:
+            # Two points always lie on a line; three that do not lie on one to within half a sample (a
+            # staircase of allocator blocks, noise) make a prediction that misses as often as it hits:
+            # bisect instead.
             return None
         budget = self.budget_bytes()
         if budget is None:
@@ -307,6 +347,8 @@ class _Search:
         if confirm is not None and self.lo < confirm < self.hi:
             return confirm, False  # a prediction is a pair (p, p + 1); no re-predicting in between
         if not self.hi_observed:  # growing
+            while self.next_growth <= self.lo:  # a predicted size fit at or past the pending doubling
+                self.next_growth *= 2
             grow = min(self.next_growth, self.hi - 1)
             predicted = self.prediction(grow)
             return predicted if predicted else (grow, None)
@@ -316,13 +358,17 @@ class _Search:
         if self.model is not None and self.budget_bytes() is not None and self.lo >= 1 \
                 and self.misses < self.config.max_prediction_misses:
             p = self.model.largest_fitting(self.budget_bytes())
-            if p is not None and p >= self.hi:
-                self.misses += 1  # the line says hi fits, but hi failed: the line is wrong here
+            if p is not None and p >= self.hi and self.hi not in self.missed:
+                self.misses += 1  # the line says hi fits, but hi failed: the line is wrong here (once per size)
+                self.missed.add(self.hi)
         return (self.lo + self.hi) // 2, None
 
     def search(self) -> None:
         while self.hi - self.lo > 1:
             size, expect_fit = self.next_size()
+            if size in self.by_size:  # never re-run a measured size: a repeat can only add an intermittent OOM
+                raise RuntimeError(f"probe: internal error: micro_batch {size} was chosen twice "
+                                   f"(lo {self.lo}, hi {self.hi})")
             result = self.run(size)
             if expect_fit and result.fits:
                 self.confirm = size + 1
@@ -330,6 +376,7 @@ class _Search:
                 self.next_growth = 2 * size  # a growth step fit: keep doubling
             if expect_fit is not None and result.fits != expect_fit:
                 self.misses += 1
+                self.missed.add(size)
                 log.info("probe: memory line predicted micro_batch %d would %s; it did not (miss %d)",
                          size, "fit" if expect_fit else "fail", self.misses)
 
@@ -339,7 +386,8 @@ class _Search:
         """One choice per role; may run one more trial to verify a suggested divisor."""
         per_rank = global_batch // dp_world_size
         # Largest: the largest divisor of global ÷ dp at or below the largest fit, verified by a run.
-        largest = self._choice("largest", self.lo, global_batch, dp_world_size, self._largest_divisor(per_rank))
+        divisor = self._largest_divisor(per_rank)  # first: a verification that fails may lower lo
+        largest = self._choice("largest", self.lo, global_batch, dp_world_size, divisor)
         fastest = choose_fastest(self.trials, self.config.tolerance)
         if fastest is None:
             return (largest,)
@@ -435,14 +483,17 @@ def probe_micro_batch(
     if search.lo == 0:
         first = search.by_size.get(1) or search.trials[-1]
         raise NothingFits(f"probe: micro_batch 1 does not fit ({first.note}); nothing to train with", first)
-    largest_fit = search.lo
-    limited_by = "max_micro_batch" if largest_fit == config.max_micro_batch else "memory"
     choices: tuple[GlobalBatchChoice, ...] = ()
     if global_batch is not None:
         choices = search.choices(global_batch, dp_world_size)  # may run a verification trial
+    largest_fit = search.lo  # after the choices: a verification trial that failed may have lowered it
+    if largest_fit == 0:
+        raise NothingFits("probe: every size that fit later ran out of memory; nothing to train with",
+                          search.trials[-1])
+    limited_by = "max_micro_batch" if largest_fit == config.max_micro_batch else "memory"
     fastest = choose_fastest(search.trials, config.tolerance)
     return ProbeResult(
         trials=tuple(search.trials), largest_fit=largest_fit, limited_by=limited_by, fastest=fastest,
         tolerance=config.tolerance, memory_limit_bytes=memory_limit_bytes, memory_model=search.model,
-        prediction_misses=search.misses, choices=choices)
+        prediction_misses=search.misses, choices=choices, conflicts=tuple(search.conflicts))
 

@@ -80,6 +80,10 @@ class TrialResult:
     """Tokens (padding included) per micro-batch on this rank; None when the batch has no token count."""
     capacity_bytes: Optional[int] = None
     """Bytes the device could hold for this process (CUDA: free + reserved by torch); None if unknown."""
+    model_flops_per_step: Optional[float] = None
+    """Model FLOPs of one forward + backward of this micro-batch (FlopCounterMode); None if not counted."""
+    valid_tokens_per_step: Optional[int] = None
+    """Non-padding (loss-bearing) tokens per micro-batch; None for a sample task or when not counted."""
     note: str = ""
     """Why a trial failed (one line), or extra detail."""
 
@@ -104,10 +108,30 @@ class TrialResult:
             return None
         return self.tokens_per_step / self.step_time_s
 
+    def valid_tokens_per_s(self) -> Optional[float]:
+        """Non-padding tokens per second on this rank (None without a timing or a count)."""
+        if self.oom or not self.step_time_s or self.valid_tokens_per_step is None:
+            return None
+        return self.valid_tokens_per_step / self.step_time_s
+
+    def model_flops_per_s(self) -> Optional[float]:
+        """Model FLOP/s on this rank: forward + backward FLOPs over the median step (the optimizer step
+        is not a model FLOP); None without a timing or a count."""
+        if self.oom or not self.step_time_s or self.model_flops_per_step is None:
+            return None
+        return self.model_flops_per_step / self.step_time_s
+
+    def mfu(self, peak_flops_per_s: Optional[float]) -> Optional[float]:
+        """Model FLOPs utilization of one device against ``peak_flops_per_s`` (None if either is unknown)."""
+        rate = self.model_flops_per_s()
+        return None if rate is None or not peak_flops_per_s else rate / peak_flops_per_s
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["samples_per_s"] = self.samples_per_s()
         out["tokens_per_s"] = self.tokens_per_s()
+        out["valid_tokens_per_s"] = self.valid_tokens_per_s()
+        out["model_flops_per_s"] = self.model_flops_per_s()
         return out
 
 
@@ -149,10 +173,11 @@ def _agree(result: Optional[TrialResult], micro_batch: int, flag: float) -> Tria
     """All ranks agree on the trial: MAX of the flag, peak, step time, tokens; MIN of capacity."""
     r = result or TrialResult(micro_batch=micro_batch, oom=flag != _FITS)
     local = [flag, _encode(r.peak_memory_bytes), _encode(r.step_time_s), _encode(r.tokens_per_step),
-             _encode(None if r.capacity_bytes is None else -r.capacity_bytes)]
+             _encode(None if r.capacity_bytes is None else -r.capacity_bytes), _encode(r.model_flops_per_step),
+             _encode(r.valid_tokens_per_step)]
     if not _dist_ready():
         return r
-    agreed_flag, peak, step, tokens, neg_cap = _all_reduce_max(local)
+    agreed_flag, peak, step, tokens, neg_cap, flops, valid = _all_reduce_max(local)
     if agreed_flag == _FAILED and flag != _FAILED:
         raise RuntimeError(f"probe: another rank failed at micro_batch {micro_batch} (see its log)")
     note = r.note if flag == agreed_flag else "another rank ran out of memory"
@@ -164,6 +189,8 @@ def _agree(result: Optional[TrialResult], micro_batch: int, flag: float) -> Tria
         step_time_s=None if agreed_flag != _FITS else _decode(step),
         tokens_per_step=None if _decode(tokens) is None else int(tokens),
         capacity_bytes=None if cap is None else int(-cap),
+        model_flops_per_step=_decode(flops),
+        valid_tokens_per_step=None if _decode(valid) is None else int(valid),
         note=note,
     )
 

@@ -44,6 +44,13 @@ class SweepData:
             return float(t["units_per_s"])
         return self.in_trial_units_per_s(batch)
 
+    def mfu_at(self, units: float) -> Optional[float]:
+        """The timing pass's MFU of the batch whose mean units per step is ``units`` (None when not recorded)."""
+        b = self._batch_of(units)
+        t = self.timing.get(int(b)) if b is not None else None
+        value = t.get("mfu") if t is not None else None
+        return float(value) if value is not None and math.isfinite(value) else None
+
     def in_trial_units_per_s(self, batch: int) -> Optional[float]:
         """Median over the batch's trials of their in-trial units/s (measured while trials shared the cores)."""
         import statistics

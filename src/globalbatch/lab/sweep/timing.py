@@ -35,6 +35,9 @@ def run_timing_pass(config: SweepConfig, out_dir: str | os.PathLike, summaries: 
     its finished trials), a fresh model on the sweep's device and precision, ``warmup``
     untimed steps, then ``steps`` timed steps on the sweep's data order; units/s = timed
     units ÷ timed seconds (each step ends in the driver's host sync, so GPU time is inside).
+    Units are loss-bearing, so for a token task units/s is the valid (non-padding) tokens/s. The
+    model FLOPs of the timed windows (counted at set-up, :mod:`globalbatch.lab.throughput`) over the
+    timed seconds and the device peak (a matmul measured on the same threads) give ``mfu``.
     """
     import torch
 
@@ -64,9 +67,10 @@ def run_timing_pass(config: SweepConfig, out_dir: str | os.PathLike, summaries: 
         for b, lr in todo:
             exp = Experiment(task, batch=b, micro_batch=config.micro_batch_for(b), optimizer=config.optimizer, lr=lr,
                              weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm, seed=config.seed,
-                             device=config.device, precision=config.precision)
+                             device=config.device, precision=config.precision, measure_flops=True)
             order = task.sample_order(config.seed)
             units = secs = 0.0
+            flops: float | None = 0.0
             rates = []
             for i in range(warmup + steps):
                 t0 = time.perf_counter()
@@ -75,11 +79,18 @@ def run_timing_pass(config: SweepConfig, out_dir: str | os.PathLike, summaries: 
                 if i >= warmup:
                     units += res.global_units
                     secs += dt
+                    flops = None if flops is None or res.model_flops is None else flops + res.model_flops
                     rates.append(res.global_units / dt if dt > 0 else math.nan)
             rec = {"batch": b, "lr": lr, "threads": torch.get_num_threads(), "warmup_steps": warmup, "steps": steps,
                    "units": units, "seconds": secs, "units_per_s": units / secs if secs > 0 else math.nan,
                    "step_units_per_s": rates, "unit": task.unit, "device": str(exp.device),
                    "precision": config.precision, "host": platform.node(), "recorded_at": time.time()}
+            peak = exp.peak.flops_per_s if exp.peak is not None else None
+            flops_per_s = flops / secs if flops is not None and secs > 0 else None
+            rec.update({"valid_tokens_per_s": rec["units_per_s"] if task.unit == "token" else None,
+                        "model_flops_per_s": flops_per_s, "peak_flops_per_s": peak,
+                        "peak_flops_source": exp.peak.source if exp.peak is not None else None,
+                        "mfu": flops_per_s / peak if flops_per_s is not None and peak else None})
             atomic_write_json(timing_path(out, b), rec)
             append_event(out, event="timed", batch=b)
             result[b] = rec

@@ -1,0 +1,176 @@
+"""Tests of globalbatch.memory (the memory model), its measured activations, and ``plan --memory``."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from globalbatch.cli import main
+from globalbatch.memory import (
+    Activations,
+    MemoryConfig,
+    activations_from_points,
+    breakdown,
+    largest_micro_batch,
+    static_bytes,
+)
+
+GB = 1e9
+
+
+@pytest.mark.parametrize("sharding, expected_gb", [
+    ("none", 120.0), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.9), ("fsdp", 1.9)])
+def test_zero_paper_figure_1(sharding, expected_gb):
+    """ZeRO Figure 1: Ψ = 7.5B, N_d = 64, mixed precision Adam (K = 12): 120, 31.4, 16.6, 1.9 GB."""
+    cfg = MemoryConfig(params=7_500_000_000, optimizer="adamw", precision="bf16-mixed", sharding=sharding,
+                       dp_world_size=64)
+    total = sum(static_bytes(cfg).values())
+    assert total / GB == pytest.approx(expected_gb, abs=0.05)
+
+
+@pytest.mark.parametrize("optimizer, per_param", [("sgd-plain", 8), ("sgd-momentum", 12), ("sgd", 12), ("lars", 12),
+                                                  ("adamw", 16), ("lamb", 16)])
+def test_fp32_bytes_per_param(optimizer, per_param):
+    cfg = MemoryConfig(params=1000, optimizer=optimizer)
+    parts = static_bytes(cfg)
+    assert sum(parts.values()) == per_param * 1000
+    assert parts["master_weights_bytes"] == 0  # fp32: no master copy
+
+
+def test_adafactor_factored_state_from_shapes():
+    shapes = ((64, 32), (32,), (4, 8, 16))  # matrix: 64 + 32; vector: 32; batched: 4 × (8 + 16)
+    cfg = MemoryConfig(params=64 * 32 + 32 + 4 * 8 * 16, optimizer="adafactor", param_shapes=shapes)
+    assert static_bytes(cfg)["optimizer_states_bytes"] == 4 * (96 + 32 + 4 * 24)
+    no_shapes = MemoryConfig(params=100, optimizer="adafactor")
+    assert static_bytes(no_shapes)["optimizer_states_bytes"] == 0
+    assert "needs the shapes" in breakdown(no_shapes, Activations(bytes_per_sample=1.0), 1).note
+
+
+def test_largest_micro_batch_exact_at_every_boundary():
+    cfg = MemoryConfig(params=1_000_000, optimizer="adamw")  # 16 MB static
+    acts = Activations(bytes_per_sample=3_000_000, workspace_bytes=500_000)
+    for t in (1, 2, 7, 100, 1000):
+        at = 16_000_000 + 500_000 + 3_000_000 * t
+        assert largest_micro_batch(cfg, acts, at) == t
+        assert largest_micro_batch(cfg, acts, at - 1) == t - 1
+        assert largest_micro_batch(cfg, acts, at + 2_999_999) == t
+        assert breakdown(cfg, acts, t).total_bytes == at
+    assert largest_micro_batch(cfg, acts, 16_000_000) == 0  # static alone fills it
+
+
+def test_checkpointing_divides_activations_and_sharding_divides_states():
+    acts = Activations(bytes_per_sample=8e6)
+    plain = MemoryConfig(params=10_000_000, dp_world_size=8)
+    ckpt = MemoryConfig(params=10_000_000, dp_world_size=8, checkpoint_divisor=4)
+    z2 = MemoryConfig(params=10_000_000, dp_world_size=8, sharding="zero2")
+    budget = 1e9
+    assert largest_micro_batch(plain, acts, budget) == math.floor((budget - 160e6) / 8e6)
+    assert largest_micro_batch(ckpt, acts, budget) == math.floor((budget - 160e6) / 2e6)
+    assert largest_micro_batch(z2, acts, budget) == math.floor((budget - 40e6 - (40e6 + 80e6) / 8) / 8e6)  # weights whole; grads, states ÷ 8
+
+
+def test_activations_from_points_recover_a_known_line():
+    a, b, formula = 12_345_678.0, 4_736_000.0, 10_000_000.0
+    acts = activations_from_points([(8, a + 8 * b), (16, a + 16 * b)], formula_static_bytes=formula)
+    assert acts.bytes_per_sample == pytest.approx(b, rel=1e-12)
+    assert acts.workspace_bytes == pytest.approx(a - formula, rel=1e-9)
+    three = activations_from_points([(4, a + 4 * b + 10), (8, a + 8 * b - 20), (16, a + 16 * b + 10)])
+    assert three.bytes_per_sample == pytest.approx(b, rel=1e-5)
+    with pytest.raises(ValueError, match="at least two different micro-batch sizes"):
+        activations_from_points([(8, 1.0), (8, 2.0)])
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"params": 0}, "params 0 is not allowed"), ({"optimizer": "adam"}, "optimizer 'adam' is not allowed"),
+    ({"precision": "fp8"}, "precision 'fp8'"), ({"sharding": "zero4"}, "sharding 'zero4'"),
+    ({"dp_world_size": 0}, "dp_world_size 0"), ({"checkpoint_divisor": 0.5}, "checkpoint_divisor 0.5")])
+def test_bad_config_names_the_field(kw, match):
+    with pytest.raises(ValueError, match=match):
+        MemoryConfig(**{"params": 10, **kw})
+
+
+def test_measured_prediction_matches_the_probe_on_tiny_tinygpt():
+    """The model's prediction (formula + fwd/bwd activations at 8, 16) against the probe's measured largest."""
+    from globalbatch.lab.probe_run import probe_task
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = probe_task("tinygpt", memory_limit_bytes=48 * 2**20, steps_per_trial=1, device="cpu",
+                            task_overrides={"n_layer": 1, "d_model": 32, "n_head": 2, "seq_len": 32})
+    finally:
+        torch.set_num_threads(threads)
+    assert result.predicted_micro_batch is not None
+    assert abs(result.predicted_micro_batch - result.largest_fit) <= 0.1 * result.largest_fit
+    assert "16 B (fp32 weights, AdamW)" in result.predicted_note
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+class _Res:
+    def __init__(self, exit_code, stdout, stderr):
+        self.exit_code, self.stdout, self.stderr = exit_code, stdout, stderr
+        self.output = stdout + stderr
+
+
+def _run(capsys, args):
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    out = capsys.readouterr()
+    return _Res(exc.value.code, out.out, out.err)
+
+
+def test_plan_memory_json_matches_the_closed_form(capsys):
+    res = _run(capsys, ["plan", "--memory", "80GiB", "--params", "7B", "--activation-bytes-per-sample", "1GiB",
+                            "--precision", "bf16-mixed", "--sharding", "zero3", "--dp", "8", "--json"])
+    assert res.exit_code == 0, res.output
+    mem = json.loads(res.stdout)["memory"]
+    static = 16 * 7e9 / 8
+    assert mem["largest_micro_batch"] == math.floor((80 * 2**30 - static) / 2**30)
+    assert mem["breakdown"]["static_bytes"] == pytest.approx(static)
+    assert mem["fits"] is True
+
+
+def test_plan_memory_table_and_geometry_warning(capsys):
+    res = _run(capsys, ["plan", "--memory", "10GiB", "--params", "100M", "--activation-bytes-per-sample",
+                            "1GiB", "--global-batch", "64", "--micro-batch", "16", "--dp", "1"])
+    assert res.exit_code == 0, res.output
+    assert "optimizer states" in res.stdout and "largest micro-batch that fits: 8" in res.stdout
+    assert "micro_batch 16 needs" in res.stderr and "the largest that fits is 8" in res.stderr
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--memory", "lots", "--params", "1B", "--activation-bytes-per-sample", "1MiB"], "--memory 'lots'"),
+    (["--memory", "0", "--params", "1B", "--activation-bytes-per-sample", "1MiB"], "--memory 0"),
+    (["--memory", "8GiB", "--activation-bytes-per-sample", "1MiB"], "--memory needs --params"),
+    (["--memory", "8GiB", "--params", "1B"], "--memory needs --activation-bytes-per-sample"),
+    (["--memory", "8GiB", "--params", "x", "--activation-bytes-per-sample", "1MiB"], "--params 'x'"),
+    (["--memory", "8GiB", "--params", "1B", "--activation-bytes-per-sample", "0"], "--activation-bytes-per-sample 0"),
+    (["--memory", "8GiB", "--params", "1B", "--activation-bytes-per-sample", "1MiB", "--optimizer", "lion"],
+     "--optimizer 'lion' is not allowed; allowed: adamw, sgd, lars, lamb, sgd-plain"),
+    (["--memory", "8GiB", "--params", "1B", "--activation-bytes-per-sample", "1MiB", "--precision", "fp16"],
+     "--precision 'fp16'"),
+    (["--memory", "8GiB", "--params", "1B", "--activation-bytes-per-sample", "1MiB", "--sharding", "zero4"],
+     "--sharding 'zero4'"),
+    (["--memory", "8GiB", "--params", "1B", "--activation-bytes-per-sample", "1MiB", "--checkpoint-divisor", "0.5"],
+     "--checkpoint-divisor 0.5"),
+    (["--memory", "8GiB", "--params", "1B", "--activation-bytes-per-sample", "1MiB", "--dp", "0"], "--dp 0"),
+    (["--memory", "8GiB", "--task", "tinygpt", "--params", "1B"], "--params is not allowed with --task"),
+    (["--memory", "8GiB", "--params", "1B", "--activation-bytes-per-sample", "1MiB", "--task-arg", "d_model=8"],
+     "--task-arg is not allowed without --task"),
+    (["--memory", "8GiB", "--task", "nosuch"], "--task 'nosuch'"),
+    (["--memory", "8GiB", "--task", "tinygpt", "--task-arg", "d_model=-1"], "--task-arg"),
+    (["--sharding", "zero1", "--global-batch", "8", "--micro-batch", "2", "--dp", "1"],
+     "--sharding zero1 is not allowed without --memory"),
+    (["--optimizer", "adafactor", "--global-batch", "8"], "--optimizer 'adafactor' is not allowed"),
+])
+def test_plan_memory_bad_flags_are_one_line_exit_2(capsys, args, flag):
+    res = _run(capsys, ["plan", *args])
+    assert res.exit_code == 2, res.output
+    assert res.stdout == ""  # checked before anything is printed
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and flag in lines[0], res.stderr
