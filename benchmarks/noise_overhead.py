@@ -1,7 +1,10 @@
-"""Overhead of the online noise-scale monitor on the tinygpt example, and a per-example baseline.
+"""Overhead of the online noise-scale monitor (small MLPs and tinygpt), and a per-example baseline.
 
 One run measures, on the same batches:
 
+0. Small models (one process, 1 thread): MLPs 64-64-32-10 (6.6k parameters), 64-256-256-10 (85k)
+   and 64-512-512-10 (301k) at micro 32 × accum 8, the last also with ``every=4`` and at
+   micro 128 × accum 4 — where a fixed cost per micro-batch shows most.
 1. Accumulation path (one process): step time of StepDriver training with and without
    NoiseScaleMonitor (micro source: one snapshot copy + difference norms per micro-batch).
 2. DDP path (torchrun, 2 gloo ranks, launched from this script): the same with the DDP
@@ -15,8 +18,9 @@ Timing: baseline (A) and monitored (B) models train the same batches, interleave
 ABBA step by step so that machine load hits both alike; the ratio is the median of the
 per-step ratios B/A. Usage::
 
-    python benchmarks/noise_overhead.py              # ~3-5 min on 2 CPU cores
+    python benchmarks/noise_overhead.py              # ~5-8 min on 2 CPU cores
     python benchmarks/noise_overhead.py --quick      # fewer steps
+    python benchmarks/noise_overhead.py --only mlp   # the small-model table only (~2 min)
 """
 
 from __future__ import annotations
@@ -54,42 +58,106 @@ def _windows(task, n_windows: int, per_rank: int, seed: int, rank: int = 0, worl
     return out
 
 
-def _train_window(driver, task, model, micros) -> float:
-    t0 = time.perf_counter()
+def _train_window(driver, loss_sum, model, micros) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one window. On a machine shared with other
+    jobs the process CPU time leaves out the time spent descheduled, so its ratio is less noisy."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for i, batch in enumerate(micros):
         with driver.micro_step(last=i == len(micros) - 1):
-            driver.backward(*task.loss_sum(model, batch))
+            driver.backward(*loss_sum(model, batch))
     driver.step()  # contains the step's one host sync, so the timing is complete
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
-def ab_timing(task, make_model, windows, *, warmup: int, monitor_kwargs: dict) -> dict:
+def ab_timing(loss_sum, make_model, windows, *, warmup: int, monitor_kwargs: dict, unit: str = "token",
+              micro: int = MICRO) -> dict:
     """Median per-step ratio monitored/baseline, interleaved ABBA on the same batches."""
     drivers = []
+    accum = len(windows[0])
     for monitored in (False, True):
         model = make_model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        cbs = [NoiseScaleMonitor(model, optimizer=opt, unit=task.unit, **monitor_kwargs)] if monitored else []
+        cbs = [NoiseScaleMonitor(model, optimizer=opt, unit=unit, **monitor_kwargs)] if monitored else []
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        drivers.append((StepDriver(model, opt, StepConfig(micro_batch=MICRO, global_batch=MICRO * ACCUM * world),
+        drivers.append((StepDriver(model, opt, StepConfig(micro_batch=micro, global_batch=micro * accum * world),
                                    callbacks=cbs), model, cbs))
     times = {False: [], True: []}
+    cpu = {False: [], True: []}
     for step, micros in enumerate(windows):
         order = (False, True) if step % 2 == 0 else (True, False)
         for monitored in order:
             driver, model, _ = drivers[monitored]
-            dt = _train_window(driver, task, model, micros)
+            dt, dc = _train_window(driver, loss_sum, model, micros)
             if step >= warmup:
                 times[monitored].append(dt)
+                cpu[monitored].append(dc)
     ratios = [b / a for a, b in zip(times[False], times[True])]
+    cpu_ratios = [b / a for a, b in zip(cpu[False], cpu[True]) if a > 0]
     q = statistics.quantiles(ratios, n=4)
     mon = drivers[True][2][0]
     est = mon.estimate()
     return {"base_s": statistics.median(times[False]), "monitored_s": statistics.median(times[True]),
             "ratio_median": statistics.median(ratios), "ratio_of_means": sum(times[True]) / sum(times[False]),
-            "ratio_iqr": [q[0], q[2]],
-            "steps": len(ratios), "b_simple_tokens": est.b_simple, "estimate_flags": list(est.flags),
+            "cpu_ratio_median": statistics.median(cpu_ratios), "ratio_iqr": [q[0], q[2]],
+            "steps": len(ratios), "b_simple": est.b_simple, "estimate_flags": list(est.flags),
             "trained_model": drivers[True][1]}
+
+
+# ---------------------------------------------------------------------------
+# Small models: where a fixed cost per micro-batch shows
+# ---------------------------------------------------------------------------
+
+MLP_CASES = (  # widths, micro, accum, every
+    ((64, 64, 32, 10), 32, 8, 1),
+    ((64, 256, 256, 10), 32, 8, 1),
+    ((64, 512, 512, 10), 32, 8, 1),
+    ((64, 512, 512, 10), 32, 8, 4),
+    ((64, 512, 512, 10), 128, 4, 1),
+)
+
+
+def _mlp(widths, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def _mlp_loss_sum(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y, reduction="sum"), len(y)
+
+
+def mlp_timing(widths, micro: int, accum: int, every: int, *, steps: int, warmup: int, seed: int) -> dict:
+    """Noisy teacher-labelled data (64 features, 10 classes); the same windows for both arms."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8192, widths[0], generator=g)
+    y = (x @ torch.randn(widths[0], widths[-1], generator=g) + 2.0 * torch.randn(8192, widths[-1], generator=g)).argmax(1)
+    windows = []
+    for _ in range(steps + warmup):
+        idx = torch.randint(0, len(x), (accum, micro), generator=g)
+        windows.append([(x[i], y[i]) for i in idx])
+    res = ab_timing(_mlp_loss_sum, lambda: _mlp(widths, seed), windows, warmup=warmup, unit="sample", micro=micro,
+                    monitor_kwargs={"config": NoiseConfig(every=every)})
+    res.pop("trained_model")
+    res["params"] = sum(p.numel() for p in _mlp(widths, seed).parameters())
+    return res
+
+
+def run_mlp_table(args) -> list[dict]:
+    rows = []
+    print(f"small models ({args.threads} thread(s), {args.mlp_steps} timed steps per arm, interleaved ABBA; "
+          "ratio = median of per-step ratios monitored/plain):")
+    for widths, micro, accum, every in MLP_CASES:
+        r = mlp_timing(widths, micro, accum, every, steps=args.mlp_steps, warmup=10, seed=args.seed)
+        r.update(model="mlp " + "-".join(map(str, widths)), micro=micro, accum=accum, every=every)
+        rows.append(r)
+        print(f"  {r['model']:<18} {r['params']:>8,} params  micro {micro:>3} × accum {accum}  every={every}:  "
+              f"base {r['base_s'] * 1e3:6.2f} ms/step  ratio {r['ratio_median']:.3f} (IQR {r['ratio_iqr'][0]:.3f}–"
+              f"{r['ratio_iqr'][1]:.3f}; ratio of means {r['ratio_of_means']:.3f}; CPU-time ratio "
+              f"{r['cpu_ratio_median']:.3f})", flush=True)
+    return rows
 
 
 # ---------------------------------------------------------------------------
@@ -168,7 +236,7 @@ def accuracy_vs_truth(task, model, n_windows: int, pool_size: int, seed: int) ->
         for i, batch in enumerate(micros):
             loss, count = task.loss_sum(mon_model, batch)
             (loss * MICRO / count).backward()  # every sample has seq_len tokens: Δ.grad = MICRO·(sample mean)
-            mon.micro_backward(MICRO, is_last=i == ACCUM - 1)
+            mon.micro_backward(MICRO)
         for p in mon_model.parameters():
             p.grad /= MICRO * ACCUM
         mon.window_end()
@@ -206,7 +274,7 @@ def ddp_worker(args) -> None:
     torch.set_num_threads(1)
     task = load_task("tinygpt", **json.loads(args.task_overrides))
     windows = _windows(task, args.steps + args.warmup, MICRO, args.seed, rank, world)
-    res = ab_timing(task, lambda: DDP(task.build_model(args.seed)), windows, warmup=args.warmup,
+    res = ab_timing(task.loss_sum, lambda: DDP(task.build_model(args.seed)), windows, warmup=args.warmup,
                     monitor_kwargs={"config": NoiseConfig(sources=("micro", "rank"))})
     res.pop("trained_model")
     if rank == 0:
@@ -228,56 +296,77 @@ def run_ddp(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=30, help="timed steps per arm (after warm-up)")
+    ap.add_argument("--steps", type=int, default=30, help="timed tinygpt steps per arm (after warm-up)")
+    ap.add_argument("--mlp-steps", type=int, default=300, help="timed steps per arm of each small-model case")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--accuracy-windows", type=int, default=30)
     ap.add_argument("--pool", type=int, default=256, help="full-length samples defining the truth")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads of the single-process runs")
     ap.add_argument("--task-overrides", default="{}", help='JSON, e.g. {"d_model": 64}')
-    ap.add_argument("--quick", action="store_true", help="10 steps, 10 accuracy windows, pool 128")
+    ap.add_argument("--quick", action="store_true", help="10 steps, 100 MLP steps, 10 accuracy windows, pool 128")
+    ap.add_argument("--only", default="mlp,tinygpt,ddp,accuracy",
+                    help="comma-separated parts to run: mlp, tinygpt, ddp, accuracy")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--skip-ddp", action="store_true")
     args = ap.parse_args()
     if args.ddp_worker:
         return ddp_worker(args)
+    parts = {p.strip() for p in args.only.split(",") if p.strip()}
+    bad = parts - {"mlp", "tinygpt", "ddp", "accuracy"}
+    if bad:
+        ap.error(f"--only {args.only} is not allowed; allowed: a comma-separated subset of mlp, tinygpt, ddp, accuracy")
+    if args.skip_ddp:
+        parts.discard("ddp")
     if args.quick:
-        args.steps, args.accuracy_windows, args.pool = 10, 10, 128
+        args.steps, args.mlp_steps, args.accuracy_windows, args.pool = 10, 100, 10, 128
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*batching rule.*")  # vmap SDPA fallback: part of its cost
+    out: dict = {}
+    if "mlp" in parts:
+        out["mlp"] = run_mlp_table(args)
+    if not parts & {"tinygpt", "ddp", "accuracy"}:
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=2))
+        return
     task = load_task("tinygpt", **json.loads(args.task_overrides))
     n_params = sum(p.numel() for p in task.build_model(args.seed).parameters())
     print(f"tinygpt: {n_params:,} parameters, micro {MICRO} × accum {ACCUM}, seq_len {task.seq_len}, "
           f"{args.threads} thread(s), torch {torch.__version__}")
 
-    windows = _windows(task, args.steps + args.warmup, MICRO, args.seed)
-    acc = ab_timing(task, lambda: task.build_model(args.seed), windows, warmup=args.warmup, monitor_kwargs={})
-    model = acc.pop("trained_model")
-    print(f"accumulation path: base {acc['base_s'] * 1e3:.1f} ms/step, with monitor {acc['monitored_s'] * 1e3:.1f} "
-          f"ms/step, ratio {acc['ratio_median']:.3f} (median of per-step ratios, IQR {acc['ratio_iqr'][0]:.3f}–"
-          f"{acc['ratio_iqr'][1]:.3f}; ratio of means {acc['ratio_of_means']:.3f}, {acc['steps']} steps)")
+    model = None
+    if parts & {"tinygpt", "accuracy"}:
+        windows = _windows(task, args.steps + args.warmup, MICRO, args.seed)
+        acc = ab_timing(task.loss_sum, lambda: task.build_model(args.seed), windows, warmup=args.warmup,
+                        monitor_kwargs={}, unit=task.unit)
+        model = acc.pop("trained_model")
+        out["accumulation"] = acc
+        print(f"accumulation path: base {acc['base_s'] * 1e3:.1f} ms/step, with monitor {acc['monitored_s'] * 1e3:.1f} "
+              f"ms/step, ratio {acc['ratio_median']:.3f} (median of per-step ratios, IQR {acc['ratio_iqr'][0]:.3f}–"
+              f"{acc['ratio_iqr'][1]:.3f}; ratio of means {acc['ratio_of_means']:.3f}; CPU-time ratio "
+              f"{acc['cpu_ratio_median']:.3f}, {acc['steps']} steps)")
 
-    ddp = None
-    if not args.skip_ddp:
-        ddp = run_ddp(args)
+    if "ddp" in parts:
+        ddp = out["ddp"] = run_ddp(args)
         print(f"DDP path (torchrun 2 ranks, gloo, 1 thread each): base {ddp['base_s'] * 1e3:.1f} ms/step, with "
               f"monitor {ddp['monitored_s'] * 1e3:.1f} ms/step, ratio {ddp['ratio_median']:.3f} (IQR "
               f"{ddp['ratio_iqr'][0]:.3f}–{ddp['ratio_iqr'][1]:.3f}; ratio of means {ddp['ratio_of_means']:.3f}, "
               f"{ddp['steps']} steps)")
 
-    accu = accuracy_vs_truth(task, model, args.accuracy_windows, args.pool, args.seed)
-    m, pe = accu["micro"], accu["per_example"]
-    print(f"truth at fixed parameters (after the timed steps): B_simple = {accu['truth_b_simple_samples']:.4g} "
-          f"samples (pool of {accu['truth_pool']} full-length samples, {accu['truth_s']:.1f} s)")
-    print(f"  micro-batch source ({accu['windows']} windows, k={ACCUM}): {m['b_simple_samples']:.4g} ± "
-          f"{m['stderr']:.2g}, error {m['rel_error']:+.1%} ({m['z']:+.1f} SE), {m['window_s'] * 1e3:.1f} ms/window "
-          f"(fwd+bwd+monitor)")
-    print(f"  per-example (vmap grad, k={MICRO * ACCUM}): {pe['b_simple_samples']:.4g} ± {pe['stderr']:.2g}, "
-          f"error {pe['rel_error']:+.1%} ({pe['z']:+.1f} SE), {pe['window_s'] * 1e3:.1f} ms/window "
-          f"({pe['window_s'] / m['window_s']:.2f}× the monitored window)")
+    if "accuracy" in parts:
+        accu = out["accuracy"] = accuracy_vs_truth(task, model, args.accuracy_windows, args.pool, args.seed)
+        m, pe = accu["micro"], accu["per_example"]
+        print(f"truth at fixed parameters (after the timed steps): B_simple = {accu['truth_b_simple_samples']:.4g} "
+              f"samples (pool of {accu['truth_pool']} full-length samples, {accu['truth_s']:.1f} s)")
+        print(f"  micro-batch source ({accu['windows']} windows, k={ACCUM}): {m['b_simple_samples']:.4g} ± "
+              f"{m['stderr']:.2g}, error {m['rel_error']:+.1%} ({m['z']:+.1f} SE), {m['window_s'] * 1e3:.1f} ms/window "
+              f"(fwd+bwd+monitor)")
+        print(f"  per-example (vmap grad, k={MICRO * ACCUM}): {pe['b_simple_samples']:.4g} ± {pe['stderr']:.2g}, "
+              f"error {pe['rel_error']:+.1%} ({pe['z']:+.1f} SE), {pe['window_s'] * 1e3:.1f} ms/window "
+              f"({pe['window_s'] / m['window_s']:.2f}× the monitored window)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"accumulation": acc, "ddp": ddp, "accuracy": accu}, indent=2))
+        Path(args.json).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

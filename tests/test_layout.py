@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "globalbatch"
-CORE = ["plan.py", "config.py", "plan_report.py", "schedule.py", "step.py", "checkpoint.py", "optim", "critical.py", "noise", "probe",
-        "losses.py", "integrations"]
+CORE = ["plan.py", "config.py", "plan_report.py", "schedule.py", "step.py", "checkpoint.py", "parallel.py", "optim",
+        "critical.py", "noise", "probe", "losses.py", "integrations"]
 
 
 def _imports(path: Path) -> list[str]:

@@ -303,21 +303,29 @@ def test_mean_loss_loop_gives_the_same_numbers_as_sum_loss(mlp_problem):
     assert b.g_sq == pytest.approx(a.g_sq, rel=1e-4)
 
 
-def test_micro_after_one_declared_last_drops_the_window(mlp_problem, caplog):
+def test_is_last_no_longer_matters(mlp_problem):
+    """The micro source reads each micro-batch's incoming gradient in a parameter hook, so there is no
+    snapshot for ``is_last`` to save: a wrong ``is_last`` (even "last" on the first micro-batch) gives
+    the same numbers."""
     x, y, model, _, _ = mlp_problem
-    model = copy.deepcopy(model)
-    mon = NoiseScaleMonitor(model, unit="sample", config=NoiseConfig(half_life=math.inf))
-    for window, last_flags in enumerate(([False, True], [True, False])):  # second window: "last" too early
-        for is_last in last_flags:
-            nc.loss_sum(model, x[:8], y[:8])[0].backward()
-            mon.micro_backward(8, is_last=is_last)
-        for p in model.parameters():
-            p.grad /= 16
-        mon.window_end()
-        model.zero_grad(set_to_none=True)
-    e = mon.estimate()
-    assert (e.windows, e.skipped_windows) == (1, 1)
-    assert "not measured" in caplog.text
+    got = []
+    for flags in ([None, None, None], [True, False, True]):
+        m = copy.deepcopy(model)
+        mon = NoiseScaleMonitor(m, unit="sample", config=NoiseConfig(half_life=math.inf))
+        gen = torch.Generator().manual_seed(11)
+        for _ in range(4):
+            for is_last in flags:
+                idx = torch.randint(0, len(x), (8,), generator=gen)
+                nc.loss_sum(m, x[idx], y[idx])[0].backward()
+                mon.micro_backward(8, is_last=is_last)
+            for p in m.parameters():
+                p.grad /= 24
+            mon.window_end()
+            m.zero_grad(set_to_none=True)
+        got.append(mon.estimate())
+    assert got[0].windows == got[1].windows == 4
+    assert got[1].tr_sigma == pytest.approx(got[0].tr_sigma, rel=1e-12)
+    assert got[1].g_sq == pytest.approx(got[0].g_sq, rel=1e-12)
 
 
 def test_adam_variant_within_10_percent_of_preconditioned_truth(mlp_problem):
@@ -446,8 +454,256 @@ def test_state_is_one_float64_tensor_on_the_gradients_device(mlp_problem):
     """The estimators' state lives on the gradients' device and is a single float64 tensor."""
     x, y, model, _, _ = mlp_problem
     mon = _run_plain_loop(copy.deepcopy(model), x, y, windows=2, sizes=[4, 4], seed=0)
+    mon.estimate()  # folds the queued windows in
     (est,) = mon.estimators.values()
     assert est.state.dtype == torch.float64 and est.state.device == next(model.parameters()).device
+
+
+# ---------------------------------------------------------------------------
+# every=n, attaching at any time, skipped steps, read-outs
+# ---------------------------------------------------------------------------
+
+
+def _driver_run(model, x, y, windows, *, callbacks=(), sizes=(8, 8, 8, 8), seed=5, nan_window=None,
+                during=None):
+    """StepDriver at lr 0 over the MLP problem; ``during(driver, window, micro)`` runs after each micro."""
+    from globalbatch.step import StepConfig, StepDriver
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    driver = StepDriver(model, opt, StepConfig(micro_batch=max(sizes), global_batch=max(sizes) * len(sizes)),
+                        callbacks=list(callbacks))
+    gen = torch.Generator().manual_seed(seed)
+    for w in range(windows):
+        for i, b in enumerate(sizes):
+            idx = torch.randint(0, len(x), (b,), generator=gen)
+            with driver.micro_step(last=i == len(sizes) - 1):
+                loss, count = nc.loss_sum(model, x[idx], y[idx])
+                if w == nan_window and i == 1:
+                    loss = loss + torch.tensor(float("nan"))  # a NaN loss with finite gradients
+                driver.backward(loss, count, samples=b)
+            if during is not None:
+                during(driver, w, i)
+        driver.step()
+    return driver
+
+
+def _per_window(mon_factory, run):
+    """Per-window (tr Σ^, |G|²^) of a plain-mean monitor, by differencing its running sums."""
+    rows, total = [], [0.0, 0.0]
+    mon = mon_factory()
+
+    class _Tap:
+        @staticmethod
+        def on_step_end(driver, result):
+            e = mon.estimate()
+            now = (e.tr_sigma * e.windows, e.g_sq * e.windows)
+            rows.append((now[0] - total[0], now[1] - total[1]))
+            total[:] = now
+
+    run([mon, _Tap()])
+    return rows
+
+
+def test_every_n_measures_one_window_in_n_and_equals_those_windows(mlp_problem):
+    x, y, model, _, _ = mlp_problem
+    plain = NoiseConfig(half_life=math.inf)
+    m1, m3 = copy.deepcopy(model), copy.deepcopy(model)
+    per = _per_window(lambda: NoiseScaleMonitor(m1, unit="sample", config=plain),
+                      lambda cbs: _driver_run(m1, x, y, 12, callbacks=cbs))
+    mon = NoiseScaleMonitor(m3, unit="sample", config=NoiseConfig(half_life=math.inf, every=3))
+    hooked = []
+    _driver_run(m3, x, y, 12, callbacks=[mon], during=lambda d, w, i: hooked.append(bool(mon._hooks)) if i else None)
+    # skipped windows cost nothing: no parameter hooks in place during them
+    assert hooked == [w % 3 == 0 for w in range(12) for _ in range(3)]
+    e = mon.estimate()
+    kept = per[0::3]  # windows 0, 3, 6, 9
+    assert e.windows == len(kept) == 4
+    assert e.tr_sigma == pytest.approx(sum(t for t, _ in kept) / 4, rel=1e-9)
+    assert e.g_sq == pytest.approx(sum(g for _, g in kept) / 4, rel=1e-9)
+    assert mon.every == 3
+    mon.every = 1  # changed at any time: from the next window
+    _driver_run(m3, x, y, 2, callbacks=[mon])
+    assert mon.estimate().windows == 6
+    with pytest.raises(ValueError, match="every 0 is not allowed"):
+        mon.every = 0
+
+
+def test_every_n_ema_forgets_per_trained_unit():
+    """With every=n a measured window stands for n windows of training: the decay is 0.5^(n·B/half_life)."""
+    model = torch.nn.Linear(4, 1)
+    mon = NoiseScaleMonitor(model, unit="sample", config=NoiseConfig(half_life=64.0, every=2))
+    decays = []
+    orig = mon._decay
+
+    def spy(state, units, present, windows):
+        d = orig(state, units, present, windows)
+        decays.append(d[:, 0].tolist())
+        return d
+
+    mon._decay = spy
+    for _ in range(6):
+        for _ in range(2):
+            model(torch.randn(8, 4)).square().sum().backward()
+            mon.micro_backward(8, samples=8)
+        for p in model.parameters():
+            p.grad /= 16
+        mon.window_end()
+        model.zero_grad(set_to_none=True)
+    mon.estimate()
+    flat = [d for fold in decays for d in fold]
+    assert flat[0] == pytest.approx(0.5 ** (16 / 64))        # the first measured window: 1 window elapsed
+    assert flat[1:] == pytest.approx([0.5 ** (2 * 16 / 64)] * 2)  # then 2 windows of 16 samples each
+
+
+def test_callback_appended_late_works_from_the_next_window_and_remove_stops_it(mlp_problem):
+    """Issue 12: ``driver.callbacks.append(monitor)`` after construction used to be ignored."""
+    x, y, model, _, _ = mlp_problem
+    m = copy.deepcopy(model)
+    mon = NoiseScaleMonitor(m, unit="sample", config=NoiseConfig(half_life=math.inf))
+    seen = {}
+
+    def during(driver, w, i):
+        if (w, i) == (2, 1):  # in the middle of window 2
+            driver.callbacks.append(mon)
+        if (w, i) == (6, 3):  # after the last micro-batch of window 6, before its step
+            seen["windows_at_6"] = mon.estimate().windows
+        if (w, i) == (7, 0):
+            driver.callbacks.remove(mon)
+            mon.detach()
+
+    _driver_run(m, x, y, 10, during=during)
+    e = mon.estimate()
+    assert seen["windows_at_6"] == 3  # windows 3, 4, 5 (window 2 joined half-way: left out)
+    assert e.windows == 4  # windows 3..6; none after remove() and detach()
+    assert not mon._hooks
+
+
+def test_window_skipped_by_the_driver_is_left_out(mlp_problem):
+    """Issue 11: a window skipped for a NaN loss (finite gradients) was still counted."""
+    x, y, model, _, _ = mlp_problem
+    cfg = NoiseConfig(half_life=math.inf)
+    m_ref, m_nan = copy.deepcopy(model), copy.deepcopy(model)
+    ref = _per_window(lambda: NoiseScaleMonitor(m_ref, unit="sample", config=cfg),
+                      lambda cbs: _driver_run(m_ref, x, y, 8, callbacks=cbs))
+    mon = NoiseScaleMonitor(m_nan, unit="sample", config=cfg)
+    driver = _driver_run(m_nan, x, y, 8, callbacks=[mon], nan_window=5)
+    assert driver.skipped_windows == 1
+    e = mon.estimate()
+    kept = ref[:5] + ref[6:]
+    assert (e.windows, e.skipped_windows) == (7, 1)
+    assert e.tr_sigma == pytest.approx(sum(t for t, _ in kept) / 7, rel=1e-9)
+    assert e.g_sq == pytest.approx(sum(g for _, g in kept) / 7, rel=1e-9)
+    with_nan = sum(t for t, _ in ref) / 8
+    assert abs(e.tr_sigma / with_nan - 1) > 1e-6  # the skipped window would have moved it
+
+
+def test_window_the_driver_refused_is_left_out(mlp_problem):
+    """A window of more samples than planned raises in step() after on_window_end: never applied, never counted."""
+    from globalbatch.step import StepConfig, StepDriver
+
+    x, y, model, _, _ = mlp_problem
+    gen = torch.Generator().manual_seed(21)
+    data = [[torch.randint(0, len(x), (8,), generator=gen) for _ in range(4)] for _ in range(5)]
+    cfg = NoiseConfig(half_life=math.inf)
+    got = []
+    for windows, refuse in (([0, 1, 3, 4], None), ([0, 1, 2, 3, 4], 2)):
+        m = copy.deepcopy(model)
+        mon = NoiseScaleMonitor(m, unit="sample", config=cfg)
+        driver = StepDriver(m, torch.optim.SGD(m.parameters(), lr=0.0), StepConfig(micro_batch=8, global_batch=32),
+                            callbacks=[mon])
+        for w in windows:
+            for i, idx in enumerate(data[w]):
+                with driver.micro_step(last=i == 3):
+                    driver.backward(*nc.loss_sum(m, x[idx], y[idx]), samples=16 if w == refuse else 8)
+            if w == refuse:
+                with pytest.raises(ValueError, match="more than the planned global batch"):
+                    driver.step()
+            else:
+                driver.step()
+        got.append(mon.estimate())
+    assert (got[1].windows, got[1].skipped_windows) == (4, 1)
+    assert got[1].tr_sigma == pytest.approx(got[0].tr_sigma, rel=1e-12)
+    assert got[1].g_sq == pytest.approx(got[0].g_sq, rel=1e-12)
+
+
+def test_estimate_before_any_window_is_flagged_not_raised():
+    mon = NoiseScaleMonitor(torch.nn.Linear(3, 1))
+    e = mon.estimate()
+    assert e.flags == ("no_windows",) and e.windows == 0 and math.isnan(e.b_simple)
+    assert mon.estimates() == {}
+    with pytest.raises(ValueError, match="estimate 'rank/token' is not allowed: not measured"):
+        mon.estimate("rank")  # one process: the rank source does not exist
+
+
+def test_wide_interval_is_flagged():
+    """Issue 12 measured single runs reading +111 % with an interval [72.4, 242.1] and no flag."""
+    gen = torch.Generator().manual_seed(6)
+    G, sd = torch.randn(16, generator=gen) * 0.3, torch.ones(16)
+    wide = NoiseScaleEstimator(half_life=math.inf)
+    tunable = NoiseScaleEstimator(half_life=math.inf, max_interval_ratio=math.inf, max_relative_stderr=10.0)
+    narrow = NoiseScaleEstimator(half_life=math.inf)
+    for w in range(600):
+        small_sq, big_sq = _synthetic_window(gen, G, sd, [4, 4])
+        if w < 12:
+            wide.update(small_sq, [4, 4], big_sq)
+            tunable.update(small_sq, [4, 4], big_sq)
+        narrow.update(small_sq, [4, 4], big_sq)
+    e = wide.estimate()
+    assert math.isfinite(e.high) and e.high > 2 * e.low and "wide_interval" in e.flags and not e.ok
+    assert "wide_interval" not in tunable.estimate().flags
+    n = narrow.estimate()
+    assert n.high < 2 * n.low and n.ok, n
+    from globalbatch.lab.noise_run import format_estimate
+
+    assert "interval wider than 2×" in format_estimate(e)
+    with pytest.raises(ValueError, match="max_interval_ratio 1 is not allowed"):
+        NoiseConfig(max_interval_ratio=1)
+
+
+def test_unit_follows_the_loss(mlp_problem):
+    """unit=None: a per-sample loss (units = samples) reads in samples, a token loss in tokens."""
+    x, y, model, _, _ = mlp_problem
+    m = copy.deepcopy(model)
+    mon = NoiseScaleMonitor(m)  # unit=None
+    _driver_run(m, x, y, 3, callbacks=[mon])
+    assert mon.unit == "sample" and mon.estimate().unit == "sample"
+    assert set(mon.estimates()) == {"micro/sample"}
+    from globalbatch.step import StepConfig, StepDriver
+
+    torch.manual_seed(0)
+    lm = torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11))
+    tok = NoiseScaleMonitor(lm)
+    driver = StepDriver(lm, torch.optim.SGD(lm.parameters(), lr=0.0), StepConfig(micro_batch=5, global_batch=10),
+                        callbacks=[tok])
+    for window in _token_lm_windows(2, 3, (5, 5)):
+        for i, ids in enumerate(window):
+            with driver.micro_step(last=i == 1):
+                driver.backward(*_token_lm_loss(lm, ids), samples=len(ids))
+        driver.step()
+    assert tok.unit == "token" and set(tok.estimates()) == {"micro/token", "micro/sample"}
+
+
+def test_compiled_module_gives_the_same_numbers(mlp_problem):
+    x, y, model, _, _ = mlp_problem
+    out = []
+    for wrap in (lambda m: m, lambda m: torch.compile(m, backend="eager")):
+        m = copy.deepcopy(model)
+        w = wrap(m)
+        mon = NoiseScaleMonitor(w, unit="sample", config=NoiseConfig(half_life=math.inf))
+        _driver_run(w, x, y, 3, callbacks=[mon])
+        out.append(mon.estimate())
+    assert out[1].tr_sigma == pytest.approx(out[0].tr_sigma, rel=1e-6)
+    assert out[1].g_sq == pytest.approx(out[0].g_sq, rel=1e-6)
+
+
+def test_fsdp2_with_adam_variant_is_refused_naming_the_field():
+    from globalbatch.parallel import fsdp_module_class
+
+    model = torch.nn.Linear(2, 2)
+    model.__class__ = type("FSDPLinear", (fsdp_module_class(), torch.nn.Linear), {})  # what fully_shard does
+    opt = torch.optim.Adam(model.parameters())
+    with pytest.raises(ValueError, match="^adam True is not allowed with an FSDP2 model"):
+        NoiseScaleMonitor(model, optimizer=opt, config=NoiseConfig(adam=True))
 
 
 # ---------------------------------------------------------------------------
@@ -471,6 +727,47 @@ def test_ddp_and_accumulation_exact_plumbing_and_agreement():
     # The accumulation (micro) and DDP (rank) estimates agree within their intervals.
     assert micro["low"] <= rank["high"] and rank["low"] <= micro["high"]
     assert micro["low"] <= truth <= micro["high"]
+
+
+@pytest.mark.dist
+def test_compiled_ddp_and_comm_hooks_give_the_monitor_the_same_estimates():
+    proc = run_torchrun(Path(__file__).parent / "dist" / "noise_wrappers.py", "60")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("NOISE_WRAPPERS "))
+    out = json.loads(line[len("NOISE_WRAPPERS "):])
+    ddp = out["ddp"]
+    assert out["compiled_type"] == "OptimizedModule"
+    for source in ("micro", "rank"):
+        assert ddp[source]["windows"] == 60
+        # torch.compile(DDP(m)): the same micro and rank estimates as DDP(m) (issue 9: 82 instead of 12)
+        assert out["compiled_ddp"][source]["b_simple"] == pytest.approx(ddp[source]["b_simple"], rel=1e-6)
+        assert out["compiled_ddp"][source]["tr_sigma"] == pytest.approx(ddp[source]["tr_sigma"], rel=1e-6)
+        # two monitors share one DDP model's comm hook: both measure, identically
+        for row in out["two_monitors"]:
+            assert row[source]["b_simple"] == pytest.approx(ddp[source]["b_simple"], rel=1e-9)
+        # fp16 compression (wrapped, not replaced): only the big gradient's rounding changes the estimate
+        fp16 = out["fp16"][source]
+        assert fp16["b_simple"] == pytest.approx(ddp[source]["b_simple"], rel=1e-3)
+        assert fp16["b_simple"] != ddp[source]["b_simple"]  # the compressed all-reduce really ran
+        assert fp16["low"] <= out["truth"] <= fp16["high"]
+    assert out["refused"].startswith("model: this DDP model already has a comm hook")
+
+
+@pytest.mark.dist
+def test_fsdp2_micro_source_equals_ddp_and_the_truth():
+    proc = run_torchrun(Path(__file__).parent / "dist" / "noise_fsdp2.py", "150")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("NOISE_FSDP2 "))
+    out = json.loads(line[len("NOISE_FSDP2 "):])
+    assert out["world"] == 2
+    for fsdp, ddp in (("fsdp2", "ddp"), ("fsdp2_plain_loop", "ddp_plain_loop")):
+        f, d = out[fsdp], out[ddp]
+        assert f["windows"] == d["windows"] > 0  # FSDP2 starts at its second window; DDP joined there too
+        # the same windows on the same ranks: sharded gradients give the same estimate as DDP
+        assert f["tr_sigma"] == pytest.approx(d["tr_sigma"], rel=1e-6)
+        assert f["g_sq"] == pytest.approx(d["g_sq"], rel=1e-6)
+    e = out["fsdp2"]
+    assert not e["flags"], e
+    assert e["b_simple"] == pytest.approx(out["truth"], rel=0.10)
+    assert e["low"] <= out["truth"] <= e["high"]
 
 
 # ---------------------------------------------------------------------------

@@ -569,3 +569,38 @@ def test_doc_snippets_run():
     namespace: dict = {"__name__": "doc_snippet"}
     for i, code in enumerate(blocks, 1):
         exec(compile(code, f"{_DOC.name} python block {i}", "exec"), namespace)  # noqa: S102 - test only
+
+
+def test_callbacks_changed_after_construction_take_effect():
+    """Issue 12: the driver cached its callback lists, so a late ``callbacks.append`` was ignored."""
+    calls = []
+
+    class Cb:
+        def __init__(self, name):
+            self.name = name
+
+        def on_micro_backward(self, driver, i, count):
+            calls.append((self.name, "micro", i))
+
+        def on_step_end(self, driver, result):
+            calls.append((self.name, "step", result.step))
+
+    model = torch.nn.Linear(3, 1)
+    drv = StepDriver(model, torch.optim.SGD(model.parameters(), lr=0.1), StepConfig(micro_batch=2, global_batch=4))
+    a, b = Cb("a"), Cb("b")
+
+    def window():
+        for i in range(2):
+            with drv.micro_step(last=i == 1):
+                drv.backward(model(torch.randn(2, 3)).square().sum(), 2)
+        drv.step()
+
+    drv.callbacks.append(a)
+    window()
+    drv.callbacks += [b]
+    drv.callbacks.remove(a)
+    window()
+    drv.callbacks = []
+    window()
+    assert calls == [("a", "micro", 0), ("a", "micro", 1), ("a", "step", 1),
+                     ("b", "micro", 0), ("b", "micro", 1), ("b", "step", 2)]

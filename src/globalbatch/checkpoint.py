@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from globalbatch._util import atomic_write
-from globalbatch.step import StepDriver, _fsdp_module_class, _uncompiled, unwrap_model
+from globalbatch.parallel import inspect_parallel, unwrap_model
+from globalbatch.step import StepDriver
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
@@ -51,8 +52,7 @@ def save_checkpoint(
     ``os.replace``; the other ranks wait at a barrier. ``extra`` must hold only tensors,
     primitives and containers so the file loads with ``torch.load(weights_only=True)``.
     """
-    fsdp_cls = _fsdp_module_class()
-    if fsdp_cls is not None and isinstance(_uncompiled(model), fsdp_cls):
+    if inspect_parallel(model).kind == "fsdp2":
         raise NotImplementedError("FSDP2 checkpoints are sharded; use torch.distributed.checkpoint for the model")
     scaler = scaler if scaler is not None else driver.scaler
     lr_scheduler = lr_scheduler if lr_scheduler is not None else driver.lr_scheduler

@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from globalbatch.parallel import inspect_parallel, unwrap_model
 from globalbatch.plan import BatchGeometry, solve_geometry
 from globalbatch.schedule import (
     BatchSchedule,
@@ -89,33 +90,6 @@ def plan_for_world(global_batch: int, micro_batch: int, dp_world_size: int) -> B
     that does not divide is a ``ValueError`` quoting the numbers, never a silent change.
     """
     return solve_geometry(global_batch=global_batch, micro_batch=micro_batch, dp_world_size=dp_world_size)
-
-
-def _fsdp_module_class() -> Optional[type]:
-    try:
-        from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
-
-        return FSDPModule
-    except ImportError:  # pragma: no cover - older torch
-        try:
-            from torch.distributed._composable.fsdp import FSDPModule
-
-            return FSDPModule
-        except ImportError:
-            return None
-
-
-def _uncompiled(model: nn.Module) -> nn.Module:
-    """The module inside a ``torch.compile`` wrapper (``OptimizedModule._orig_mod``), else the module."""
-    return getattr(model, "_orig_mod", model)
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's module inside ``torch.compile`` and ``DistributedDataParallel`` wrappers."""
-    model = _uncompiled(model)
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        model = _uncompiled(model.module)
-    return model
 
 
 @dataclass(kw_only=True, slots=True)
@@ -224,6 +198,35 @@ class StepResult:
     """Model FLOPs utilization: ``model_flops_per_s / (dp_world_size × peak_flops_per_s)`` (needs both)."""
 
 
+class _CallbackList(list):
+    """``driver.callbacks``: a list whose every change refreshes the driver's cached hook lists, so a
+    callback appended, inserted or removed after construction takes effect at the next hook call."""
+
+    def __init__(self, driver: "StepDriver", items: Sequence[Any] = ()) -> None:
+        super().__init__(items)
+        self._driver = driver
+
+    def _changed(self) -> None:
+        self._driver._refresh_callbacks()
+
+
+def _refreshing(name: str) -> Callable[..., Any]:
+    base = getattr(list, name)
+
+    def method(self: _CallbackList, *args: Any, **kwargs: Any) -> Any:
+        out = base(self, *args, **kwargs)
+        self._changed()
+        return out if name != "__iadd__" else self
+
+    method.__name__ = name
+    return method
+
+
+for _name in ("append", "extend", "insert", "remove", "pop", "clear", "__setitem__", "__delitem__", "__iadd__",
+              "sort", "reverse"):
+    setattr(_CallbackList, _name, _refreshing(_name))
+
+
 class StepDriver:
     """Accumulate micro-batches into one exact global-batch optimizer step.
 
@@ -271,20 +274,17 @@ class StepDriver:
         self.lr_schedule = lr_schedule
         self.lr_scheduler = lr_scheduler
         self.scaler = scaler if (scaler is not None and scaler.is_enabled()) else None
-        self.callbacks = list(callbacks)
-        self._cb_micro = [c.on_micro_backward for c in self.callbacks if hasattr(c, "on_micro_backward")]
-        self._cb_window = [c.on_window_end for c in self.callbacks if hasattr(c, "on_window_end")]
-        self._cb_step = [c.on_step_end for c in self.callbacks if hasattr(c, "on_step_end")]
+        self._callbacks = _CallbackList(self, callbacks)
+        self._refresh_callbacks()
 
-        fsdp_cls = _fsdp_module_class()
-        # torch.compile(DDP(m)) or a compiled fully_shard module: look through the compile wrapper,
-        # or the wrapper would pass for a plain module and ranks would silently diverge.
-        inner = _uncompiled(model)
-        self._sync_module = inner
-        if isinstance(inner, nn.parallel.DistributedDataParallel):
+        # One inspection of the wrappers (globalbatch.parallel): torch.compile(DDP(m)) or a compiled
+        # fully_shard module must not pass for a plain module, or ranks would silently diverge.
+        info = inspect_parallel(model)
+        self._sync_module = info.sync_module
+        if info.kind == "ddp":
             self.parallel = "ddp"
-            self.dp_group = dp_group if dp_group is not None else inner.process_group
-        elif fsdp_cls is not None and isinstance(inner, fsdp_cls):
+            self.dp_group = dp_group if dp_group is not None else info.process_group
+        elif info.kind == "fsdp2":
             self.parallel = "fsdp2"
             self.dp_group = dp_group
         else:
@@ -297,7 +297,7 @@ class StepDriver:
             self.dp_group = None
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 msg = (
-                    f"StepDriver got a plain {type(inner).__name__} while a process group of "
+                    f"StepDriver got a plain {type(info.module).__name__} while a process group of "
                     f"{dist.get_world_size()} ranks is initialized: its gradients are never synced and each rank "
                     "steps on its own data (dp_world_size 1). Wrap the model in DDP or fully_shard for data parallelism."
                 )
@@ -330,6 +330,26 @@ class StepDriver:
         self._t_last: Optional[float] = None
         # log on rank 0 only: skips and batch changes are agreed on by all ranks
         self._log = dist.get_rank() == 0 if dist.is_available() and dist.is_initialized() else True
+
+    # ------------------------------------------------------------------ callbacks
+
+    @property
+    def callbacks(self) -> list[Any]:
+        """The callbacks, in call order. Changing this list (``append``, ``remove``, ...) or assigning a
+        new one takes effect at the next hook call; a callback added inside a window sees only the rest
+        of it (:class:`~globalbatch.noise.NoiseScaleMonitor` then starts measuring at the next window)."""
+        return self._callbacks
+
+    @callbacks.setter
+    def callbacks(self, value: Sequence[Any]) -> None:
+        self._callbacks = _CallbackList(self, value)
+        self._refresh_callbacks()
+
+    def _refresh_callbacks(self) -> None:
+        cbs = self._callbacks
+        self._cb_micro = [c.on_micro_backward for c in cbs if hasattr(c, "on_micro_backward")]
+        self._cb_window = [c.on_window_end for c in cbs if hasattr(c, "on_window_end")]
+        self._cb_step = [c.on_step_end for c in cbs if hasattr(c, "on_step_end")]
 
     # ------------------------------------------------------------------ plan
 

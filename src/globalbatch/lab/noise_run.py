@@ -242,7 +242,7 @@ def format_number(x: float, digits: int = 3) -> str:
 
 
 _FLAG_TEXT = {"no_windows": "no windows yet", "few_windows": "few windows", "g_sq_nonpositive": "|G|² ≤ 0: no signal",
-              "too_noisy": "too noisy"}
+              "too_noisy": "too noisy", "wide_interval": "interval wider than 2×"}
 
 
 def format_interval(b_simple: float, low: float, high: float, flags: Sequence[str] | str = ()) -> str:

@@ -20,16 +20,17 @@ separate EMAs of the two (the ratio of unbiased estimates is itself biased).
 The small batches come from the training step itself, at no extra forward/backward:
 
 * ``"micro"`` — the micro-batches of an accumulation window, pooled over all data-
-  parallel ranks (k = grad_accum_steps × dp_world_size). |g_micro|² comes from the
-  difference of the accumulated gradient before and after each micro backward
-  (sum-loss accumulation: a_new − a_old = count · g_micro), kept as one snapshot copy
-  of the gradients. Under DDP the last micro-batch's difference is taken inside a
-  DDP communication hook, before the all-reduce.
+  parallel ranks (k = grad_accum_steps × dp_world_size). |g_micro|² is the norm of the
+  gradient each micro backward adds to ``.grad`` (sum-loss accumulation: Δ = count · g_micro),
+  taken in a tensor hook on every parameter as it arrives, before accumulation and before any
+  DDP all-reduce (no snapshot copy).
 * ``"rank"`` — each rank's whole-window gradient before the all-reduce (k = dp_world_size),
-  its squared norm taken per bucket in a DDP communication hook (AdaptDL's source).
+  its squared norm taken per bucket in a DDP communication hook (AdaptDL's source) that wraps
+  the user's own hook or DDP's default all-reduce.
 
 Norms are taken after unscaling (loss scale) and before clipping. The EMA forgets per
-unit, not per step: decay = 0.5^(B / half_life), so it means the same at any batch.
+unit, not per step: decay = 0.5^(B / half_life), so it means the same at any batch
+(with ``every=n``, a measured window stands for the n windows since the last one).
 
 Uncertainty: each window gives an independent unbiased pair (tr(Σ)^, |G|²^); the EMA
 also tracks their weighted second moments, hence the standard errors of both EMA means

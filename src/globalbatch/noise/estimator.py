@@ -26,6 +26,7 @@ __all__ = [
     "NoiseScaleEstimator",
     "window_estimates",
     "fieller_interval",
+    "ema_fold",
 ]
 
 NEEDS_TWO_BATCH_SIZES = "needs at least two batch sizes: use grad_accum_steps ≥ 2 or dp_world_size ≥ 2"
@@ -144,7 +145,8 @@ class NoiseScaleEstimate:
     windows: int
     """Windows folded in (non-finite ones excluded)."""
     skipped_windows: int
-    """Windows skipped because a norm was not finite (e.g. AMP overflow steps)."""
+    """Measured windows left out: a norm was not finite (e.g. AMP overflow), or the step driver
+    skipped the optimizer step (non-finite loss or gradient on some rank)."""
     effective_windows: float
     """n_eff = (Σw)²/Σw² of the EMA weights."""
     big_count: float
@@ -154,7 +156,8 @@ class NoiseScaleEstimate:
     flags: tuple[str, ...]
     """Why the estimate should not be reported: ``"no_windows"``, ``"few_windows"``,
     ``"g_sq_nonpositive"``, ``"too_noisy"`` (|G|² not significantly > 0, or relative error
-    above the limit). Empty when reportable."""
+    above the limit), ``"wide_interval"`` (high/low of the interval above ``max_interval_ratio``,
+    2 by default: the answer is not known to within a factor of 2). Empty when reportable."""
 
     @property
     def ok(self) -> bool:
@@ -178,6 +181,49 @@ _W, _Q, _ST, _SG, _MTT, _MGG, _MTG, _N, _SKIP, _BIG, _LR, _B0 = range(12)
 _STATE_LEN = 12
 
 
+def ema_fold(state: torch.Tensor, tg: torch.Tensor, big: torch.Tensor, decay: torch.Tensor,
+             present: torch.Tensor | None = None, *, lr: Any = None) -> None:
+    """Fold m windows, in order, into n estimators at once: one small op chain, no host sync.
+
+    The EMA S_i = d_i·S_(i−1) + new_i unrolled: S_m = (Π d)·S_0 + Σ_i (Π_(l>i) d_l)·new_i, the
+    products taken as exponentials of suffix sums of log d (so m windows cost what one does).
+
+    Args:
+        state: (n, 12) float64 estimator states, updated in place.
+        tg: (m, n, 2) each window's (tr(Σ)^, |G|²^) for each estimator.
+        big: (m, n) each window's units B; decay: (m, n) its EMA decay d ∈ (0, 1].
+        present: (m, n) bool, False where an estimator has no value in a window (left out, not
+            counted); None: all present. A present window whose tg is not finite is skipped and
+            counted in the skip counter.
+        lr: the last window's learning rate, logged (None: unchanged).
+    """
+    finite = torch.isfinite(tg).all(2)
+    valid = finite if present is None else finite & present
+    t = torch.where(valid, tg[..., 0], 0.0)
+    g = torch.where(valid, tg[..., 1], 0.0)
+    d = torch.where(valid, decay, 1.0)
+    # Weight of a window: 1 − d (≈ B·ln2/half_life: proportional to its units); 1 for a plain mean (d = 1).
+    w = torch.where(valid, torch.where(d < 1, 1 - d, 1.0), 0.0)
+    log_d = torch.log(d)
+    after = log_d.sum(0, keepdim=True) - log_d.cumsum(0)        # Σ_(l>i) log d_l
+    c = torch.exp(after)
+    wc, wt, wg = w * c, w * t, w * g
+    new = torch.stack([wc, w * w * c * c, wt * c, wg * c, wt * t * c, wg * g * c, wt * g * c], 2).sum(0)  # (n, 7)
+    total = torch.exp(log_d.sum(0))
+    dec = torch.stack([total, total * total, total, total, total, total, total], 1)
+    state[:, :_N].mul_(dec).add_(new)
+    skipped = ~finite if present is None else present & ~finite
+    state[:, _N:_SKIP + 1].add_(torch.stack([valid.sum(0), skipped.sum(0)], 1).to(state.dtype))
+    # B of the last valid window (unchanged when none): position of the last True along windows.
+    m = tg.shape[0]
+    order = torch.arange(1, m + 1, device=state.device, dtype=torch.float64)[:, None]
+    last = (valid * order).argmax(0)
+    big_last = big.gather(0, last[None])[0]
+    state[:, _BIG] = torch.where(valid.any(0), big_last.to(state.dtype), state[:, _BIG])
+    if lr is not None:
+        state[:, _LR] = _as_tensor(lr, state.device).reshape(())
+
+
 class NoiseScaleEstimator:
     """EMA of the per-window unbiased estimates, with per-unit forgetting and uncertainty.
 
@@ -193,12 +239,15 @@ class NoiseScaleEstimator:
         confidence: two-sided level of the interval.
         min_windows: fewer windows than this flags ``"few_windows"``.
         max_relative_stderr: stderr/B_simple above this flags ``"too_noisy"``.
+        max_interval_ratio: high/low of the interval above this flags ``"wide_interval"``
+            (``math.inf``: never).
         device: where the state lives (the gradients' device).
     """
 
     def __init__(self, *, unit: str = "token", half_life: float | None = None, half_life_windows: float = 20.0,
                  confidence: float = 0.95, min_windows: int = 3, max_relative_stderr: float = 0.5,
-                 device: torch.device | str | None = None) -> None:
+                 max_interval_ratio: float = 2.0, device: torch.device | str | None = None,
+                 state: torch.Tensor | None = None) -> None:
         if unit not in ("token", "sample"):
             raise ValueError(f"unit {unit!r} is not allowed; allowed: 'token' or 'sample'")
         if half_life is not None and not half_life > 0:
@@ -211,13 +260,19 @@ class NoiseScaleEstimator:
             raise ValueError(f"min_windows {min_windows!r} is not allowed; allowed: ≥ 2 (a variance needs two windows)")
         if not max_relative_stderr > 0:
             raise ValueError(f"max_relative_stderr {max_relative_stderr!r} is not allowed; allowed: > 0")
+        if not max_interval_ratio > 1:
+            raise ValueError(f"max_interval_ratio {max_interval_ratio!r} is not allowed; allowed: > 1 (or math.inf)")
         self.unit = unit
         self.half_life = half_life
         self.half_life_windows = float(half_life_windows)
         self.confidence = float(confidence)
         self.min_windows = int(min_windows)
         self.max_relative_stderr = float(max_relative_stderr)
-        self.state = torch.zeros(_STATE_LEN, dtype=torch.float64, device=device)
+        self.max_interval_ratio = float(max_interval_ratio)
+        # ``state``: a caller-owned row (the monitor keeps every estimator's state in one matrix and
+        # updates them all with one op chain); by default a tensor of its own.
+        self.state = torch.zeros(_STATE_LEN, dtype=torch.float64, device=device) if state is None else state
+        self.state.zero_()
         self.state[_LR] = math.nan
         self._started = False  # host-side: B0 set (for half_life=None)
 
@@ -230,8 +285,9 @@ class NoiseScaleEstimator:
         self.update_window(stats, lr=lr)
         return stats
 
-    def decay_for(self, big_count: torch.Tensor) -> torch.Tensor:
-        """EMA decay for a window of ``big_count`` units: 0.5^(B/half_life) (a device tensor)."""
+    def decay_for(self, big_count: torch.Tensor, windows: float = 1.0) -> torch.Tensor:
+        """EMA decay for ``windows`` windows of ``big_count`` units: 0.5^(windows·B/half_life) (a device
+        tensor). ``windows`` > 1 when only one window in n is measured (``NoiseConfig.every``)."""
         big = big_count.to(device=self.state.device, dtype=torch.float64)
         if self.half_life is None:
             if not self._started:
@@ -242,31 +298,16 @@ class NoiseScaleEstimator:
             return torch.ones((), dtype=torch.float64, device=self.state.device)
         else:
             half = torch.tensor(self.half_life, dtype=torch.float64, device=self.state.device)
-        return torch.exp2(-big / half)
+        return torch.exp2(-big * windows / half) if windows != 1.0 else torch.exp2(-big / half)
 
     def update_window(self, stats: WindowStats, *, lr: Any = None, decay: torch.Tensor | None = None) -> None:
         """Fold in one window's estimates. Non-finite windows are skipped (counted), on the device."""
         s = self.state
         tg = torch.stack([stats.tr_sigma.reshape(()), stats.g_sq.reshape(())]).to(device=s.device,
                                                                                   dtype=torch.float64)
-        big = stats.big_count.to(device=s.device, dtype=torch.float64).reshape(())
-        d = self.decay_for(big) if decay is None else decay.to(device=s.device, dtype=torch.float64)
-        finite = torch.isfinite(tg).all()
-        fin = finite.to(torch.float64)
-        tg = torch.nan_to_num(tg, nan=0.0, posinf=0.0, neginf=0.0) * fin
-        d = torch.where(finite, d, 1.0)
-        # Weight of the new window: 1 − d (≈ B·ln2/half_life: proportional to its units); 1 for a plain mean.
-        w = torch.where(d < 1, 1 - d, 1.0) * fin
-        t, g = tg[0], tg[1]
-        # [W, Q, ΣT, ΣG, ΣT², ΣG², ΣTG] ← decay · old + weight · new
-        dec = torch.stack([d, d * d, d, d, d, d, d])
-        new = torch.stack([w, w * w, w * t, w * g, w * t * t, w * g * g, w * t * g])
-        s[:_N].mul_(dec).add_(new)
-        s[_N] += fin
-        s[_SKIP] += 1.0 - fin
-        s[_BIG] = torch.where(finite, big, s[_BIG])
-        if lr is not None:
-            s[_LR] = _as_tensor(lr, s.device).reshape(())
+        big = stats.big_count.to(device=s.device, dtype=torch.float64).reshape(1, 1)
+        d = self.decay_for(big[0, 0]) if decay is None else decay.to(device=s.device, dtype=torch.float64)
+        ema_fold(s[None], tg.reshape(1, 1, 2), big, d.reshape(1, 1), lr=lr)
 
     # -- read-out (one host sync) ----------------------------------------------------------
 
@@ -307,6 +348,8 @@ class NoiseScaleEstimator:
                 low, high = max(interval[0], 0.0), interval[1]  # B_simple ≥ 0: clip to the parameter space
                 if ratio > 0 and stderr / ratio > self.max_relative_stderr and "too_noisy" not in flags:
                     flags.append("too_noisy")
+                if not high <= self.max_interval_ratio * low:  # low 0: unbounded ratio; NaN: flagged too
+                    flags.append("wide_interval")
         return NoiseScaleEstimate(unit=self.unit, b_simple=ratio, stderr=stderr, low=low, high=high,
                                   confidence=self.confidence, tr_sigma=t, g_sq=g, windows=int(N),
                                   skipped_windows=int(SKIP), effective_windows=n_eff, big_count=BIG, lr=LR,

@@ -1,34 +1,55 @@
 """NoiseScaleMonitor: the small-batch gradient norms of a real training step.
 
-Sources (no extra forward/backward): ``"micro"``, the micro-batches of an accumulation
-window pooled over ranks (|g_micro|² from the difference of the accumulated gradient
-before and after each micro backward, one snapshot copy of the gradients), and ``"rank"``,
-each DP rank's window gradient before the all-reduce, measured per bucket in a DDP comm
-hook. ``adam=True`` adds the Adam-preconditioned variant g/(√v̂ + eps). The reduced
-sufficient statistics go to one :class:`~globalbatch.noise.estimator.NoiseScaleEstimator`
-per (source, variant, unit).
+McCandlish, Kaplan, Amodei 2018 (arXiv 1812.06162), App. A.1 (the estimator is in
+:mod:`globalbatch.noise.estimator`). Sources, at no extra forward/backward:
+
+* ``"micro"``: the micro-batches of an accumulation window, pooled over ranks. A tensor hook on
+  every trainable parameter sees the gradient each micro backward *adds* to ``.grad``
+  (Δ = m_i·g_i, before accumulation and before any DP all-reduce) and takes its norm at once,
+  while it is in cache, into a preallocated buffer slot. One in-cache read of the gradient per
+  micro-batch; no snapshot copy, no gradient held, no tensor created per norm.
+  Under FSDP2 the hooks sit on its unsharded parameters (before the reduce-scatter).
+* ``"rank"``: each DP rank's window gradient before the all-reduce, one norm per bucket in a DDP
+  comm hook that wraps the user's own hook (or DDP's default all-reduce). Not under FSDP2.
+
+``adam=True`` adds the Adam-preconditioned variant g/(√v̂ + eps). The per-window statistics
+are one small tensor chain (under the StepDriver |G_big|² is its pre-clip norm, read in its one
+host sync); windows are queued and folded into every estimator at once (each estimator's state
+is a row of one matrix).
+``every=n`` measures one window in n: between measured windows the parameter hooks are
+removed, so the skipped windows cost a few Python calls.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from globalbatch.noise.estimator import (
+    _B0,
+    _STATE_LEN,
     NEEDS_TWO_BATCH_SIZES,
     NoiseScaleEstimate,
     NoiseScaleEstimator,
     _as_tensor,
-    _window_from_sums,
+    ema_fold,
 )
+from globalbatch.parallel import inspect_parallel
 
 __all__ = ["SOURCES", "NoiseConfig", "NoiseScaleMonitor"]
 
 SOURCES = ("micro", "rank")
+_vector_norm = torch._C._linalg.linalg_vector_norm  # torch.linalg.vector_norm, called positionally in the hooks
+_FOLD_EVERY = 32  # measured windows queued (one small vector each) before they are folded in on the device
+
+
+def _check_every(every: Any) -> int:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"every {every!r} is not allowed; allowed: a whole number ≥ 1 (measure one window in n)")
+    return every
 
 
 @dataclass(kw_only=True)
@@ -41,9 +62,14 @@ class NoiseConfig:
     that cannot apply (``"rank"`` on one process) is left out; none left is a ValueError."""
     half_life: float | None = None
     """EMA half-life in units of the loss (tokens for a token-mean loss); None: ``half_life_windows``
-    times the first window's global batch; ``math.inf``: plain mean over all windows."""
+    times the first window's global batch. ``math.inf``: the **plain mean over every measured
+    window** — the read-out to use at fixed parameters (lr 0, a frozen checkpoint), where there is
+    no drift to forget and the plain mean is the most precise estimate."""
     half_life_windows: float = 20.0
     """Half-life in windows of the first global batch, used when ``half_life`` is None."""
+    every: int = 1
+    """Measure one window in ``every`` (the others cost nearly nothing); changeable at any time
+    through ``monitor.every``. The EMA still forgets per trained unit."""
     adam: bool = False
     """Also estimate the *Adam-preconditioned variant*, g/(√v̂ + eps), from the optimizer's
     ``exp_avg_sq`` (costs one more gradient-sized buffer and one multiply per norm)."""
@@ -53,6 +79,8 @@ class NoiseConfig:
     """Fewer windows than this flags an estimate ``"few_windows"``."""
     max_relative_stderr: float = 0.5
     """stderr / B_simple above this flags ``"too_noisy"``."""
+    max_interval_ratio: float = 2.0
+    """high / low of the interval above this flags ``"wide_interval"`` (``math.inf``: never)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.sources, str):
@@ -64,31 +92,139 @@ class NoiseConfig:
             raise ValueError(f"half_life {self.half_life!r} is not allowed; allowed: > 0 units, None or math.inf")
         if not self.half_life_windows > 0:
             raise ValueError(f"half_life_windows {self.half_life_windows!r} is not allowed; allowed: > 0")
+        _check_every(self.every)
         if not 0.0 < self.confidence < 1.0:
             raise ValueError(f"confidence {self.confidence!r} is not allowed; allowed: 0 < confidence < 1")
         if isinstance(self.min_windows, bool) or not isinstance(self.min_windows, int) or self.min_windows < 2:
             raise ValueError(f"min_windows {self.min_windows!r} is not allowed; allowed: an int ≥ 2")
         if not self.max_relative_stderr > 0:
             raise ValueError(f"max_relative_stderr {self.max_relative_stderr!r} is not allowed; allowed: > 0")
+        if not self.max_interval_ratio > 1:
+            raise ValueError(f"max_interval_ratio {self.max_interval_ratio!r} is not allowed; allowed: > 1 "
+                             "(or math.inf)")
 
 
-def _sq_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Σ|t|² over tensors in float32 (grouped kernels via ``_foreach_norm``); 0-d tensor."""
-    if not tensors:
-        return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm(list(tensors))
-    return torch.stack(norms).float().square().sum()
+def _sq_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Σ|t|² over tensors in float64 (grouped kernels via ``_foreach_norm``); 0-d tensor."""
+    return torch.stack(torch._foreach_norm(tensors)).double().square_().sum()
+
+
+def _scalars(values: list[Any], device: torch.device) -> torch.Tensor:
+    """Per-micro scalars (host numbers or 0-d tensors) as one float64 vector on ``device``."""
+    if all(isinstance(v, torch.Tensor) for v in values):
+        return torch.stack([v.reshape(()) for v in values]).to(device=device, dtype=torch.float64)
+    if not any(isinstance(v, torch.Tensor) for v in values):
+        return torch.tensor(values, dtype=torch.float64, device=device)
+    return torch.stack([_as_tensor(v, device).reshape(()) for v in values]).to(device)
+
+
+def _host_weights(counts: list[Any], mults: list[Any],
+                  samples: list[float] | None) -> tuple[float, list[list[float]], float] | None:
+    """Σ b_i, the weights [[b_i/m_i²...], [s_i/m_i²...]] and Σ m_i as host floats, when every count and
+    multiplier is a number or a CPU tensor (reading those is no device sync); else None."""
+    def host(v: Any) -> float | None:
+        if isinstance(v, torch.Tensor):
+            return v.item() if v.device.type == "cpu" else None  # a CPU tensor: no device sync
+        return float(v)
+
+    cs, ms = [], []
+    for c, m in zip(counts, mults):
+        cv = host(c)
+        mv = cv if m is c else host(m)
+        if cv is None or mv is None:
+            return None
+        cs.append(cv)
+        ms.append(mv)
+    inv = [1.0 / (m * m) for m in ms]
+    smp = samples if samples is not None else [0.0] * len(cs)
+    return sum(cs), [[c * i for c, i in zip(cs, inv)], [s * i for s, i in zip(smp, inv)]], float(sum(ms))
+
+
+def _fsdp_unsharded_params(module: torch.nn.Module) -> list[torch.Tensor] | None:
+    """The unsharded parameters FSDP2 computes gradients for (one per sharded trainable parameter),
+    or None before the first forward created them. FSDP2 keeps these objects across iterations
+    (it frees and refills their storage), so hooks on them persist. Private FSDP2 state: checked by
+    the 2-rank test against DDP on the same windows."""
+    out = []
+    for m in module.modules():
+        get = getattr(m, "_get_fsdp_state", None)
+        if get is None:
+            continue
+        state = get()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            for fp in group.fsdp_params:
+                if not fp.sharded_param.requires_grad:
+                    continue
+                if not hasattr(fp, "_unsharded_param"):
+                    return None
+                out.append(fp._unsharded_param)
+    return out
+
+
+class _NormSlots:
+    """A float32 buffer the parameter hooks write |Δ| into, one 0-d view per slot: no tensor is
+    created or freed per norm, and the window reads them all as one slice."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.views: tuple[torch.Tensor, ...] = ()
+        self.n = 0      # slots written in this window
+        self.mark = 0   # slots closed by micro_backward
+
+    def put(self, grad: torch.Tensor) -> None:
+        j = self.n
+        if j >= len(self.views) or self.buf.device != grad.device or \
+                (grad.dtype == torch.float64 and self.buf.dtype != torch.float64):
+            self._grow(grad.device, j, float64=grad.dtype == torch.float64)
+        v = self.views[j]
+        if grad.dtype == v.dtype:
+            torch.linalg.vector_norm(grad, out=v)
+        elif grad.dtype in (torch.float16, torch.bfloat16):
+            v.copy_(torch.linalg.vector_norm(grad, dtype=torch.float32))  # accumulate half precision in float32
+        else:
+            v.copy_(torch.linalg.vector_norm(grad))
+        self.n = j + 1
+
+    def _grow(self, device: torch.device, need: int, *, float64: bool) -> None:
+        """A bigger buffer (float64 once any float64 gradient was seen, else float32), contents kept."""
+        old = self.buf
+        dtype = torch.float64 if float64 or (old is not None and old.dtype == torch.float64) else torch.float32
+        self.buf = torch.zeros(max(64, 2 * (need + 1)), dtype=dtype, device=device)
+        if old is not None and old.device == device:
+            self.buf[:self.n].copy_(old[:self.n])
+        self.views = self.buf.unbind(0)
+
+    def close_micro(self) -> int:
+        """Norms written since the last call."""
+        n, self.mark = self.n - self.mark, self.n
+        return n
+
+    def drop(self) -> None:
+        """Forget what was written since the last close (a backward that is not measured)."""
+        self.n = self.mark
+
+    def reset(self) -> None:
+        self.n = self.mark = 0
+
+    def written(self) -> torch.Tensor:
+        return self.buf[:self.n] if self.buf is not None else torch.zeros(0)
 
 
 class NoiseScaleMonitor:
     """Measure B_simple during training: a step-driver callback, or called from a plain loop.
 
-    With :class:`globalbatch.step.StepDriver`: ``StepDriver(..., callbacks=[monitor])``. In a
-    plain loop (sum-loss accumulation, gradients normalized to the mean before ``window_end``)::
+    With :class:`globalbatch.step.StepDriver`: ``StepDriver(..., callbacks=[monitor])``, or
+    ``driver.callbacks.append(monitor)`` at any time (it starts at the next window), and
+    ``driver.callbacks.remove(monitor); monitor.detach()`` to stop. In a plain loop (sum-loss
+    accumulation, gradients normalized to the mean before ``window_end``)::
 
-        monitor = NoiseScaleMonitor(model, optimizer=opt)      # before the first backward (DDP hook)
+        monitor = NoiseScaleMonitor(model, optimizer=opt)      # between windows
         for window in windows:
-            for i, micro in enumerate(window):
+            for micro in window:
                 loss_sum, count = loss_fn(model, micro)
                 loss_sum.backward()                             # under no_sync() except the last (DDP)
                 monitor.micro_backward(count, samples=len(micro))
@@ -97,57 +233,173 @@ class NoiseScaleMonitor:
             opt.step(); opt.zero_grad()
         print(monitor.estimate())                               # host sync: at log steps only
 
-    Hook order inside a window: ``micro_backward`` after every micro backward (``.grad`` holds
-    the running accumulation), the DDP comm hook during the syncing backward (before the
+    Hook order inside a window: the parameter hooks during each micro backward,
+    ``micro_backward`` after it, the DDP comm hook during the syncing backward (before the
     all-reduce), ``window_end`` after sync, normalization and unscaling, before clipping.
+    Every backward through the parameters between two ``micro_backward`` calls is counted as
+    part of that micro-batch (``torch.autograd.grad`` over the parameters too).
 
     Args:
-        model: the module (or its DDP wrapper: then a comm hook is registered now, so build the
-            monitor before the first backward; DDP allows one comm hook per model).
+        model: the module, or its DDP / FSDP2 / ``torch.compile`` wrappers at any depth
+            (:func:`globalbatch.parallel.inspect_parallel`). Under DDP with the ``rank`` source
+            a comm hook is registered now: build the monitor before the first backward. FSDP2:
+            the micro source only, from the second window (FSDP2's unsharded parameters, which
+            the hooks attach to, appear at the first forward).
         optimizer: needed for ``adam=True`` (its ``exp_avg_sq``) and to log the LR.
         config: :class:`NoiseConfig`.
-        unit: the loss's unit, ``"token"`` or ``"sample"``; a sample-unit estimate is added
-            whenever sample counts are known.
+        unit: the loss's unit, ``"token"`` or ``"sample"``; None: follow the loss — ``"sample"``
+            when every window's loss-bearing units equal its samples (a per-sample loss), else
+            ``"token"`` (decided at read-out, no extra host sync). A sample-unit estimate is
+            added whenever sample counts are known.
         process_group: the DP group (default: DDP's group, else none: one replica).
+        comm_hook: your own DDP comm hook ``hook(state, bucket) -> Future`` (PowerSGD, fp16
+            compression, ...): the monitor's hook measures the bucket, then calls yours. DDP
+            takes one comm hook per model, so register yours through the monitor.
+        comm_state: the ``state`` argument of ``comm_hook``.
     """
 
     def __init__(self, model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
-                 config: NoiseConfig | None = None, unit: str = "token", process_group: Any = None) -> None:
+                 config: NoiseConfig | None = None, unit: str | None = None, process_group: Any = None,
+                 comm_hook: Callable[..., Any] | None = None, comm_state: Any = None) -> None:
         self.config = config if config is not None else NoiseConfig()
-        if unit not in ("token", "sample"):
-            raise ValueError(f"unit {unit!r} is not allowed; allowed: 'token' or 'sample'")
-        self.unit = unit
+        if unit not in (None, "token", "sample"):
+            raise ValueError(f"unit {unit!r} is not allowed; allowed: 'token', 'sample' or None (follow the loss)")
+        self._unit = unit
         self.optimizer = optimizer
         if self.config.adam and optimizer is None:
             raise ValueError("optimizer None is not allowed with adam=True; allowed: the Adam/AdamW optimizer "
                              "(the variant needs its exp_avg_sq)")
-        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        info = inspect_parallel(model)
+        ddp = info.sync_module if info.kind == "ddp" else None
+        self._fsdp = info.sync_module if info.kind == "fsdp2" else None
+        if self._fsdp is not None and self.config.adam:
+            raise ValueError("adam True is not allowed with an FSDP2 model; allowed: adam False (the variant "
+                             "is measured on plain and DDP models only)")
+        if process_group is not None and ddp is None and self._fsdp is None:
+            raise ValueError("process_group is not allowed with a plain module; allowed: a DDP model (the monitor "
+                             "sees each rank's gradient before the all-reduce)")
+        if comm_hook is not None and ddp is None:
+            raise ValueError("comm_hook is not allowed with a plain module; allowed: a DDP model")
         self.model = model
+        self._ddp = ddp
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._index = {id(p): i for i, p in enumerate(self._params)}
         import torch.distributed as dist
 
-        self._group = process_group if process_group is not None else (model.process_group if ddp else None)
-        self.dp_world_size = dist.get_world_size(self._group) if self._group is not None else 1
-        if process_group is not None and not ddp:
-            raise ValueError("process_group is not allowed with a plain module; allowed: a DDP model (the monitor "
-                             "sees each rank's gradient before the all-reduce)")
-        self.sources = tuple(s for s in self.config.sources if s != "rank" or self.dp_world_size > 1)
+        self._group = process_group if process_group is not None else (ddp.process_group if ddp is not None else None)
+        self.dp_world_size = dist.get_world_size(self._group) if (ddp is not None or self._fsdp is not None) else 1
+        # FSDP2 has no comm hook to wrap: its "rank" source is left out (the micro source pools ranks).
+        self.sources = tuple(s for s in self.config.sources
+                             if s != "rank" or (self.dp_world_size > 1 and self._fsdp is None))
         if not self.sources:
             raise ValueError(f"sources {self.config.sources!r} is not allowed with dp_world_size {self.dp_world_size}; "
                              f"allowed: add 'micro' with grad_accum_steps ≥ 2 (the noise scale {NEEDS_TWO_BATCH_SIZES})")
-        self._ddp = ddp
-        if ddp:
-            model.register_comm_hook(self._group, _comm_hook(self))
+        self._micro = "micro" in self.sources
+        self._adam_on = self.config.adam
+        self._every = _check_every(self.config.every)
         self.estimators: dict[str, NoiseScaleEstimator] = {}
+        self._state: torch.Tensor | None = None        # (n_estimators, 12): one row per estimator
         self._device: torch.device | None = None
-        self._reset_window()
-        self._pending: tuple | None = None
-        self._snap: dict[int, torch.Tensor] = {}       # persistent snapshot buffers, one per parameter
-        self._snap_list: tuple[tuple[int, ...], list[torch.Tensor]] = ((), [])
-        self._checked_sharding = False
         self._precond: list[torch.Tensor] | None = None
         self._precond_ready = False
+        self._pending: list[dict[str, Any]] = []          # measured windows not yet folded in
+        self._unit_gap: torch.Tensor | None = None     # Σ|units − samples| over windows (unit=None)
+        self._unit_checks = 0
+        # Filled by the parameter hooks during a micro backward (persistent lists: the hooks bind them).
+        self._slots = _NormSlots()                     # |Δ| per (micro, parameter), written by the hooks
+        self._slots_adam = _NormSlots()
+        self._hooks: list[Any] = []
+        self._attached = True
+        self._countdown = 0                            # windows to leave out before the next measured one
+        self._elapsed = 1                              # windows since the last measured one, this one included
+        self._in_window = False
+        self._measuring = False
+        self._last_measured = False
+        self._armed = True
+        self._reset_window()
+        if self._micro:
+            self._add_param_hooks()
+        if ddp is not None and ("rank" in self.sources or comm_hook is not None):
+            _CommHookDispatch.attach(ddp, self._group, self, comm_hook, comm_state)
+
+    # -- attach, detach, every ---------------------------------------------------------------
+
+    @property
+    def unit(self) -> str:
+        """The loss's unit: as given, else followed from the loss (see the ``unit`` argument)."""
+        if self._unit is not None:
+            return self._unit
+        self._flush()
+        if self._unit_gap is None:
+            return "token"
+        return "sample" if float(self._unit_gap) == 0.0 else "token"  # host sync: read-out only
+
+    @property
+    def every(self) -> int:
+        """Measure one window in ``every``. Setting it takes effect from the next window."""
+        return self._every
+
+    @every.setter
+    def every(self, n: int) -> None:
+        self._every = _check_every(n)
+        self._countdown = min(self._countdown, n - 1)
+        if not self._in_window:
+            self._arm(self._countdown <= 0)
+
+    def detach(self) -> None:
+        """Stop measuring: remove the parameter hooks (the estimates stay readable). Under DDP the
+        comm hook keeps running the wrapped (or default) all-reduce without measuring."""
+        self._attached = False
+        self._measuring = False  # a window in progress is left out
+        self._arm(False)
+
+    def attach(self) -> None:
+        """Measure again after :meth:`detach`, from the next window that starts."""
+        self._attached = True
+        if not self._in_window:
+            self._arm(self._countdown <= 0)
+
+    def _add_param_hooks(self) -> None:
+        if self._hooks:
+            return
+        slots, slots_adam = self._slots, self._slots_adam
+        mon = self
+
+        def make(i: int) -> Callable[[torch.Tensor], None]:
+            def hook(grad: torch.Tensor) -> None:
+                # Δ of this parameter as it arrives, before AccumulateGrad adds it into .grad and before
+                # any DP all-reduce: its norm now, while the gradient is still in cache; nothing is held.
+                # (Lean on purpose: this runs once per parameter per micro-batch.)
+                j = slots.n
+                views = slots.views
+                if j < len(views) and grad.dtype is views[j].dtype:
+                    try:
+                        _vector_norm(grad, 2, None, False, out=views[j])
+                        slots.n = j + 1
+                    except RuntimeError:  # another device than the buffer's
+                        slots.put(grad)
+                else:
+                    slots.put(grad)
+                if mon._adam_on and mon._ensure_precond():
+                    slots_adam.put(grad * mon._precond[i])
+            return hook
+
+        targets = self._params if self._fsdp is None else _fsdp_unsharded_params(self._fsdp)
+        if targets is None:  # FSDP2 before its first forward: the unsharded parameters do not exist yet
+            return
+        self._hooks = [p.register_hook(make(i)) for i, p in enumerate(targets)]
+
+    def _arm(self, on: bool) -> None:
+        """Hooks in place exactly when the next window is measured (skipped windows cost nothing)."""
+        on = on and self._attached
+        if on and self._micro:
+            self._add_param_hooks()
+        elif not on and self._hooks:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+        self._slots.drop(), self._slots_adam.drop()
+        self._armed = on
 
     # -- names ---------------------------------------------------------------------------
 
@@ -157,6 +409,9 @@ class NoiseScaleMonitor:
             names += [s + "_adam" for s in self.sources]
         return names
 
+    def _units(self) -> list[str]:
+        return ["sample"] if self._unit == "sample" else ["token", "sample"]
+
     def _estimator(self, key: str) -> NoiseScaleEstimator:
         est = self.estimators.get(key)
         if est is None:
@@ -164,42 +419,41 @@ class NoiseScaleMonitor:
             est = NoiseScaleEstimator(unit=key.split("/")[1], half_life=c.half_life,
                                       half_life_windows=c.half_life_windows, confidence=c.confidence,
                                       min_windows=c.min_windows, max_relative_stderr=c.max_relative_stderr,
-                                      device=self._device)
+                                      max_interval_ratio=c.max_interval_ratio, device=self._device)
             self.estimators[key] = est
         return est
+
+    def _rows(self, names: list[str]) -> torch.Tensor:
+        """The state matrix of the estimators ``names``, in order (each estimator's ``state`` is a
+        view of its row, so the estimators read what one fold writes)."""
+        for n in names:
+            self._estimator(n)
+        if self._state is None or self._state.device != self._device or \
+                any(self.estimators[n].state.data_ptr() != self._state[j].data_ptr() for j, n in enumerate(names)):
+            state = torch.zeros(len(names), _STATE_LEN, dtype=torch.float64, device=self._device)
+            for j, n in enumerate(names):
+                state[j].copy_(self.estimators[n].state)
+                self.estimators[n].state = state[j]
+            self._state = state
+        return self._state
 
     # -- window state ------------------------------------------------------------------------
 
     def _reset_window(self) -> None:
-        self._micro_index = 0
-        self._micro_sq: list[torch.Tensor] = []        # raw |Δa|² of each micro (loss-scaled, × multiplier²)
-        self._micro_sq_adam: list[torch.Tensor] = []
-        self._micro_weight: list[torch.Tensor] = []    # b_i / m_i² (turns raw |Δa|² into b_i|g_i|²)
-        self._micro_sample_weight: list[torch.Tensor] = []
-        self._local_count: list[torch.Tensor] = []
-        self._local_mult: list[torch.Tensor] = []
-        self._local_samples = 0.0
+        self._slots.reset(), self._slots_adam.reset()
+        self._per_micro: list[int] = []                # how many norms each micro-batch added
+        self._counts: list[Any] = []
+        self._mults: list[Any] = []
+        self._samples: list[float] = []
         self._samples_known = True
-        self._snap_valid = False                       # self._snap holds a_old of this window
-        self._hook_micro: list[torch.Tensor] = []     # filled by the comm hook during a syncing backward
-        self._hook_micro_adam: list[torch.Tensor] = []
-        self._hook_rank: list[torch.Tensor] = []
+        self._hook_rank: list[torch.Tensor] = []      # filled by the comm hook during a syncing backward
         self._hook_rank_adam: list[torch.Tensor] = []
-        self._hook_fired = False
-        self._synced_micro = -1                        # micro index whose backward ran the DDP sync
-        self._after_last = False                       # a micro declared last skipped the snapshot copy
-        self._poisoned = False                         # a micro came after that: this window is unusable
+        self._synced_micro = -1
         self._precond_ready = False
 
-    def _active(self) -> list[int]:
-        """Indices of the parameters that hold a gradient now."""
-        out = [i for i, p in enumerate(self._params) if p.grad is not None]
-        if out and not self._checked_sharding:
-            if hasattr(self._params[out[0]].grad, "_local_tensor"):
-                raise ValueError("model: FSDP2 (sharded) gradients: the noise monitor supports plain and DDP "
-                                 "models only; a local norm would be a shard norm")
-            self._checked_sharding = True
-        return out
+    def _start_window(self, *, usable: bool = True) -> None:
+        self._in_window = True
+        self._measuring = self._armed and usable
 
     def _ensure_precond(self) -> bool:
         """1/(√v̂ + eps) per parameter from the optimizer (state of the previous step). False if none yet."""
@@ -249,119 +503,52 @@ class NoiseScaleMonitor:
             grad_multiplier: m_i with Δ.grad = m_i · (mean gradient of the micro-batch), before
                 loss scaling; default ``count`` (backward on the *summed* loss). For a loop that
                 back-propagates ``loss.mean() / k``, pass ``1 / k``.
-            is_last: True on the window's last micro-batch saves one gradient copy (optional).
+            is_last: accepted for compatibility; no longer needed (there is no snapshot to save).
         """
-        active = self._active()
-        if self._device is None and active:
-            self._device = self._params[active[0]].grad.device
-            for est in self.estimators.values():
-                est.state = est.state.to(self._device)
-        count_t = _as_tensor(count, self._device).reshape(())
-        mult = count_t if grad_multiplier is None else _as_tensor(grad_multiplier, self._device).reshape(())
+        if not self._in_window:
+            self._start_window()
+        if self._micro and self._armed and not self._hooks:  # FSDP2: hooks possible after the first forward
+            self._add_param_hooks()
+            self._measuring = False  # this window's earlier backward passes were not seen
+        if not self._measuring:
+            self._slots.drop(), self._slots_adam.drop()
+            return
         if self._synced_micro >= 0:
-            raise ValueError(f"micro_backward: micro-batch {self._micro_index} follows a DDP gradient sync in "
+            raise ValueError(f"micro_backward: micro-batch {len(self._counts)} follows a DDP gradient sync in "
                              f"micro-batch {self._synced_micro}: run all but the last under model.no_sync()")
-        if self._after_last:  # told "last" before, so a_old was not kept: Δ is unknown, drop the window
-            if not self._poisoned:
-                import logging
-
-                logging.getLogger("globalbatch.noise").warning(
-                    "noise: micro-batch %d came after one declared last; this window is not measured",
-                    self._micro_index)
-            self._poisoned = True
-        if self._hook_fired:
-            # DDP synced in this backward: .grad is already reduced; the hook measured the local Δ.
-            sq = torch.stack(self._hook_micro).sum() if self._hook_micro else None
-            sq_adam = torch.stack(self._hook_micro_adam).sum() if self._hook_micro_adam else None
-            self._synced_micro = self._micro_index
-        else:
-            sq, sq_adam = self._micro_delta(active, copy=is_last is not True)
-            self._after_last = is_last is True
-        if "micro" in self.sources:
-            if sq is None:
-                raise RuntimeError("no micro-batch norm was recorded (the DDP comm hook did not run)")
-            self._micro_sq.append(sq)
-            if sq_adam is not None:
-                self._micro_sq_adam.append(sq_adam)
-        self._micro_weight.append(count_t / (mult * mult))
+        if self._hook_rank:
+            self._synced_micro = len(self._counts)
+        if self._micro:
+            self._per_micro.append(self._slots.close_micro())  # norms the hooks wrote in this backward
+            self._slots_adam.close_micro()
+        if isinstance(count, torch.Tensor) and count.device.type == "cpu":
+            count = count.item()  # a CPU tensor (the driver's host counts): no device sync
+        if isinstance(grad_multiplier, torch.Tensor) and grad_multiplier.device.type == "cpu":
+            grad_multiplier = grad_multiplier.item()
+        self._counts.append(count)
+        self._mults.append(count if grad_multiplier is None else grad_multiplier)
         if samples is None:
             self._samples_known = False
         else:
-            self._micro_sample_weight.append(float(samples) / (mult * mult))
-            self._local_samples += float(samples)
-        self._local_count.append(count_t)
-        self._local_mult.append(mult)
-        self._micro_index += 1
-
-    def _micro_delta(self, active: list[int], *, copy: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """|a_new − a_old|² from the snapshot (a_old = 0 on the first micro), then snapshot ← a_new."""
-        if "micro" not in self.sources:
-            return None, None
-        grads = [self._params[i].grad for i in active]
-        adam = self.config.adam and self._ensure_precond()
-        if not self._snap_valid:  # first micro-batch: a_old = 0, Δ = a_new
-            sq = _sq_sum(grads)
-            sq_adam = _sq_sum(torch._foreach_mul(grads, [self._precond[i] for i in active])) if adam else None
-            if copy:
-                torch._foreach_copy_(self._snap_buffers(active, zero=False), grads)  # the one gradient copy
-                self._snap_valid = True
-            return sq, sq_adam
-        snaps = self._snap_buffers(active, zero=True)
-        torch._foreach_sub_(snaps, grads)  # snapshot := a_old − a_new = −Δ (in place, no allocation)
-        sq = _sq_sum(snaps)
-        sq_adam = None
-        if adam:
-            torch._foreach_mul_(snaps, [self._precond[i] for i in active])
-            sq_adam = _sq_sum(snaps)
-        if copy:
-            torch._foreach_copy_(snaps, grads)
-        self._snap_valid = copy
-        return sq, sq_adam
-
-    def _snap_buffers(self, active: list[int], *, zero: bool) -> list[torch.Tensor]:
-        """The persistent snapshot buffers of ``active`` (allocated once; a parameter whose
-        gradient appears mid-window gets a zero a_old when ``zero``)."""
-        key = tuple(active)
-        if self._snap_list[0] == key:  # the usual case: same parameters as last time, buffers exist
-            return self._snap_list[1]
-        out = []
-        for i in active:
-            buf = self._snap.get(i)
-            g = self._params[i].grad
-            if buf is None or buf.shape != g.shape or buf.dtype != g.dtype:
-                buf = torch.zeros_like(g) if zero else torch.empty_like(g)
-                self._snap[i] = buf
-            out.append(buf)
-        self._snap_list = (key, out)
-        return out
+            self._samples.append(float(samples))
 
     def _hook_bucket(self, bucket: Any) -> None:
-        """Inside the DDP comm hook, before the all-reduce: local norms of this bucket."""
-        params, grads = bucket.parameters(), bucket.gradients()
-        idx = [self._index[id(p)] for p in params]
-        adam = self.config.adam and self._ensure_precond()
-        local_sq = _sq_sum(grads)
-        self._hook_rank.append(local_sq)
-        if adam:
-            local_adam = _sq_sum(torch._foreach_mul(grads, [self._precond[i] for i in idx]))
-            self._hook_rank_adam.append(local_adam)
-        if "micro" in self.sources:
-            if not self._snap_valid:
-                self._hook_micro.append(local_sq)
-                if adam:
-                    self._hook_micro_adam.append(local_adam)
-            else:
-                snaps = [self._snap[i] for i in idx]
-                torch._foreach_sub_(snaps, grads)  # the snapshot is not needed after the last micro
-                self._hook_micro.append(_sq_sum(snaps))
-                if adam:
-                    torch._foreach_mul_(snaps, [self._precond[i] for i in idx])
-                    self._hook_micro_adam.append(_sq_sum(snaps))
-        self._hook_fired = True
+        """Inside the DDP comm hook, before the all-reduce: this rank's norm of the bucket."""
+        if not self._in_window:  # one micro-batch per window: the sync runs before micro_backward
+            self._start_window()
+        if not self._measuring or "rank" not in self.sources:
+            return
+        self._hook_rank.append(torch.linalg.vector_norm(bucket.buffer(), dtype=torch.float64))
+        if self.config.adam and self._ensure_precond():
+            idx = [self._index[id(p)] for p in bucket.parameters()]
+            self._hook_rank_adam.append(
+                torch.linalg.vector_norm(torch.stack(torch._foreach_norm(
+                    torch._foreach_mul(bucket.gradients(), [self._precond[i] for i in idx]))).double()))
 
     # -- per window (no host sync; one small async all-reduce under DP) ---------------------------
 
-    def window_end(self, *, loss_scale: Any = None, lr: Any = None, big_grad_multiplier: Any = None) -> None:
+    def window_end(self, *, loss_scale: Any = None, lr: Any = None, big_grad_multiplier: Any = None,
+                   _big_from_driver: bool = False) -> None:
         """Fold in the window. ``.grad`` must hold the window's mean gradient (all ranks), unscaled,
         not yet clipped.
 
@@ -371,83 +558,179 @@ class NoiseScaleMonitor:
             lr: learning rate of this step, logged beside the estimate.
             big_grad_multiplier: if ``.grad`` is m × the mean gradient, m (default 1).
         """
-        k_local = self._micro_index
-        if k_local == 0:
+        if not self._in_window:
             raise RuntimeError("window_end() before any micro_backward() in this window")
+        measured = self._measuring
+        self._in_window = self._measuring = False
+        self._last_measured = measured
+        try:
+            if measured:
+                self._measure_window(loss_scale, lr, big_grad_multiplier, big_from_driver=_big_from_driver)
+        finally:
+            self._reset_window()
+            if measured:
+                self._countdown, self._elapsed = self._every - 1, 1
+            else:
+                self._countdown -= 1
+                self._elapsed += 1
+            self._arm(self._countdown <= 0)
+
+    def _measure_window(self, loss_scale: Any, lr: Any, big_grad_multiplier: Any, *, big_from_driver: bool) -> None:
+        """The window's sufficient statistics as one float64 vector (a short op chain), queued."""
+        k_local = len(self._counts)
         if k_local * self.dp_world_size < 2:
             raise ValueError(f"grad_accum_steps {k_local} with dp_world_size {self.dp_world_size} is not allowed; "
                              f"allowed: ≥ 2 small batches per window (the noise scale {NEEDS_TWO_BATCH_SIZES})")
-        self._flush()
-        active = self._active()
+        active = [i for i, p in enumerate(self._params) if p.grad is not None]
         grads = [self._params[i].grad for i in active]
+        if self._device is None:
+            g0 = getattr(grads[0], "_local_tensor", grads[0]) if grads else None
+            self._device = g0.device if g0 is not None else torch.device("cpu")
         dev = self._device
-        big_sq = {"": _sq_sum(grads).to(torch.float64)}
-        if self.config.adam and self._ensure_precond():
-            big_sq["_adam"] = _sq_sum(torch._foreach_mul(grads, [self._precond[i] for i in active])).double()
+        adam = self.config.adam and self._ensure_precond()
+        # |G_big|²: under the StepDriver, its pre-clip gradient norm (read in its one host sync) arrives
+        # in on_step_end at no cost; otherwise one read of .grad here.
+        big_later = big_from_driver and big_grad_multiplier is None
+        if self._fsdp is not None:  # sharded: local shard norms, × replicas so that Σ over ranks / R = |G|²
+            local = [getattr(g, "_local_tensor", g) for g in grads]
+            big = [torch.zeros((), dtype=torch.float64, device=dev) if big_later else
+                   torch.linalg.vector_norm(torch.stack(torch._foreach_norm(local)), dtype=torch.float64)
+                   * math.sqrt(self.dp_world_size)]
+        else:
+            big = [torch.zeros((), dtype=torch.float64, device=dev) if big_later else
+                   torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)), dtype=torch.float64)]
+        if self.config.adam:
+            big.append(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(torch._foreach_mul(
+                grads, [self._precond[i] for i in active]))), dtype=torch.float64) if adam else big[0])
+        samples_known = self._samples_known and len(self._samples) == k_local
+        local_samples = sum(self._samples) if samples_known else 0.0
+        hw = _host_weights(self._counts, self._mults, self._samples if samples_known else None)
+        if hw is not None:  # counts on the host (numbers or CPU tensors): the weights in Python, one tensor
+            units_f, w_rows, mult_sum_t = hw
+            head = torch.tensor([units_f, local_samples, float(k_local), 1.0], dtype=torch.float64, device=dev)
+            w = torch.tensor(w_rows, dtype=torch.float64, device=dev)
+        else:  # device tensors: the same on the device, no host sync
+            counts = _scalars(self._counts, dev)
+            mults = counts if all(m is c for m, c in zip(self._mults, self._counts)) else _scalars(self._mults, dev)
+            smp = torch.tensor(self._samples if samples_known else [0.0] * k_local, dtype=torch.float64, device=dev)
+            # b_i/m_i² and s_i/m_i² turn |Δ_i|² = m_i²|g_i|² into b_i|g_i|² and s_i|g_i|²
+            w = torch.stack([counts, smp]) / mults.square()
+            mult_sum_t = mults.sum()
+            head = torch.cat([counts.sum().reshape(1), torch.tensor([local_samples, float(k_local), 1.0],
+                                                                    dtype=torch.float64, device=dev)])
+        # Layout (summed over ranks): 0 units, 1 samples, 2 k, 3 replicas (1 per rank), 4 |G_big|² × replicas,
+        # 5 its Adam variant × replicas, then per configured variant: [Σ b_i|g_i|², Σ s_i|g_i|²].
+        big_sq = torch.stack(big if self.config.adam else big * 2).square()  # [|G_big|², its Adam variant]
         if big_grad_multiplier is not None:
-            m2 = _as_tensor(big_grad_multiplier, dev) ** 2
-            big_sq = {k: v / m2 for k, v in big_sq.items()}
-        inv_s2 = torch.ones((), dtype=torch.float64, device=dev) if loss_scale is None else \
-            1.0 / _as_tensor(loss_scale, dev).reshape(()) ** 2
-        if self._poisoned:
-            inv_s2 = inv_s2 * math.nan  # non-finite: every estimator skips this window (on the device)
-        w_tok = torch.stack(self._micro_weight)
-        local_count = torch.stack(self._local_count).sum()
-        local_mult = torch.stack(self._local_mult).sum()
-        samples_known = self._samples_known
-        w_smp = (torch.stack([_as_tensor(w, dev) for w in self._micro_sample_weight]) if samples_known
-                 else torch.zeros_like(w_tok))
-        # Local sufficient statistics, summed over ranks (in this order):
-        # 0 units, 1 samples, 2 k, then per (variant, unit): Σ b_i|g_i|² for micro, b_r|g_r|² for rank.
-        parts = [local_count, torch.tensor(self._local_samples, dtype=torch.float64, device=dev),
-                 torch.tensor(float(k_local), dtype=torch.float64, device=dev)]
-        keys = []
+            big_sq = big_sq / _as_tensor(big_grad_multiplier, dev) ** 2
+        parts = [head, big_sq]
         for name in self._variants():
-            source, adam = name.split("_")[0], name.endswith("_adam")
-            if adam and "_adam" not in big_sq:
-                continue
-            if source == "micro":
-                raw = torch.stack(self._micro_sq_adam if adam else self._micro_sq).to(torch.float64)
-                parts += [(raw * w_tok).sum() * inv_s2, (raw * w_smp).sum() * inv_s2]
+            source, is_adam = name.split("_")[0], name.endswith("_adam")
+            if is_adam and not adam:
+                parts.append(torch.zeros(2, dtype=torch.float64, device=dev))  # not present this window
+            elif source == "micro":
+                norms = (self._slots_adam if is_adam else self._slots).written()
+                per = self._per_micro
+                if all(n == per[0] for n in per):                           # the usual case: same parameters
+                    per_micro = torch.linalg.vector_norm(norms.view(k_local, per[0]), dim=1, dtype=torch.float64)
+                else:
+                    per_micro = torch.stack([torch.linalg.vector_norm(c, dtype=torch.float64) for c in norms.split(per)])
+                parts.append(w @ per_micro.square())
             else:  # a_r = S·M_r·g_r with M_r = Σ m_i (= B_r for sum-loss): b_r|g_r|² = b_r·raw/(S·M_r)²
-                hooked = self._hook_rank_adam if adam else self._hook_rank
+                hooked = self._hook_rank_adam if is_adam else self._hook_rank
                 if not hooked:
                     raise RuntimeError("source 'rank': the DDP comm hook did not run in this window "
                                        "(was the last micro-batch run outside no_sync()?)")
-                raw = torch.stack(hooked).sum().to(torch.float64) * inv_s2 / local_mult ** 2
-                parts += [raw * local_count, raw * self._local_samples]
-            keys.append(name)
-        vec = torch.stack([p.to(torch.float64) for p in parts])
+                raw = torch.stack(hooked).square().sum() / mult_sum_t ** 2
+                parts.append(raw * head[0:2])
+        vec = torch.cat(parts)
+        if loss_scale is not None:  # the small norms carry S²; counts and the (unscaled) big norm do not
+            vec = torch.cat([vec[:6], vec[6:] / _as_tensor(loss_scale, dev).reshape(()) ** 2])
         work = None
         if self.dp_world_size > 1:
             import torch.distributed as dist
 
-            work = dist.all_reduce(vec, group=self._group, async_op=True)  # consumed at the next flush
-        self._pending = (work, vec, keys, big_sq, samples_known, lr)
-        self._reset_window()
-        self._snap_valid = False
+            work = dist.all_reduce(vec, group=self._group, async_op=True)  # waited on at the fold
+        entry = {"work": work, "vec": vec, "samples_known": samples_known, "adam": adam, "lr": lr,
+                 "windows": float(self._elapsed), "dropped": False}
+        if big_later:
+            entry["big_sq"] = None  # filled by on_step_end; a window the driver never finished stays out
+        self._pending.append(entry)
+        if len(self._pending) > _FOLD_EVERY:  # the newest may still await on_step_end
+            self._flush(keep_last=True)
 
-    def _flush(self) -> None:
-        """Wait for the pending all-reduce (long done by now) and update the estimators."""
-        if self._pending is None:
+    def _flush(self, keep_last: bool = False) -> None:
+        """Fold every queued window into the estimators at once (one op chain, no host sync). A window
+        still waiting for the driver's on_step_end (its |G_big|²) stays queued."""
+        if self._pending and self._last_measured and self._pending[-1].get("big_sq", 0.0) is None:
+            keep_last = True
+        pend = self._pending[:-1] if keep_last else self._pending
+        if not pend:
             return
-        work, vec, keys, big_sq, samples_known, lr = self._pending
-        self._pending = None
-        if work is not None:
-            work.wait()
-        units, samples, k = vec[0], vec[1], vec[2]
-        r = torch.tensor(float(self.dp_world_size), dtype=torch.float64, device=vec.device)
-        for j, name in enumerate(keys):
-            source, suffix = name.split("_")[0], name[len(name.split("_")[0]):]
-            n_small = k if source == "micro" else r
-            big = big_sq[suffix]
-            tok = _window_from_sums(vec[3 + 2 * j], n_small, big, units)
-            est = self._estimator(f"{name}/{self.unit}")
-            decay = est.decay_for(units)
-            est.update_window(tok, lr=lr, decay=decay)
-            if samples_known and self.unit == "token":
-                smp = _window_from_sums(vec[4 + 2 * j], n_small, big, samples)
-                self._estimator(f"{name}/sample").update_window(smp, lr=lr, decay=decay)
+        self._pending = self._pending[-1:] if keep_last else []
+        for p in pend:
+            if p["work"] is not None:
+                p["work"].wait()
+        V = torch.stack([p["vec"] for p in pend])                  # (m, L)
+        dev = V.device
+        if any("big_sq" in p for p in pend):  # |G_big|² from the driver's host-side norm (× replicas, as summed)
+            for p in pend:
+                if p.get("big_sq", 0.0) is None:
+                    p["dropped"] = True  # the driver refused the window before its step: never applied
+            host = torch.tensor([[p.get("big_sq") or 0.0, float("big_sq" in p)] for p in pend], dtype=torch.float64,
+                                device=dev)
+            from_driver = (host[:, 1:2] * V[:, 3:4]) * host[:, 0:1]
+            V[:, 4:6] = torch.where(host[:, 1:2] > 0, from_driver, V[:, 4:6])  # (no Adam variant on this path)
+        names, idx, need_smp, need_adam = self._layout(dev)
+        if self._unit is None and self._unit_checks < 4:
+            known = [p["samples_known"] for p in pend]
+            if any(known):
+                gap = (V[known, 0] - V[known, 1]).abs().sum()
+                self._unit_gap = gap if self._unit_gap is None else self._unit_gap + gap
+                self._unit_checks += 1
+        present = torch.tensor([[(p["samples_known"] or not s) and (p["adam"] or not a)
+                                 for s, a in zip(need_smp, need_adam)] for p in pend], device=dev)
+        vals = V[:, idx]                                           # (m, 4, n): Σ-terms, k or replicas, B, R·|G_big|²
+        if any(p["dropped"] for p in pend):                       # the driver skipped these steps: not measured
+            bad = torch.tensor([math.nan if p["dropped"] else 1.0 for p in pend], dtype=torch.float64, device=dev)
+            vals = vals * bad[:, None, None]
+        weighted, n_small, units, big_sq = vals.unbind(1)
+        big_sq = big_sq / V[:, 3:4]
+        tr = (weighted - units * big_sq) / (n_small - 1)
+        tg = torch.stack([tr, big_sq - tr / units], 2)
+        state = self._rows(names)
+        windows = torch.tensor([p["windows"] for p in pend], dtype=torch.float64, device=dev)[:, None]
+        ema_fold(state, tg, units, self._decay(state, units, present, windows), present, lr=pend[-1]["lr"])
+
+    def _layout(self, device: torch.device) -> tuple[list[str], torch.Tensor, list[bool], list[bool]]:
+        """Estimator names and their gather indices into a window vector (fixed per monitor)."""
+        hit = getattr(self, "_layout_cache", None)
+        if hit is None or hit[1].device != device:
+            units = (("sample", 0),) if self._unit == "sample" else (("token", 0), ("sample", 1))
+            pairs = [(j, v, u, c) for j, v in enumerate(self._variants()) for u, c in units]
+            idx = torch.tensor([[6 + 2 * j + c for j, v, u, c in pairs],                   # Σ b_i|g_i|² (or s_i)
+                                [2 if v.startswith("micro") else 3 for j, v, u, c in pairs],  # k, or replicas
+                                [c for j, v, u, c in pairs],                                 # B in the unit
+                                [5 if v.endswith("_adam") else 4 for j, v, u, c in pairs]],  # R·|G_big|²
+                               device=device)
+            hit = self._layout_cache = ([f"{v}/{u}" for j, v, u, c in pairs], idx,
+                                        [c == 1 for j, v, u, c in pairs], [v.endswith("_adam") for j, v, u, c in pairs])
+        return hit
+
+    def _decay(self, state: torch.Tensor, units: torch.Tensor, present: torch.Tensor,
+               windows: torch.Tensor) -> torch.Tensor:
+        """(m, n) EMA decays 0.5^(windows·B/half_life), on the device."""
+        c = self.config
+        if c.half_life is not None and math.isinf(c.half_life):
+            return torch.ones_like(units)
+        if c.half_life is None:  # half_life_windows × the first window's B of each estimator (kept in state)
+            first = units.gather(0, present.to(torch.int8).argmax(0)[None])[0]
+            b0 = torch.where((state[:, _B0] > 0) | ~present.any(0), state[:, _B0], first)
+            state[:, _B0] = b0
+            half = b0 * c.half_life_windows
+        else:
+            half = torch.full_like(units[0], c.half_life)
+        return torch.exp2(-units * windows / half)
 
     # -- step-driver callbacks ---------------------------------------------------------------------
 
@@ -456,50 +739,70 @@ class NoiseScaleMonitor:
 
         The micro-batch's samples come from ``driver.last_micro_samples`` (what was passed as
         ``backward(..., samples=)``, set before the callbacks run), so short and ragged
-        micro-batches are weighted by their real size in the per-sample estimate; a driver
-        without it falls back to ``driver.config.micro_batch``.
-
-        The planned ``driver.geometry.grad_accum_steps`` tells which micro-batch is the last,
-        which saves the snapshot copy there (a window longer than planned is dropped, with a
-        warning; a shorter one only costs the copy)."""
-        if micro_index == 0:
-            geometry = getattr(driver, "geometry", None)
-            self._planned_accum = getattr(geometry, "grad_accum_steps", None)
-        samples = getattr(driver, "last_micro_samples", None)
-        if samples is None:
-            samples = getattr(getattr(driver, "config", None), "micro_batch", None)
-        planned = getattr(self, "_planned_accum", None)
-        self.micro_backward(local_count, samples=samples,
-                            is_last=(micro_index == planned - 1) if planned else None)
+        micro-batches are weighted by their real size in the per-sample estimate. A monitor
+        added in the middle of a window starts at the next one."""
+        if not self._in_window:
+            self._start_window(usable=micro_index == 0)
+        elif micro_index != len(self._counts):  # attached in the middle of this window: start at the next
+            self._measuring = False
+        self.micro_backward(local_count, samples=driver.last_micro_samples)
 
     def on_window_end(self, driver: Any, global_count: Any, local_window_count: Any) -> None:
         """:class:`~globalbatch.step.StepDriver` callback: after sync, normalization, unscale."""
-        scaler = getattr(driver, "scaler", None)
-        scale = getattr(scaler, "_scale", None) if scaler is not None else None  # device tensor: no sync
-        opt = getattr(driver, "optimizer", None) or self.optimizer
-        lr = opt.param_groups[0]["lr"] if opt is not None else None
-        self.window_end(loss_scale=scale, lr=lr)
+        if not self._measuring:
+            if self._in_window:
+                self.window_end()
+            return
+        scaler = driver.scaler
+        scale = scaler._scale if scaler is not None else None  # a device tensor: no sync
+        opt = driver.optimizer or self.optimizer
+        self.window_end(loss_scale=scale, lr=opt.param_groups[0]["lr"], _big_from_driver=not self.config.adam)
+
+    def on_step_end(self, driver: Any, result: Any) -> None:
+        """:class:`~globalbatch.step.StepDriver` callback: a window whose step the driver skipped
+        (non-finite loss or gradient on some rank) is left out of the estimate."""
+        if self._last_measured and self._pending:
+            last = self._pending[-1]
+            if result.skipped:
+                last["dropped"] = True
+            if "big_sq" in last and last["big_sq"] is None:
+                last["big_sq"] = result.grad_norm ** 2  # pre-clip, unscaled, after the sync: host float
+            self._last_measured = False
+        self._slots.drop(), self._slots_adam.drop()  # nothing from between windows reaches the next one
 
     # -- read-out (host sync) -------------------------------------------------------------------
 
     def estimate(self, source: str | None = None, unit: str | None = None, *, adam: bool = False) -> NoiseScaleEstimate:
         """The estimate of one source (default: the first configured) in one unit (default: the loss's).
 
-        Raises ValueError naming the fix when no window could be measured.
+        Before any window it returns an estimate flagged ``"no_windows"``. Raises ValueError for a
+        source or unit this monitor does not measure.
         """
         self._flush()
         source = source or self.sources[0]
         unit = unit or self.unit
         key = f"{source}{'_adam' if adam else ''}/{unit}"
-        if key not in self.estimators:
-            raise ValueError(f"estimate {key!r} is not allowed: not measured; allowed: "
-                             f"{', '.join(sorted(self.estimators)) or 'none yet'} (the noise scale {NEEDS_TWO_BATCH_SIZES})")
-        return self.estimators[key].estimate()
+        allowed = self._keys()
+        if key not in allowed:
+            raise ValueError(f"estimate {key!r} is not allowed: not measured; allowed: {', '.join(allowed)} "
+                             f"(the noise scale {NEEDS_TWO_BATCH_SIZES})")
+        est = self.estimators.get(key)
+        if est is None:
+            est = self._estimator(key)
+        return est.estimate()
+
+    def _keys(self) -> list[str]:
+        units = self._units()
+        if self._unit is None and self.unit == "sample":
+            units = ["sample"]  # a per-sample loss: its "token" numbers are the same counts
+        return [f"{v}/{u}" for v in self._variants() for u in units]
 
     def estimates(self) -> dict[str, NoiseScaleEstimate]:
-        """Every estimate, keyed ``"micro/token"``, ``"rank/sample"``, ``"micro_adam/token"``, ..."""
+        """Every estimate measured so far, keyed ``"micro/token"``, ``"rank/sample"``, ``"micro_adam/token"``, ..."""
         self._flush()
-        return {k: e.estimate() for k, e in sorted(self.estimators.items())}
+        keys = set(self._keys())
+        out = {k: e.estimate() for k, e in sorted(self.estimators.items()) if k in keys}
+        return {k: e for k, e in out.items() if e.windows or e.skipped_windows}  # never fed: not measured
 
     def state_dict(self) -> dict[str, Any]:
         self._flush()
@@ -508,14 +811,42 @@ class NoiseScaleMonitor:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         for k, v in sd.items():
             self._estimator(k).load_state_dict(v)
+        self._state = None  # rebuilt (rows copied) at the next fold
 
 
-def _comm_hook(monitor: NoiseScaleMonitor):
-    """A DDP comm hook: the bucket's local squared norms, then DDP's default all-reduce."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+class _CommHookDispatch:
+    """The one comm hook of a DDP model: every attached monitor measures the bucket, then the user's
+    hook (or DDP's default all-reduce) reduces it. Lives on the DDP module, so any number of monitors
+    share it."""
 
-    def hook(process_group, bucket):  # no annotations: DDP checks them (and ours are postponed strings)
-        monitor._hook_bucket(bucket)
-        return default_hooks.allreduce_hook(process_group, bucket)
+    def __init__(self, user_hook: Callable[..., Any] | None, user_state: Any) -> None:
+        self.user_hook, self.user_state = user_hook, user_state
+        self.monitors: list[NoiseScaleMonitor] = []
 
-    return hook
+    @staticmethod
+    def attach(ddp: Any, group: Any, monitor: NoiseScaleMonitor, user_hook: Any, user_state: Any) -> None:
+        disp = getattr(ddp, "_globalbatch_noise_hook", None)
+        if disp is None:
+            if getattr(ddp, "_comm_hooks", None):
+                raise ValueError("model: this DDP model already has a comm hook, and DDP allows one; allowed: "
+                                 "pass yours to the monitor (NoiseScaleMonitor(..., comm_hook=hook, comm_state=state)) "
+                                 "instead of registering it, or sources=('micro',) (no comm hook needed)")
+            disp = _CommHookDispatch(user_hook, user_state)
+            ddp.register_comm_hook(group, disp.hook_for(group))
+            ddp._globalbatch_noise_hook = disp
+        elif user_hook is not None and user_hook is not disp.user_hook:
+            raise ValueError("comm_hook is not allowed here: this DDP model's comm hook is already set through "
+                             "another monitor; allowed: comm_hook=None (the monitors share it)")
+        disp.monitors.append(monitor)
+
+    def hook_for(self, group: Any) -> Callable[..., Any]:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        def hook(state, bucket):  # no annotations: DDP checks them (and ours are postponed strings)
+            for m in self.monitors:
+                m._hook_bucket(bucket)
+            if self.user_hook is not None:
+                return self.user_hook(self.user_state, bucket)
+            return default_hooks.allreduce_hook(state, bucket)
+
+        return hook
