@@ -31,7 +31,7 @@ import torch.distributed as dist
 from globalbatch.flops import SequenceFlops, peak_flops_per_s
 from globalbatch.plan import fmt_int
 from globalbatch.schedule import TokenLRSchedule, constant_batch, parse_step_schedule
-from globalbatch.checkpoint import load_checkpoint, save_checkpoint
+from globalbatch.checkpoint import RunMismatch, load_checkpoint, save_checkpoint
 from globalbatch.optim import build_optimizer
 from globalbatch.step import StepConfig, StepDriver, unwrap_model
 from globalbatch.lab.tasks import load_task
@@ -74,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint", default=None, help="write a checkpoint here every --checkpoint-every steps")
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume", default=None, help="resume from this checkpoint")
+    p.add_argument("--override", action="store_true",
+                   help="resume even though the batch or LR schedule (e.g. --total-tokens) differs from the checkpoint's")
     p.add_argument("--val-batches", type=int, default=8, help="validation micro-batches at the end (0: none)")
     args = p.parse_args(argv)
     for flag, low in (("steps", 1), ("global_batch", 1), ("micro_batch", 1), ("warmup_tokens", 0), ("n_layer", 1),
@@ -169,7 +171,11 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
 
     if args.resume:
         try:
-            load_checkpoint(args.resume, model, optimizer, driver, map_location=device)
+            load_checkpoint(args.resume, model, optimizer, driver, map_location=device, override=args.override)
+        except RunMismatch as e:
+            shown = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in e.diffs.items())
+            return fail(f"--resume {args.resume!r} is not allowed with these settings ({shown}); allowed: the "
+                        "checkpoint's values (e.g. --total-tokens as it was), or --override to change them on purpose")
         except Exception as e:  # noqa: BLE001 - a file from elsewhere: corrupt, another model, another version
             return fail(f"--resume {args.resume!r}: cannot resume from it ({_one_line(e)}); allowed: a checkpoint "
                         "written by this script with the same model flags")

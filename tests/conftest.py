@@ -1,4 +1,10 @@
-"""Shared fixtures: every test leaves no process group behind and the default dtype as it was."""
+"""Shared fixtures: every test leaves no process group behind and the default dtype as it was.
+
+The fast lane: ``pytest -m "not slow"`` runs the unit tests (the whole suite, ``make test``,
+runs everything). ``slow`` = a test that took ≥ ~1.5 s on the loaded 2-core machine, every
+``dist`` test (torchrun start-up alone is several seconds), and the users of an expensive
+module fixture (a real sweep, a real report), listed in :data:`SLOW_TESTS` below.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,67 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+SLOW_TESTS = {
+    # measured with --durations=0 on the loaded machine (seconds, setup + call); module-fixture users together
+    "test_loop.py::test_cli_sweep_in_bf16_on_cpu_records_device_and_precision",  # 41
+    "test_sweep.py::test_ray_backend_runs_a_trial_through_tune",  # 19
+    "test_sweep.py::test_sigkill_mid_trial_then_resume_equals_uninterrupted",  # 10, the reference sweep's users:
+    "test_sweep.py::test_sweep_records_every_step_and_eval",
+    "test_sweep.py::test_same_data_order_for_every_trial",
+    "test_sweep.py::test_rerun_skips_finished_trials_and_changed_grid_is_an_error",
+    "test_sweep.py::test_analyze_sweep_gives_points_and_recommendation",
+    "test_sweep.py::test_timing_pass_is_sequential_recorded_and_used_by_the_analysis",
+    "test_sweep.py::test_cli_sweep_then_report",  # 6
+    "test_noise.py::test_interval_covers_the_truth_about_95_percent",  # 6
+    "test_noise.py::test_adam_variant_within_10_percent_of_preconditioned_truth",  # 2
+    "test_noise.py::test_mlp_accumulation_within_10_percent_of_per_example_truth",  # 2
+    "test_noise.py::test_ragged_counts_unbiased_within_5_percent_of_synthetic_truth",  # 2
+    "test_branch.py::test_tiny_branch_run_resume_and_redecide",  # 6
+    "test_branch.py::test_false_alarm_rate_at_the_tolerance_boundary_is_alpha",  # 3
+    "test_branch.py::test_every_branch_trains_on_the_same_samples",  # 2
+    "test_report.py::test_header_throughput_source_and_load_warning",  # 6
+    "test_report.py::test_html_renders_in_headless_chromium",  # 4, the report fixture's users:
+    "test_report.py::test_report_recovers_known_b_crit_end_to_end",
+    "test_report.py::test_report_files_and_html_embed_every_plot",
+    "test_report.py::test_no_noise_plot_without_b_simple_and_partial_sweep_is_reported",  # 3
+    "test_report.py::test_extrapolated_b_crit_is_reported_as_a_one_sided_bound",  # 3
+    "test_report.py::test_throughput_comes_from_the_timing_pass_not_the_contended_trials",  # 2
+    "test_report.py::test_no_legend_warning_when_nothing_is_labelled",  # 2
+    "test_probe.py::test_real_probe_on_cpu_restores_model_and_memory",  # 5
+    "test_layout.py::test_front_door_imports_no_torch_and_resolves_the_core",  # 4
+    "test_step.py::test_compiled_ddp_wrapper_is_detected",  # 3
+    "test_critical.py::test_standard_error_covers_truth_at_stated_rate",  # 2
+    "test_cli_plan.py::test_world_size_change_from_config_keeps_the_global_batch",  # 2
+    "test_plan.py::test_lr_scaling_round_trips",  # 2
+    "test_branch.py::test_cli_branch",  # 3
+    "test_branch.py::test_upper_bound_covers_the_true_difference_at_its_level",  # 2
+    "test_probe.py::test_cli_tinygpt_json",  # 3
+    "test_cli_plan.py::test_golden_table_and_json",  # 2 (subprocesses)
+    "test_cli_plan.py::test_seed_example_json",  # 2
+    "test_optim_large_batch.py::test_noise_command_trains_with_lamb",  # 11
+    "test_optim_large_batch.py::test_plan_names_lars_and_lamb_and_takes_their_lr_rule",  # 2
+    "test_experiments.py::test_large_batch_optimizers_tinygpt_tiny_mode",  # 5
+    "test_experiments.py::test_accumulation_experiment_measures_float_agreement",  # 4
+    "test_experiments.py::test_experiment_tiny_mode",  # 1-3 each
+    "integrations/test_examples.py::test_hf_trainer_example",  # 3
+    "integrations/test_examples.py::test_lightning_example",  # 1
+    "integrations/test_hf.py::test_trainer_matches_one_big_batch_and_default_does_not",  # 2
+    "integrations/test_hf.py::test_noise_scale_in_the_logs_matches_the_monitor",  # 1
+    "test_plan.py::test_warmup_steps_tokens_round_trip",  # 2 (hypothesis)
+    "test_probe.py::test_real_probe_with_memory_limit_brackets_and_keeps_global_batch",  # 1
+    "test_memory.py::test_measured_prediction_matches_the_probe_on_tiny_tinygpt",  # 1.5-2
+    "test_cli_voice.py::test_noise_json",
+    "test_cli_voice.py::test_plan_and_report_json",
+}
+"""Tests marked ``slow`` here (node id without parameters, relative to tests/), beside ``@pytest.mark.slow``."""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        rel = item.nodeid.split("tests/", 1)[-1].split("[", 1)[0]
+        if rel in SLOW_TESTS or item.get_closest_marker("dist") is not None:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

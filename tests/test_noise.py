@@ -829,7 +829,7 @@ def test_cli_runs_tinygpt_and_writes_csv(tmp_path, capsys):
     (("--log-every", "-1"), "--log-every -1 is not allowed; allowed: a whole number ≥ 1"),
     (("--threads", "0"), "--threads 0 is not allowed; allowed: a whole number ≥ 1"),
     (("--lr", "-1"), "--lr -1 is not allowed; allowed: a finite number ≥ 0"),
-    (("--optimizer", "adam"), "--optimizer adam is not allowed; allowed: adamw, sgd, lars, lamb"),
+    (("--optimizer", "adam"), "--optimizer 'adam' is not allowed; allowed: adamw, sgd, lars, lamb"),
     (("--optimizer", "sgd", "--adam-variant"),
      "--adam-variant is not allowed with --optimizer sgd; allowed: --optimizer adamw"),
     (("--half-life-windows", "0"), "--half-life-windows 0 is not allowed; allowed: a number > 0"),

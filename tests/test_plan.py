@@ -210,7 +210,8 @@ def test_priors_match_the_published_formulas():
 # --- parsing -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, value", [("2M", 2_000_000), ("100B", 10**11), ("1.5K", 1500), ("2,048", 2048), (4096, 4096), ("1e6", 10**6), ("3T", 3 * 10**12)])
+@pytest.mark.parametrize("text, value", [("2M", 2_000_000), ("100B", 10**11), ("1.5K", 1500), ("2,048", 2048), (4096, 4096),
+                                         ("1e6", 10**6), ("3T", 3 * 10**12)])
 def test_parse_count(text, value):
     assert P.parse_count(text) == value
 

@@ -512,7 +512,7 @@ def test_cli_help_lists_the_flags(capsys):
     code, out, _ = run_cli(capsys, "probe", "--help")
     assert code == 0
     for flag in ("--task", "--global-batch", "--dp", "--memory-limit", "--max-micro-batch",
-                 "--steps-per-trial", "--tolerance", "--json"):
+                 "--steps-per-trial", "--throughput-tolerance", "--json"):
         assert flag in out
 
 
@@ -559,7 +559,7 @@ TINY_GPT = ("--task-arg", "d_model=16", "--task-arg", "n_layer=1", "--task-arg",
      "--global-batch 10 is not allowed with --dp 4; allowed: a positive multiple of --dp 4"),
     (("--max-micro-batch", "0",), "--max-micro-batch 0 is not allowed; allowed: a whole number ≥ 1"),
     (("--steps-per-trial", "0",), "--steps-per-trial 0 is not allowed; allowed: a whole number ≥ 1"),
-    (("--tolerance", "1.5",), "--tolerance 1.5 is not allowed; allowed: a fraction"),
+    (("--throughput-tolerance", "1.5",), "--throughput-tolerance 1.5 is not allowed; allowed: a fraction"),
     (("--memory-limit", "0",), "--memory-limit 0 is not allowed; allowed: a budget of at least 1 byte"),
 ])
 def test_cli_bad_flags_are_one_line_before_any_trial(capsys, monkeypatch, argv, expected):
@@ -626,7 +626,7 @@ def test_cli_task_arg_reaches_the_task(capsys, monkeypatch):
 
     monkeypatch.setattr(globalbatch.lab.tasks, "load_task", fake_load)
     code, _, err = run_cli(capsys, "probe", "--task-arg", "d_model=64", "--task-arg", "corpus_dir=/x")
-    assert code == 2 and err.strip() == "error: stop here"
+    assert code == 2 and err.startswith("error: --task-arg ") and "stop here" in err and err.count("\n") == 1
     assert seen == {"spec": "tinygpt", "d_model": 64, "corpus_dir": "/x"}
     code, _, err = run_cli(capsys, "probe", "--task-arg", "oops")
     assert code == 2 and "--task-arg" in err and "KEY=VALUE" in err

@@ -297,26 +297,26 @@ def test_cli_sweep_then_report(tmp_path, capsys):
     assert "No artists with labels" not in err
     # Analysis settings: one error line, exit 2 (the ValueError used to be swallowed: exit 0, no recommendation).
     for args, want in [(["--objective", "speed"], "error: --objective 'speed' is not allowed; allowed: time, cost"),
-                       (["--tolerance", "-1"], "error: --tolerance -1 is not allowed; allowed: a fraction, 0 ≤ tolerance < 1"),
-                       (["--tolerance", "5"], "error: --tolerance 5 is not allowed; allowed: a fraction, 0 ≤ tolerance < 1"),
+                       (["--time-tolerance", "-1"], "error: --time-tolerance -1 is not allowed; allowed: a fraction, 0 ≤ tolerance < 1"),
+                       (["--time-tolerance", "5"], "error: --time-tolerance 5 is not allowed; allowed: a fraction, 0 ≤ tolerance < 1"),
                        (["--half-life-steps", "0"], "error: --half-life-steps 0 is not allowed; allowed: a number of steps > 0"),
-                       (["--halflife-steps", "-2"], "error: --halflife-steps -2 is not allowed; allowed: a number of steps > 0")]:
+                       (["--half-life-steps", "-2"], "error: --half-life-steps -2 is not allowed; allowed: a number of steps > 0")]:
         code, out, err = _cli(["report", str(tmp_path), *args], capsys)
         assert code == 2 and err.strip().startswith(want), (args, err)
-    for flag in ("--half-life-steps", "--halflife-steps"):  # the new spelling and the hidden old one
+    for flag in ("--half-life-steps",):  # the legacy --halflife-steps is gone (tests/test_bad_inputs.py)
         code, out, err = _cli(["report", str(tmp_path), flag, "2"], capsys)
         assert code == 0 and "EMA half-life 2 steps" in (tmp_path / "report" / "report.html").read_text(), err
 
 
 def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
     code, _, err = _cli(["sweep", "--batches", "4,x", "--out", str(tmp_path)], capsys)
-    assert code == 2 and err.strip() == "error: --batches 'x' is not allowed; allowed: whole numbers ≥ 1, e.g. 16,32,64"
+    assert code == 2 and err.strip() == "error: --batches 'x' is not allowed; allowed: whole numbers ≥ 1 (at most 1e9), e.g. 16,32,64"
     cases = {
-        ("--batches", "8,-16"): "error: --batches -16 is not allowed; allowed: whole numbers ≥ 1, e.g. 16,32,64",
+        ("--batches", "8,-16"): "error: --batches -16 is not allowed; allowed: whole numbers ≥ 1 (at most 1e9), e.g. 16,32,64",
         ("--batches", "4,4"): "error: --batches 4,4 is not allowed; allowed: distinct whole numbers ≥ 1, e.g. 16,32,64",
         ("--backend", "slurm"): "error: --backend 'slurm' is not allowed; allowed: local, ray",
         ("--micro-batch", "0"): "error: --micro-batch 0 is not allowed; allowed: a whole number ≥ 1",
-        ("--tokens", "0"): "error: --tokens 0 is not allowed; allowed: a whole number of units ≥ 1, e.g. 2M",
+        ("--tokens", "0"): "error: --tokens 0 is not allowed; allowed: a whole number of units ≥ 1 (at most 1e18), e.g. 2M",
         ("--lrs", "-1"): "error: --lrs -1 is not allowed; allowed: distinct finite numbers > 0, e.g. 3e-4,1e-3",
         ("--threads", "0"): "error: --threads 0 is not allowed; allowed: a whole number ≥ 1",
         ("--optimizer", "lion"): "error: --optimizer 'lion' is not allowed; allowed: adamw, sgd, lars, lamb",
@@ -326,7 +326,7 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
         assert code == 2 and err.strip() == want, (flag, err)
     assert not (tmp_path / "x" / "manifest.json").exists()
     code, _, err = _cli(["report", str(tmp_path / "nope")], capsys)
-    assert code == 2 and "no manifest.json" in err and err.startswith("error: RUN_DIR ")
+    assert code == 2 and "it does not exist" in err and err.startswith("error: RUN_DIR ")
 
 
 def test_a_rejected_sweep_writes_no_manifest_so_the_corrected_rerun_runs(tmp_path, capsys):

@@ -3,10 +3,18 @@
 One file holds the model, the optimizer, the driver's counters and schedule position, the
 GradScaler, a step-based LR scheduler and every rank's RNG state; it is written atomically
 by rank 0 and read with ``torch.load(weights_only=True)``.
+
+It also holds what defines the run (:func:`run_definition`: the batch schedule and the LR
+schedule with its horizons — total and warmup units, peak LR, shape). Resuming with other
+values would silently train a different run (an LR decayed over another horizon), so
+:func:`load_checkpoint` refuses it with a :class:`RunMismatch` naming each value, checkpoint
+and now, unless ``override=True`` (a deliberate change, logged).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from typing import Any, Optional
 
@@ -18,7 +26,45 @@ from globalbatch._util import atomic_write
 from globalbatch.parallel import inspect_parallel, unwrap_model
 from globalbatch.step import StepDriver
 
-__all__ = ["save_checkpoint", "load_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "run_definition", "RunMismatch"]
+
+logger = logging.getLogger(__name__)
+
+
+class RunMismatch(ValueError):
+    """A resume whose run-defining settings differ from the checkpoint's; ``diffs`` maps each to (then, now)."""
+
+    def __init__(self, path: Any, diffs: dict[str, tuple[Any, Any]]) -> None:
+        self.path, self.diffs = path, diffs
+        shown = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diffs.items())
+        super().__init__(f"checkpoint {str(path)!r} was written by another run ({shown}); allowed: the checkpoint's "
+                         "values, or override=True (--override) to change them on purpose")
+
+
+def _plain(obj: Any) -> Any:
+    """A schedule as primitives (``weights_only``-loadable): dataclass fields, tuples as lists, the class name."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {"type": type(obj).__name__, **{f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return repr(obj)
+
+
+def run_definition(driver: StepDriver) -> dict[str, Any]:
+    """What defines the run, flattened: ``{"batch_schedule.steps": …, "lr_schedule.total": …, …}``."""
+    cfg = driver.config
+    out: dict[str, Any] = {}
+    for name, obj in (("batch_schedule", driver.schedule), ("lr_schedule", cfg.lr_schedule)):
+        plain = _plain(obj)
+        if isinstance(plain, dict):
+            out.update({f"{name}.{k}": v for k, v in plain.items()})
+        else:
+            out[name] = plain
+    return out
 
 
 
@@ -72,6 +118,7 @@ def save_checkpoint(
             "scaler": scaler.state_dict() if scaler is not None else None,
             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
             "rng": {"per_rank": per_rank},
+            "run": run_definition(driver),
             "extra": extra,
         }
         atomic_write(path, lambda f: torch.save(state, f))
@@ -89,15 +136,29 @@ def load_checkpoint(
     lr_scheduler: Any = None,
     map_location: Any = "cpu",
     restore_rng: bool = True,
+    override: bool = False,
 ) -> Optional[dict[str, Any]]:
     """Restore what :func:`save_checkpoint` wrote (``weights_only=True``); returns ``extra``.
 
     ``scaler`` and ``lr_scheduler`` default to the driver's own. Each rank restores its own
     RNG state (rank 0's when the world size changed).
+
+    Raises:
+        RunMismatch: the driver's batch or LR schedule (horizons, total units, peak LR, …)
+            differs from the checkpoint's, and ``override`` is False. Checked before anything
+            is restored.
     """
     scaler = scaler if scaler is not None else driver.scaler
     lr_scheduler = lr_scheduler if lr_scheduler is not None else driver.lr_scheduler
     state = torch.load(path, map_location=map_location, weights_only=True)
+    stored = state.get("run")
+    if stored is not None:  # checkpoints from before run definitions were recorded carry none
+        now = run_definition(driver)
+        diffs = {k: (stored.get(k), now.get(k)) for k in sorted(set(stored) | set(now)) if stored.get(k) != now.get(k)}
+        if diffs and not override:
+            raise RunMismatch(path, diffs)
+        for key, (then, current) in diffs.items():
+            logger.warning("resume with override: %s %r in the checkpoint, %r now", key, then, current)
     unwrap_model(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     driver.load_state_dict(state["driver"])

@@ -5,13 +5,19 @@ Each command parses flags, calls one library function and prints. Heavy imports
 ``globalbatch plan`` starts fast and works without torch.
 
 Errors: any ``ValueError`` (or click usage error) becomes one line on stderr,
-``error: <field>: <value>: <what is allowed>``, and exit code 2 — never a traceback.
+``error: <flag> <value> is not allowed; allowed: <what is allowed>``, and exit code 2 —
+never a traceback. A :class:`~globalbatch._util.SettingError` names a library field; the
+line names the flag instead, found in the command's own typer parameters
+(:func:`flag_names_of`), not in any message. Inputs are checked with
+:mod:`globalbatch.validate` before anything is printed or written.
 """
 
 from __future__ import annotations
 
+import json
 import sys
-from typing import Optional
+from pathlib import Path
+from typing import Any, Literal, Optional, get_args, get_origin
 
 import typer
 
@@ -19,6 +25,16 @@ from globalbatch.optim.registry import optimizer_names  # noqa: E402 (torch-free
 
 _OPTIMIZERS = ", ".join(optimizer_names())
 """The registry's names as --help shows them."""
+
+# Fixed choices as Literal types: typer shows them in --help (``--objective <time|cost>``) and refuses
+# any other value before the command runs (one line, see _usage_error_line).
+OptimizerName = Literal.__getitem__(tuple(optimizer_names()))  # the registry's names, whatever they are
+PrecisionName = Literal["fp32", "bf16", "fp16"]
+Backend = Literal["local", "ray"]
+Objective = Literal["time", "cost"]
+Metric = Literal["val", "train"]
+Test = Literal["paired", "welch"]
+LrRule = Literal["linear", "sqrt", "none"]
 
 app = typer.Typer(
     name="globalbatch",
@@ -34,9 +50,74 @@ class CliError(ValueError):
     """A user error reported as one line with exit code 2."""
 
 
+def _echo_json(obj: Any) -> None:
+    """``--json``: one JSON document on stdout, stable snake_case keys."""
+    from ._util import json_default
+
+    typer.echo(json.dumps(obj, indent=2, sort_keys=True, default=json_default))
+
+
 def _fail(message: str) -> "typer.Exit":
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code=2)
+
+
+# ---------------------------------------------------------------------------
+# The one field → flag mapping, taken from the commands' own typer definitions
+# ---------------------------------------------------------------------------
+
+_FIELD_PARAMS: dict[str, dict[str, str]] = {
+    "plan": {"grad_accum_steps": "grad_accum", "dp_world_size": "dp", "new_dp_world_size": "dp",
+             "compute_flops": "compute", "loss_nats": "loss", "config": "config"},
+    "probe": {"dp_world_size": "dp", "tolerance": "throughput_tolerance", "task_overrides": "task_arg",
+              "memory_limit_bytes": "memory_limit"},
+    "sweep": {"budget": "tokens", "task_overrides": "task_arg"},
+    "report": {"halflife_steps": "half_life_steps", "tolerance": "time_tolerance"},
+    "noise": {"grad_accum_steps": "grad_accum", "task_overrides": "task_arg"},
+    "branch": {"branch_at": "warmup_tokens", "window": "window_tokens", "task_overrides": "task_arg",
+               "tolerance": "loss_tolerance"},
+}
+"""Library field → the command's typer parameter, only where the library names a setting differently."""
+
+
+def _commands() -> dict:
+    global _COMMANDS
+    if _COMMANDS is None:
+        _COMMANDS = dict(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+    return _COMMANDS
+
+
+_COMMANDS: Optional[dict] = None
+
+
+def flag_names_of(command_name: str) -> dict[str, str]:
+    """``{library field: flag}`` for one command: every typer parameter under its own name (``task_arg`` →
+    ``--task-arg``, the ``RUN_DIR`` argument) and the library's names of :data:`_FIELD_PARAMS`."""
+    cmd = _commands()[command_name]
+    by_param = {}
+    for p in cmd.params:  # typer's click objects: options have --flags, arguments a METAVAR name
+        if getattr(p, "param_type_name", "") == "option":
+            by_param[p.name] = next((o for o in p.opts if o.startswith("--")), p.opts[0])
+        else:
+            by_param[p.name] = str(p.name).upper()
+    out = dict(by_param)
+    for field, param in _FIELD_PARAMS.get(command_name, {}).items():
+        if param in by_param:
+            out[field] = by_param[param]
+    return out
+
+
+def _setting_line(exc: Exception, command_name: Optional[str]) -> str:
+    """A SettingError's line naming the flag the user typed (the field as is when no flag spells it)."""
+    field = getattr(exc, "field", "")
+    if command_name and not field.startswith("-"):
+        try:
+            flag = flag_names_of(command_name).get(field)
+        except KeyError:
+            flag = None
+        if flag is not None:
+            return exc.text(flag)  # type: ignore[attr-defined]
+    return str(exc)
 
 
 # ---------------------------------------------------------------------------
@@ -75,7 +156,7 @@ def plan_cmd(
     total_tokens: Optional[str] = typer.Option(None, "--total-tokens", help="Training budget in tokens, e.g. 100B."),
     lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate (tuned at --lr-base-batch if given)."),
     lr_base_batch: Optional[int] = typer.Option(None, "--lr-base-batch", help="Global batch (sequences) at which --lr was tuned."),
-    lr_rule: Optional[str] = typer.Option(None, "--lr-rule", help="linear | sqrt | none (default sqrt, or --optimizer's rule)."),
+    lr_rule: Optional[LrRule] = typer.Option(None, "--lr-rule", help="linear | sqrt | none (default sqrt, or --optimizer's rule)."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="A registry name (adamw, sgd, lars, lamb): its LR rule is the default --lr-rule; with --memory also its state bytes (plus sgd-plain, sgd-momentum, adafactor; default adamw)."),
     warmup_tokens: Optional[str] = typer.Option(None, "--warmup-tokens", help="Warmup in tokens, e.g. 375M (converted to steps)."),
     warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", help="Warmup in steps (converted to tokens)."),
@@ -269,9 +350,9 @@ def probe_cmd(
     memory_limit: Optional[str] = typer.Option(None, "--memory-limit", help="Memory budget, e.g. 8GiB: a larger measured peak counts as out of memory."),
     max_micro_batch: Optional[int] = typer.Option(None, "--max-micro-batch", help="Largest size tried (default global ÷ dp, else 8192)."),
     steps_per_trial: int = typer.Option(3, "--steps-per-trial", help="Timed training steps per trial (after 2 untimed warm-up steps)."),
-    tolerance: float = typer.Option(0.05, "--tolerance", help="Fastest = smallest micro-batch within this fraction of the best tokens/s."),
+    tolerance: float = typer.Option(0.05, "--throughput-tolerance", help="Fastest = smallest micro-batch within this fraction of the best tokens/s."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N or mps (default cuda when available)."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast)."),
+    precision: PrecisionName = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
 ) -> None:
@@ -279,9 +360,9 @@ def probe_cmd(
     import json
     import logging
 
-    from ._util import parse_task_args
+    from . import validate as V
+    from ._util import load_task_checked, parse_task_args
     from .plan import parse_bytes
-    from .lab.device import check_device
     from .lab.probe_run import probe_task
     from .probe import NothingFits, check_probe_settings, format_bytes, geometry_text, limit_text, probe_table
 
@@ -290,14 +371,9 @@ def probe_cmd(
     if limit is not None and limit < 1:
         raise ValueError(f"--memory-limit {memory_limit} is not allowed; allowed: a budget of at least 1 byte")
     check_probe_settings(global_batch=global_batch, dp_world_size=dp, max_micro_batch=max_micro_batch,
-                         steps_per_trial=steps_per_trial, tolerance=tolerance,
-                         names={"global_batch": "--global-batch", "dp_world_size": "--dp",
-                                "max_micro_batch": "--max-micro-batch", "steps_per_trial": "--steps-per-trial",
-                                "tolerance": "--tolerance"})
-    import torch
-
-    check_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"), precision,
-                 field="--device", precision_field="--precision")
+                         steps_per_trial=steps_per_trial, tolerance=tolerance, names=flag_names_of("probe"))
+    V.device(device, "device", precision=precision, default_cuda=True)
+    load_task_checked(task, overrides)  # a bad --task/--task-arg: one line before any trial
     if not as_json:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
@@ -348,41 +424,47 @@ def sweep_cmd(
     out: str = typer.Option("runs/sweep", "--out", help="Output directory; rerunning resumes it (the grid must match)."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Trials at once (default: min(trials, cores)); threads = cores ÷ workers."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads per trial (default cores ÷ workers); keep it when resuming."),
-    backend: str = typer.Option("local", "--backend", help="local (spawned processes) or ray (Ray Tune; pip install 'globalbatch[ray]')."),
+    backend: Backend = typer.Option("local", "--backend", help="local (spawned processes) or ray (Ray Tune; pip install 'globalbatch[ray]')."),
     address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address (with --backend ray)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the model init and of the shared data order."),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per forward/backward (default min(batch, 16))."),
     eval_every: Optional[str] = typer.Option(None, "--eval-every", help="Units between validation evaluations (default budget ÷ 8)."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + _OPTIMIZERS + "."),
+    optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + _OPTIMIZERS + "."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
     noise: bool = typer.Option(False, "--noise", help="Also log the gradient noise scale B_simple at every evaluation (the report plots it)."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or mps (checked before anything is written)."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    precision: PrecisionName = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys instead of tables (progress stays on stderr)."),
 ) -> None:
     """Train every batch × LR on the same data order and token budget, then fit the critical batch."""
     from rich.console import Console
 
-    from ._util import flag_names
-    from .plan import parse_count
-    from ._util import parse_list, parse_task_args
+    from . import validate as V
+    from ._util import flag_names, parse_task_args
     from .lab.report import analysis_table
     from .lab.sweep import SweepConfig, analyze_sweep, run_sweep
 
-    names = {"task": "--task", "task_overrides": "--task-arg", "batches": "--batches", "lrs": "--lrs",
-             "budget": "--tokens", "seed": "--seed", "micro_batch": "--micro-batch", "eval_every": "--eval-every",
-             "optimizer": "--optimizer", "backend": "--backend", "workers": "--workers", "threads": "--threads",
-             "address": "--address", "out": "--out", "device": "--device", "precision": "--precision"}
-    with flag_names(names):
-        cfg = SweepConfig(task=task, task_overrides=parse_task_args(task_arg), batches=parse_list(batches, "--batches", int),
-                          lrs=parse_list(lrs, "--lrs", allowed="numbers > 0, e.g. 3e-4,1e-3"), budget=parse_count(tokens, "--tokens"), seed=seed,
+    with flag_names(flag_names_of("sweep")):
+        V.out_dir(out, "out")
+        cfg = SweepConfig(task=task, task_overrides=parse_task_args(task_arg),
+                          batches=V.count_list(batches, "batches"), lrs=V.number_list(lrs, "lrs"),
+                          budget=V.count(tokens, "budget", what="a whole number of units"), seed=seed,
                           micro_batch=micro_batch,
-                          eval_every=None if eval_every is None else parse_count(eval_every, "--eval-every"),
+                          eval_every=None if eval_every is None else V.count(eval_every, "eval_every"),
                           optimizer=optimizer, noise=noise, device=device, precision=precision)
         console = Console(stderr=True)
-        result = run_sweep(cfg, out, workers=workers, threads=threads, backend=backend, address=address)
+        result = run_sweep(cfg, out, workers=workers, threads=threads, backend=backend, address=address,
+                           progress=not as_json)
+    data, analysis = analyze_sweep(out)
+    if as_json:
+        _echo_json({"out_dir": result.out_dir, "ran": result.ran, "skipped": result.skipped,
+                    "wall_time_s": result.wall_time_s, "workers": result.workers,
+                    "threads_per_worker": result.threads_per_worker, "analysis": analysis.to_dict(),
+                    "recommendation": None if analysis.recommendation is None else analysis.recommendation.text(),
+                    "warnings": list(analysis.warnings)})
+        return
     console.print(f"sweep {out}: {len(result.ran)} trial(s) run, {len(result.skipped)} already finished, "
                   f"{result.wall_time_s:,.1f} s ({result.workers} worker(s) × {result.threads_per_worker} thread(s))")
-    data, analysis = analyze_sweep(out)
     Console(width=max(Console().width, 140)).print(analysis_table(data, analysis))
     if analysis.recommendation is not None:
         typer.echo(analysis.recommendation.text())
@@ -396,30 +478,30 @@ def report_cmd(
     run_dir: str = typer.Argument(..., help="A sweep output directory (with manifest.json)."),
     out: Optional[str] = typer.Option(None, "--out", help="Where to write plots and report.html (default RUN_DIR/report)."),
     targets: Optional[str] = typer.Option(None, "--targets", help="Loss targets, comma-separated; the first is primary (default: automatic)."),
-    objective: str = typer.Option("time", "--objective", help="time (wall-clock to target) or cost (units to target)."),
-    tolerance: float = typer.Option(0.05, "--tolerance", help="Batches within this fraction of the best count as ties; the most data-efficient wins."),
+    objective: Objective = typer.Option("time", "--objective", help="time (wall-clock to target) or cost (units to target)."),
+    tolerance: float = typer.Option(0.05, "--time-tolerance", help="Batches within this fraction of the best time (or cost) to target count as ties; the most data-efficient wins."),
     ema_fraction: float = typer.Option(0.05, "--ema-fraction", help="EMA half-life of the training loss as a fraction of each trial's steps to the target (lag-corrected)."),
     half_life_steps: Optional[float] = typer.Option(None, "--half-life-steps", help="A fixed EMA half-life in steps instead (biases B_crit low; see docs/critical.md)."),
-    halflife_steps_old: Optional[float] = typer.Option(None, "--halflife-steps", hidden=True, help="Old spelling of --half-life-steps."),
+    as_json: bool = typer.Option(False, "--json", help="Print the analysis as JSON (stable snake_case keys) instead of the table."),
 ) -> None:
     """Write PNG plots and a self-contained HTML report of a sweep, with the recommended batch."""
     from rich.console import Console
 
+    from . import validate as V
     from ._util import flag_names
-    from ._util import parse_list
     from .lab.report import analysis_table, write_report
 
-    if half_life_steps is not None and halflife_steps_old is not None and half_life_steps != halflife_steps_old:
-        raise ValueError(f"--halflife-steps {halflife_steps_old:g} is not allowed with --half-life-steps "
-                         f"{half_life_steps:g}; allowed: one of them (--halflife-steps is the old spelling)")
-    flag_for_half_life = "--half-life-steps" if half_life_steps is not None or halflife_steps_old is None else "--halflife-steps"
-    half_life = half_life_steps if half_life_steps is not None else halflife_steps_old
-    names = {"objective": "--objective", "tolerance": "--tolerance", "ema_fraction": "--ema-fraction",
-             "halflife_steps": flag_for_half_life, "run_dir": "RUN_DIR", "targets": "--targets"}
-    with flag_names(names):
-        res = write_report(run_dir, out, targets=None if targets is None else parse_list(targets, "--targets",
-                                                                                          allowed="loss values, e.g. 3.2,3.0"),
-                           objective=objective, tolerance=tolerance, ema_fraction=ema_fraction, halflife_steps=half_life)
+    with flag_names(flag_names_of("report")):
+        V.existing_dir(run_dir, "run_dir", allowed="a sweep directory (written by globalbatch sweep)")
+        target_list = None if targets is None else V.number_list(targets, "targets", positive_only=False)
+        with V.created_out_dir(out if out is not None else str(Path(run_dir) / "report"), "out"):
+            res = write_report(run_dir, out, targets=target_list, objective=objective, tolerance=tolerance,
+                               ema_fraction=ema_fraction, halflife_steps=half_life_steps)
+    if as_json:
+        _echo_json({"html": str(res.html), "plots": [str(p) for p in res.plots],
+                    "recommendation": None if res.analysis.recommendation is None else res.analysis.recommendation.text(),
+                    "warnings": list(res.analysis.warnings)})
+        return
     Console(width=max(Console().width, 140)).print(analysis_table(res.data, res.analysis))
     if res.analysis.recommendation is not None:
         typer.echo(res.analysis.recommendation.text())
@@ -435,7 +517,7 @@ def noise_cmd(
     grad_accum: int = typer.Option(4, "--grad-accum", help="Micro-batches per step; on one process ≥ 2 (they are the small batches)."),
     steps: int = typer.Option(50, "--steps", help="Optimizer steps (windows) to train and measure."),
     lr: float = typer.Option(1e-3, "--lr", help="Constant learning rate (B_simple depends on it; it is logged)."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + _OPTIMIZERS + " (the same recipe as sweep)."),
+    optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + _OPTIMIZERS + " (the same recipe as sweep)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the model init and the data order."),
     log_every: int = typer.Option(5, "--log-every", help="Steps between estimates (rows of the curve)."),
     half_life_windows: float = typer.Option(10.0, "--half-life-windows", help="EMA half-life in windows of the global batch (forgetting is per unit)."),
@@ -443,29 +525,31 @@ def noise_cmd(
     out: str = typer.Option("runs/noise", "--out", help="Directory for noise.csv (and tb/ with --tensorboard)."),
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also write TensorBoard scalars (pip install 'globalbatch[tensorboard]')."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N or mps (default cuda when available)."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    precision: PrecisionName = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys instead of tables (progress stays on stderr)."),
 ) -> None:
     """Measure the gradient noise scale B_simple (McCandlish et al. 2018) over a short training run."""
+    import dataclasses
     import os
 
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
-    from ._util import parse_task_args
-    from .lab.device import check_device
-    from .lab.noise_run import (CLI_FLAGS, NoiseRunConfig, check_noise_settings, format_estimate, format_interval,
-                                measure_noise)
+    from . import validate as V
+    from ._util import flag_names, parse_task_args
+    from .lab.noise_run import NoiseRunConfig, check_noise_settings, format_estimate, format_interval, measure_noise
 
+    names = flag_names_of("noise")
     check_noise_settings(micro_batch=micro_batch, grad_accum_steps=grad_accum, steps=steps, lr=lr, optimizer=optimizer,
                          log_every=log_every, half_life_windows=half_life_windows, adam_variant=adam_variant,
-                         threads=threads, world_size=int(os.environ.get("WORLD_SIZE", "1")), names=CLI_FLAGS)
-    import torch
-
-    check_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"), precision,
-                 field="--device", precision_field="--precision")
+                         threads=threads, world_size=int(os.environ.get("WORLD_SIZE", "1")), names=names)
+    V.positive(lr, "lr")
+    V.positive(half_life_windows, "half_life_windows")
+    V.out_dir(out, "out")
+    V.device(device, "device", precision=precision, default_cuda=True)
     if threads is not None:
         import torch
 
@@ -475,10 +559,14 @@ def noise_cmd(
                          log_every=log_every, half_life_windows=half_life_windows, adam_variant=adam_variant,
                          device=device, precision=precision)
     console = Console(width=max(Console().width, 140))
-    console.print(f"noise: {task}, {micro_batch} samples × {grad_accum} accum per rank, {steps} steps, lr {lr:g} "
-                  f"({optimizer}); EMA half-life {half_life_windows:g} windows")
+    header = [f"noise: {task}, {micro_batch} samples × {grad_accum} accum per rank, {steps} steps, lr {lr:g} "
+              f"({optimizer}); EMA half-life {half_life_windows:g} windows"]
 
     def show(row: dict) -> None:
+        if as_json:
+            return
+        if header:  # printed with the first row: every input (the task too) is checked by then
+            console.print(header.pop())
         keys = [k[len("b_simple_"):] for k in row if k.startswith("b_simple_")]
         parts = [f"{k}={format_interval(row['b_simple_' + k], row['low_' + k], row['high_' + k], row['flags_' + k])}"
                  for k in keys]
@@ -487,11 +575,16 @@ def noise_cmd(
                       highlight=False, soft_wrap=True)
 
     try:
-        result = measure_noise(cfg, out_dir=out, tensorboard=tensorboard, on_row=show)
+        with flag_names(names), V.created_out_dir(out, "out"):
+            result = measure_noise(cfg, out_dir=out, tensorboard=tensorboard, on_row=show)
     except ImportError as exc:
         raise ValueError(f"--tensorboard: {exc}") from exc
     if not result.rows:
         return  # not rank 0
+    if as_json:
+        _echo_json({"unit": result.unit, "dp_world_size": result.dp_world_size, "csv": result.csv_path,
+                    "rows": result.rows, "final": {k: dataclasses.asdict(e) for k, e in result.final.items()}})
+        return
     table = Table(title=f"B_simple curve ({result.unit}-mean loss; interval {next(iter(result.final.values())).confidence:.0%} Fieller)")
     keys = [k[len("b_simple_"):] for k in result.rows[0] if k.startswith("b_simple_")]
     for col in ["step", "loss", "lr", "batch", "valid tok/s", "MFU"] + keys:
@@ -535,40 +628,41 @@ def branch_cmd(
     warmup_tokens: str = typer.Option("200K", "--warmup-tokens", help="Units the base run trains before branching; a comma list branches at several points."),
     window_tokens: str = typer.Option("100K", "--window-tokens", help="Units every branch trains."),
     seeds: int = typer.Option(3, "--seeds", help="Branches per k, each with its own data order (>= 2)."),
-    tolerance: float = typer.Option(0.01, "--tolerance", help="Loss increase over k=1 that still counts as equal (Merrill et al.: 0.01)."),
+    tolerance: float = typer.Option(0.01, "--loss-tolerance", help="Loss increase over k=1 that still counts as equal (Merrill et al.: 0.01)."),
     alpha: float = typer.Option(0.05, "--alpha", help="Level of the one-sided t-test per k."),
-    metric: str = typer.Option("val", "--metric", help="val (validation loss at the end of the window) or train (last quarter's training loss)."),
-    test: str = typer.Option("paired", "--test", help="paired (per-seed differences) or welch."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="A registry optimizer (" + _OPTIMIZERS + "); LR × √k for Adam-type, × k for SGD-type."),
+    metric: Metric = typer.Option("val", "--metric", help="val (validation loss at the end of the window) or train (last quarter's training loss)."),
+    test: Test = typer.Option("paired", "--test", help="paired (per-seed differences) or welch."),
+    optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer (" + _OPTIMIZERS + "); LR × √k for Adam-type, × k for SGD-type."),
     out: str = typer.Option("runs/branch", "--out", help="Output directory; rerunning reuses finished branches (a larger --seeds adds only the new seeds' branches)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the model init and the base run's data order."),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per forward/backward (default min(batch, 16))."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or mps (checked before anything is written)."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    precision: PrecisionName = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys instead of tables (progress stays on stderr)."),
 ) -> None:
     """Merrill et al. 2025 branch test: the largest k whose k× batch branches are not worse than k = 1."""
-    from ._util import flag_names
-    from ._util import parse_list, parse_task_args
+    from . import validate as V
+    from ._util import flag_names, parse_task_args
     from .lab.branch import BranchConfig, run_branch_test
-    from .plan import parse_count
 
-    names = {"task": "--task", "task_overrides": "--task-arg", "base_batch": "--base-batch", "ks": "--ks", "lr": "--lr",
-             "optimizer": "--optimizer", "branch_at": "--warmup-tokens", "window": "--window-tokens", "seeds": "--seeds",
-             "seed": "--seed", "micro_batch": "--micro-batch", "tolerance": "--tolerance", "alpha": "--alpha",
-             "metric": "--metric", "test": "--test", "threads": "--threads", "out": "--out", "device": "--device",
-             "precision": "--precision"}
-    with flag_names(names):
+    with flag_names(flag_names_of("branch")):
+        V.out_dir(out, "out")
+        V.whole(base_batch, "base_batch", maximum=V.MAX_BATCH)
+        k_list = V.count_list(ks, "ks", allowed="whole numbers ≥ 1 including 1, e.g. 1,2,4,8")
+        V.whole(base_batch * max(k_list), "base_batch", maximum=V.MAX_BATCH)
         cfg = BranchConfig(task=task, task_overrides=parse_task_args(task_arg), base_batch=base_batch,
-                           ks=parse_list(ks, "--ks", int, allowed="whole numbers ≥ 1 including 1, e.g. 1,2,4,8"),
-                           lr=lr, optimizer=optimizer,
-                           branch_at=parse_list(warmup_tokens, "--warmup-tokens", int,
-                                                allowed="unit counts ≥ 1, e.g. 200K or 100K,200K"),
-                           window=parse_count(window_tokens, "--window-tokens"), seeds=seeds, seed=seed,
+                           ks=k_list, lr=V.positive(lr, "lr"), optimizer=optimizer,
+                           branch_at=V.count_list(warmup_tokens, "branch_at", maximum=V.MAX_COUNT,
+                                                  allowed="unit counts ≥ 1, e.g. 200K or 100K,200K"),
+                           window=V.count(window_tokens, "window", what="a whole number of units"), seeds=seeds, seed=seed,
                            micro_batch=micro_batch, tolerance=tolerance, alpha=alpha, metric=metric, test=test,
                            device=device, precision=precision)
-        result = run_branch_test(cfg, out, threads=threads)
+        result = run_branch_test(cfg, out, threads=threads, progress=not as_json)
+    if as_json:
+        _echo_json(result.to_dict())
+        return
     typer.echo(result.text())
     typer.echo(f"wrote {out}/result.json")
 
@@ -646,7 +740,8 @@ def demo_cmd(
     out: str = typer.Option("demo_out", "--out", help="Output directory of the demo sweep and its report."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Trials at once (default: min(trials, cores))."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or mps (checked before anything is written)."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    precision: PrecisionName = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys instead of tables (progress stays on stderr)."),
 ) -> None:
     """A quick sweep of a small tinygpt (a few minutes on 2 CPU cores), then the HTML report."""
     import time
@@ -655,22 +750,33 @@ def demo_cmd(
 
     import dataclasses
 
+    from . import validate as V
     from ._util import SettingError, flag_names
-    from .lab.device import check_device
     from .lab.report import analysis_table, write_report
     from .lab.sweep import demo_config, run_sweep
 
     t0 = time.time()
-    with flag_names({"device": "--device", "precision": "--precision", "workers": "--workers"}):
+    with flag_names(flag_names_of("demo")):
         cfg = dataclasses.replace(demo_config(), device=device, precision=precision)
-        check_device(device, precision)  # before the banner: a bad flag is one line
-        if workers is not None and workers < 1:
-            raise SettingError("workers", workers, "a whole number ≥ 1")
+        V.device(device, "device", precision=precision)  # before the banner: a bad flag is one line
+        if workers is not None:
+            V.whole(workers, "workers")
+        V.out_dir(out, "out")
+        from .lab.rundir import lock_holder
+
+        holder = lock_holder(out)
+        if holder is not None:  # in use by another run: one line now, not after the banner
+            raise SettingError("out", out, "a directory no other run is using", why=f"a run (pid {holder}) holds it")
         console = Console(stderr=True)
         console.print(f"demo: tinygpt {cfg.task_overrides}, batches {cfg.batches}, lrs {cfg.lrs}, "
                       f"{cfg.budget:,} tokens per trial, {cfg.device} {cfg.precision}")
-        result = run_sweep(cfg, out, workers=workers)
+        result = run_sweep(cfg, out, workers=workers, progress=not as_json)
     res = write_report(out)
+    if as_json:
+        _echo_json({"out_dir": result.out_dir, "wall_time_s": result.wall_time_s, "report": str(res.html),
+                    "analysis": res.analysis.to_dict(), "warnings": list(res.analysis.warnings),
+                    "recommendation": None if res.analysis.recommendation is None else res.analysis.recommendation.text()})
+        return
     Console(width=max(Console().width, 140)).print(analysis_table(res.data, res.analysis))
     if res.analysis.recommendation is not None:
         typer.echo(res.analysis.recommendation.text())
@@ -679,14 +785,28 @@ def demo_cmd(
     typer.echo(f"sweep {result.wall_time_s:,.0f} s, total {time.time() - t0:,.0f} s; report: {res.html}")
 
 
+def _choices_of(param: Any) -> tuple:
+    """The values of a ``Literal[...]`` (or ``Optional[Literal[...]]``) option; () for any other."""
+    t = getattr(getattr(param, "type_descriptor", None), "annotation", None)  # typer 0.29's record of the hint
+    for cand in (t, *get_args(t)):
+        if get_origin(cand) is Literal:
+            return get_args(cand)
+    return ()
+
+
 def _usage_error_line(exc: Exception, argv: list[str]) -> str:
     """click's BadParameter as ``--dp 'abc' is not allowed; allowed: a whole number``."""
     param = getattr(exc, "param", None)
     opts = list(getattr(param, "opts", []) or [])
+    if type(exc).__name__ == "MissingParameter" and param is not None:
+        name = opts[0] if getattr(param, "param_type_name", "") == "option" and opts else str(param.name).upper()
+        return f"{name} is missing; allowed: see --help"
     text = exc.format_message().lower()
     kind = getattr(getattr(param, "type", None), "name", "") or text  # click has .type; typer >= 0.2x does not
-    allowed = next((a for key, a in (("integer", "a whole number"), ("float", "a number"), ("number", "a number"),
-                                     ("bool", "true or false")) if key in kind), None)
+    choices = _choices_of(param)
+    allowed = ", ".join(choices) if choices else next(
+        (a for key, a in (("integer", "a whole number"), ("float", "a number"), ("number", "a number"),
+                          ("bool", "true or false")) if key in kind), None)
     if opts and allowed:
         for i, tok in enumerate(argv):
             for opt in opts:
@@ -715,7 +835,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         typer.echo("error: aborted", err=True)
         sys.exit(130)
     except (ValueError, FileNotFoundError, IsADirectoryError) as exc:
-        typer.echo(f"error: {exc}", err=True)
+        from ._util import SettingError
+
+        sub = args[0] if args and not args[0].startswith("-") else None
+        text = _setting_line(exc, sub) if isinstance(exc, SettingError) else str(exc)
+        typer.echo("error: " + " ".join(text.split()), err=True)  # one line, whatever the message holds
         sys.exit(2)
     except Exception as exc:
         # click's (or typer's vendored click's) usage errors: bad flag, bad value, missing argument.

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import plan as P
+from ._util import SettingError, _Raw
 
 __all__ = ["PlanConfig", "read_config_file", "resolve_plan_config", "make_plan", "build_plan", "plan_table", "PlanReport"]
 
@@ -92,25 +93,30 @@ class PlanConfig:
     """Where the config came from (flags, yaml, toml, json, deepspeed, hf)."""
 
     def __post_init__(self) -> None:
+        # One-field checks raise SettingError(field, ...): the CLI names the flag from its typer definitions.
+        E, R = SettingError, _Raw
         if self.lr_rule not in P.LR_RULES:
-            raise ValueError(f"lr_rule {self.lr_rule!r} is not allowed; allowed: {', '.join(P.LR_RULES)}")
+            raise E("lr_rule", self.lr_rule, ", ".join(P.LR_RULES))
         if self.padding_fraction is not None and not 0 <= self.padding_fraction < 1:
-            raise ValueError(f"padding_fraction {self.padding_fraction} is not allowed; allowed: 0 ≤ x < 1")
+            raise E("padding_fraction", R(str(self.padding_fraction)), "0 ≤ x < 1")
         if self.valid_tokens_per_seq is not None:
             if not self.valid_tokens_per_seq > 0:
-                raise ValueError(f"valid_tokens_per_seq {self.valid_tokens_per_seq} is not allowed; allowed: > 0")
+                raise E("valid_tokens_per_seq", R(str(self.valid_tokens_per_seq)), "> 0")
             if self.seq_len is not None and self.valid_tokens_per_seq > self.seq_len:
-                raise ValueError(
-                    f"valid_tokens_per_seq {fmt(self.valid_tokens_per_seq)} is not allowed; allowed: ≤ seq_len {self.seq_len}"
-                )
+                raise E("valid_tokens_per_seq", R(fmt(self.valid_tokens_per_seq)), f"≤ seq_len {self.seq_len}")
         for name in ("lr", "total_tokens", "max_bubble", "params", "compute_flops", "loss_nats"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
-                raise ValueError(f"{name} {_show(v)} is not allowed; allowed: a number > 0")
+                raise E(name, R(_show(v)), "a number > 0")
         for name in ("seq_len", "lr_base_batch", "pp_stages", "virtual_stages", "grad_bytes_per_param", "new_dp_world_size"):
             v = getattr(self, name)
-            if v is not None:
-                P._positive_int(name, v)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise E(name, R(_show(v)), "a whole number ≥ 1")
+        if self.warmup_steps is not None and (isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int)
+                                              or self.warmup_steps < 0):
+            raise E("warmup_steps", R(_show(self.warmup_steps)), "a whole number ≥ 0")
+        if self.warmup_tokens is not None and (not math.isfinite(self.warmup_tokens) or self.warmup_tokens < 0):
+            raise E("warmup_tokens", R(_show(self.warmup_tokens)), "a number ≥ 0")
         if self.warmup_tokens is not None and self.warmup_steps is not None:
             raise ValueError("warmup_tokens and warmup_steps are both set; allowed: one of them")
         if self.lr_base_batch is not None and self.lr is None:
@@ -159,12 +165,18 @@ def _coerce(name: str, value: Any) -> Any:
                 raise ValueError(f"{name} {value!r} is not a number; allowed: a number") from None
         if not math.isfinite(value):
             raise ValueError(f"{name} {value!r} is not allowed; allowed: a finite number")
+        if name == "padding_fraction" and not 0 <= value < 1:
+            raise ValueError(f"{name} {value!r} is not allowed; allowed: 0 ≤ x < 1")
+        if name != "padding_fraction" and value <= 0:
+            raise ValueError(f"{name} {value!r} is not allowed; allowed: a number > 0")
         return float(value)
     if name in _BOOL_FIELDS:
         if not isinstance(value, bool):
             raise ValueError(f"{name} {value!r} is not allowed; allowed: true or false")
         return value
     if name == "lr_rule":
+        if value not in P.LR_RULES:
+            raise ValueError(f"lr_rule {value!r} is not allowed; allowed: {', '.join(P.LR_RULES)}")
         return str(value)
     raise ValueError(f"{name} is not a PlanConfig field")  # pragma: no cover
 
@@ -185,7 +197,13 @@ def _yaml_load_unique(text: str) -> Any:
     import yaml
 
     class _UniqueKeySafeLoader(yaml.SafeLoader):
-        pass
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            # No anchors or aliases: a config needs none, and a 300-byte alias bomb expands to 10⁹ items.
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a config",
+                                                  event.start_mark)
+            return super().compose_node(parent, index)
 
     def construct_mapping(loader: Any, node: Any, deep: bool = False) -> Any:
         seen = set()
@@ -233,20 +251,26 @@ def read_config_file(path: str | Path) -> tuple[str, dict]:
 
     The suffix is checked before anything is read; only regular files up to 4 MiB are read.
     """
-    path = Path(path)
     name = str(path)
+    path = Path(path)
     suffix = path.suffix.lower()
     kinds = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml", ".json": "json"}
-    if not name or name == ".":
-        raise ValueError("config '' is empty; allowed: a YAML, TOML or JSON file")
-    if not path.exists():
-        raise ValueError(f"config {name!r} does not exist; allowed: a YAML, TOML or JSON file")
-    if path.is_dir():
-        raise ValueError(f"config {name!r} is a directory; allowed: a YAML, TOML or JSON file")
+    a_file = "a YAML, TOML or JSON file"
+    if not name:
+        raise SettingError("config", name, a_file, why="empty")
+    try:
+        exists, is_dir, is_file = path.exists(), path.is_dir(), path.is_file()
+    except OSError as exc:  # a name too long for the file system, a loop of links
+        shown = name if len(name) <= 60 else name[:60] + f"… ({len(name)} characters)"
+        raise SettingError("config", shown, a_file, why=exc.strerror or str(exc)) from None
+    if not exists:
+        raise SettingError("config", name, a_file, why="it does not exist")
+    if is_dir:
+        raise SettingError("config", name, a_file, why="it is a directory")
     if suffix not in kinds:
-        raise ValueError(f"config {name!r} has suffix {suffix!r}; allowed: .yaml, .yml, .toml, .json")
-    if not path.is_file():
-        raise ValueError(f"config {name!r} is not a regular file; allowed: a YAML, TOML or JSON file")
+        raise SettingError("config", name, "a file ending .yaml, .yml, .toml or .json", why=f"suffix {suffix!r}")
+    if not is_file:
+        raise SettingError("config", name, a_file, why="it is not a regular file")
     try:
         size = path.stat().st_size
         if size > _MAX_CONFIG_BYTES:
@@ -292,7 +316,10 @@ def _from_mapping(data: dict, source: str, path: str) -> dict:
             raise ValueError(f"{path}: unknown key {key!r}{hint}; allowed: {', '.join(sorted(_OURS))}")
         if value is None:
             continue
-        out[key] = _coerce(key, value)
+        try:
+            out[key] = _coerce(key, value)
+        except ValueError as exc:  # the file's value: the line names the file
+            raise ValueError(f"{path}: {exc}") from None
     out["source"] = source
     return out
 
@@ -357,10 +384,17 @@ def _deepspeed(data: dict, flags: dict, dp: Optional[int], path: str, warnings: 
             out[k] = v
     opt = data.get("optimizer")
     params = opt.get("params") if isinstance(opt, dict) else None
-    lr = _number(params.get("lr")) if isinstance(params, dict) else None
-    if lr is not None and lr > 0:
-        out["lr"] = lr
+    if isinstance(params, dict) and _auto(params.get("lr")) is not None:
+        out["lr"] = _file_lr(params["lr"], f"{path}: optimizer.params.lr")
     return out
+
+
+def _file_lr(value: Any, name: str) -> float:
+    """A learning rate read from another tool's file: a finite number > 0, never silently dropped."""
+    lr = _number(value)
+    if lr is None or not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"{name} {value!r} is not allowed; allowed: a finite number > 0 (or leave it out)")
+    return lr
 
 
 def _hf(data: dict, flags: dict, dp: Optional[int], path: str, warnings: list[str]) -> dict:
@@ -383,14 +417,13 @@ def _hf(data: dict, flags: dict, dp: Optional[int], path: str, warnings: list[st
         "dp_world_size": dp,
         "source": "hf",
     }
-    lr = _number(data.get("learning_rate"))
-    if lr is not None and lr > 0:
-        out["lr"] = lr
+    if data.get("learning_rate") is not None:
+        out["lr"] = _file_lr(data["learning_rate"], f"{path}: learning_rate")
     ws = data.get("warmup_steps")
-    if isinstance(ws, int) and not isinstance(ws, bool) and ws > 0:
+    if ws is not None and (isinstance(ws, bool) or not isinstance(ws, int) or ws < 0):
+        raise ValueError(f"{path}: warmup_steps {ws!r} is not allowed; allowed: a whole number of steps ≥ 0")
+    if ws:
         out["warmup_steps"] = ws
-    elif ws not in (None, 0):
-        warnings.append(f"{path}: warmup_steps {ws!r} is not a whole number of steps; not used")
     if _number(data.get("warmup_ratio")):
         warnings.append(f"{path}: warmup_ratio {data['warmup_ratio']} needs the run length in steps; not used")
     return out
@@ -433,9 +466,17 @@ def resolve_plan_config(
 
 
 def _flag_error(exc: ValueError, flags: dict, dp_world_size: Optional[int]) -> ValueError:
-    """Rename a field to the flag the user typed: ``dp_world_size 0 …`` → ``--dp 0 …``."""
+    """An error about a value the user gave as a flag names the flag: ``dp_world_size 0 …`` → ``--dp 0 …``.
+
+    A :class:`SettingError` of a flag-given field passes through unchanged (the CLI names its flag from
+    its typer definitions); one about a value read from a file becomes a plain ``ValueError``, so it keeps
+    the file's key. Plain ``ValueError``s of the plan arithmetic (``plan.py``) are still matched by their
+    leading field name (not yet converted).
+    """
     msg = str(exc)
     given = set(flags) | ({"dp_world_size", "new_dp_world_size"} if dp_world_size is not None else set())
+    if isinstance(exc, SettingError):  # "config" is the file's path: always the user's own value
+        return exc if exc.field in given | {"config"} else ValueError(msg)
     for field in sorted(given, key=len, reverse=True):
         if msg.startswith(field + " ") and field in _FLAG:
             return ValueError(f"--{_FLAG[field]}" + msg[len(field):])

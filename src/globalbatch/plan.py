@@ -446,6 +446,10 @@ _QTY = re.compile(
 )
 
 
+_MAX_EXPONENT = 30
+"""Quantities above 1e30 are refused: they overflow floats downstream and are never meant."""
+
+
 def _parse(text: object, field_name: str, table: dict[str, int], allowed: str) -> Decimal:
     """Parse exactly (Decimal): ``'4.1B'`` is 4,100,000,000, not 4,099,999,999.9999995."""
     if isinstance(text, bool):
@@ -453,20 +457,25 @@ def _parse(text: object, field_name: str, table: dict[str, int], allowed: str) -
     if isinstance(text, int):
         value = Decimal(text)
     elif isinstance(text, float):
-        if not math.isfinite(text):
-            raise ValueError(f"{field_name} {text!r} is not allowed; allowed: {allowed}")
+        if not math.isfinite(text) or abs(text) >= 10.0 ** (_MAX_EXPONENT + 1):
+            raise ValueError(f"{field_name} {text!r} is not allowed; allowed: {allowed}, at most 1e{_MAX_EXPONENT}")
         value = Decimal(repr(text))
     else:
         match = _QTY.match(str(text))
         suffix = match.group(2).upper() if match else None
         if not match or suffix not in table:
             raise ValueError(f"{field_name} {text!r} is not a quantity; allowed: {allowed}")
+        digits = Decimal(match.group(1).replace(",", "").replace("_", ""))
+        if digits.adjusted() > _MAX_EXPONENT:  # 1e400, 1e999999999: an error, not an Overflow later
+            raise ValueError(f"{field_name} {text!r} is too large; allowed: {allowed}, at most 1e{_MAX_EXPONENT}")
         try:
-            value = Decimal(match.group(1).replace(",", "").replace("_", "")) * table[suffix]
+            value = digits * table[suffix]
         except InvalidOperation:  # pragma: no cover - the regex admits only valid numbers
             raise ValueError(f"{field_name} {text!r} is not a quantity; allowed: {allowed}") from None
     if value < 0:
         raise ValueError(f"{field_name} {text!r} is not allowed; allowed: {allowed}")
+    if value != 0 and value.adjusted() > _MAX_EXPONENT:
+        raise ValueError(f"{field_name} {text!r} is too large; allowed: {allowed}, at most 1e{_MAX_EXPONENT}")
     return value
 
 

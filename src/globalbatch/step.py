@@ -550,7 +550,15 @@ class StepDriver:
             cb(self, global_count, local_count)
 
         grad_norm = self._clip(params)
-        packed = torch.cat([stats, grad_norm.detach().reshape(1).to(device=stats.device, dtype=torch.float64)])
+        norm64 = grad_norm.detach().reshape(1).to(device=stats.device, dtype=torch.float64)
+        if self.dp_world_size > 1:
+            # The norm is computed on each rank after the gradient sync: a gradient made non-finite on
+            # one rank afterwards (a callback, a hook) would skip there and step elsewhere. Its
+            # non-finite flag joins an all-reduce so the step is applied on every rank or on none.
+            bad = (~torch.isfinite(norm64)).to(torch.float64)
+            dist.all_reduce(bad, group=self.dp_group)  # tiny collective; no host sync (read below with the rest)
+            norm64 = torch.where(bad > 0, torch.full_like(norm64, math.inf), norm64)
+        packed = torch.cat([stats, norm64])
         # HOST SYNC (the only one per step): the skip decision needs these numbers.
         units_f, loss_f, samples_f, flops_f, norm_f = packed.tolist()
         units, samples = int(round(units_f)), int(round(samples_f))

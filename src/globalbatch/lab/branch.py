@@ -51,10 +51,12 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from globalbatch._util import SettingError, atomic_write_json, load_task_checked
+from globalbatch._util import SettingError, atomic_write_json, load_task_checked, read_json_checked
 from globalbatch.lab.device import PRECISIONS, check_device
 from globalbatch.lab.loop import default_micro_batch
-from globalbatch.lab.rundir import check_manifest
+from globalbatch.lab.rundir import check_manifest, lock_run_dir
+from globalbatch.validate import make_out_dir
+from globalbatch.validate import out_dir as out_dir_checked
 from globalbatch.optim import lr_scaling_rule, optimizer_names
 
 __all__ = ["BranchConfig", "KVerdict", "Verdicts", "PointResult", "BranchResult", "branch_verdicts", "run_branch_test", "load_branch_results"]
@@ -343,11 +345,13 @@ class BranchResult:
 
     def text(self) -> str:
         c = self.config
+        metric = ("validation loss (fixed held-out samples, end of window)" if c.metric == "val"
+                  else "training loss of the last quarter (biased against large k)")
         lines = [f"branch test: base batch {c.base_batch}, lr {c.lr:g} ({c.optimizer}: LR × {'√k' if c.optimizer == 'adamw' else 'k'}), "
                  f"window {c.window:,} {self.unit}s → {self.window_samples:,} samples (≈{self.window_units:,.0f} {self.unit}s; "
                  f"rounded up to a multiple of max k × base batch = {max(c.ks) * c.base_batch}, the same samples for every k), "
                  f"{c.seeds} seeds, {c.test} one-sided t-test, alpha {c.alpha}, tolerance {c.tolerance} on the "
-                 f"{'validation loss (fixed held-out samples, end of window)' if c.metric == 'val' else 'training loss of the last quarter (biased against large k)'}",
+                 f"{metric}",
                  "a k passes when it is not significantly worse AND its mean loss is within the tolerance of k = 1"]
         for p in self.points:
             lines.append(f"at {p.branch_at:,} {self.unit}s: critical k = {p.critical_k} → batch {p.critical_batch} "
@@ -376,21 +380,25 @@ def run_branch_test(config: BranchConfig, out_dir: str | os.PathLike, *, threads
     branches, any other changed run setting is an error. Settings and the task are
     checked before anything is written.
     """
+    # Every setting is checked, and the task built, before anything is written.
+    if threads is not None and (isinstance(threads, bool) or int(threads) != threads or threads < 1):
+        raise SettingError("threads", threads, "a whole number ≥ 1")
+    check_device(config.device, config.precision)
+    task = load_task_checked(config.task, config.task_overrides)
+    out = out_dir_checked(out_dir, "out")
+    make_out_dir(out, "out")
+    with lock_run_dir(out):  # a second branch test into this directory: one error line, exit 2
+        return _run_locked(config, out, task, threads=threads, progress=progress)
+
+
+def _run_locked(config: BranchConfig, out: Path, task: Any, *, threads: Optional[int], progress: bool) -> BranchResult:
+    """:func:`run_branch_test` once the settings are checked and ``out`` is locked."""
     import torch
 
     from globalbatch.checkpoint import load_checkpoint, save_checkpoint
     from globalbatch.lab.loop import Experiment
     from globalbatch.schedule import TokenLRSchedule
 
-    # Every setting is checked, and the task built, before anything is written.
-    if threads is not None and (isinstance(threads, bool) or int(threads) != threads or threads < 1):
-        raise SettingError("threads", threads, "a whole number ≥ 1")
-    check_device(config.device, config.precision)
-    task = load_task_checked(config.task, config.task_overrides)
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise SettingError("out", str(out), "a directory (this is a file)")
-    out.mkdir(parents=True, exist_ok=True)
     check_manifest(out, config.manifest(), section="branch", mutable=("seeds",))
     if threads is not None:
         torch.set_num_threads(int(threads))
@@ -408,7 +416,7 @@ def run_branch_test(config: BranchConfig, out_dir: str | os.PathLike, *, threads
     # 1. The base run, checkpointing at every branch point (one run; resumed from its last checkpoint).
     ckpt_dir = out / "base"
     base_meta_path = ckpt_dir / "base.json"
-    base_meta = (json.loads(base_meta_path.read_text()) if base_meta_path.is_file()
+    base_meta = (read_json_checked(base_meta_path, field="out") if base_meta_path.is_file()
                  else {"train_s": 0.0, "units_per_sample": None, "unit": unit})
     missing_ckpts = [p for p in config.branch_at if not (ckpt_dir / f"ckpt_{p}.pt").is_file()]
     if missing_ckpts:
@@ -446,7 +454,7 @@ def run_branch_test(config: BranchConfig, out_dir: str | os.PathLike, *, threads
                 name = _branch_name(p, k, s)
                 path = out / "branches" / f"{name}.json"
                 if path.is_file():
-                    branches.append(json.loads(path.read_text()))
+                    branches.append(read_json_checked(path, field="out"))
                     bar.advance()
                     continue
                 batch = k * config.base_batch
@@ -503,15 +511,23 @@ def load_branch_results(out_dir: str | os.PathLike, **decision: Any) -> BranchRe
     path = out / "manifest.json"
     if not path.is_file():
         raise SettingError("out", str(out), "a branch-test directory", why="no manifest.json")
-    try:
-        doc = json.loads(path.read_text())
-        stored = doc["branch"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-        raise SettingError("out", str(out), "a branch-test directory", why="manifest.json holds no branch test") from None
+    doc = read_json_checked(path, field="out")
+    stored = doc.get("branch") if isinstance(doc, dict) else None
+    if not isinstance(stored, dict):
+        raise SettingError("out", str(out), "a branch-test directory", why=f"{path} holds no branch test")
     cfg = BranchConfig.from_dict({**stored, **decision})
-    branches = [b for b in (json.loads(f.read_text()) for f in sorted((out / "branches").glob("*.json")))
-                if b.get("seed", 0) < cfg.seeds]
-    base_meta = json.loads((out / "base" / "base.json").read_text())
+    branches = []
+    for f in sorted((out / "branches").glob("*.json")):
+        b = read_json_checked(f, field="out")
+        if not isinstance(b, dict) or not {"k", "seed", "branch_at", "train_s"} <= set(b):
+            raise SettingError("out", str(out), "a branch-test directory written by globalbatch",
+                               why=f"{f} is not a branch record")
+        if b.get("seed", 0) < cfg.seeds:
+            branches.append(b)
+    base_meta = read_json_checked(out / "base" / "base.json", field="out")
+    if not isinstance(base_meta, dict):
+        raise SettingError("out", str(out), "a branch-test directory written by globalbatch",
+                           why=f"{out / 'base' / 'base.json'} is not a mapping")
     return _summarise(out, cfg, base_meta.get("unit", "unit"), branches, base_meta, 0.0)
 
 

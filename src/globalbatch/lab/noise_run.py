@@ -15,7 +15,7 @@ from globalbatch.noise.monitor import NoiseConfig, NoiseScaleMonitor
 from globalbatch.optim import optimizer_names
 
 __all__ = ["NoiseRunConfig", "NoiseRunResult", "measure_noise", "format_estimate", "format_number",
-           "format_interval", "check_noise_settings", "CLI_FLAGS"]
+           "format_interval", "check_noise_settings"]
 
 @dataclass(kw_only=True)
 class NoiseRunConfig:
@@ -54,19 +54,13 @@ class NoiseRunConfig:
                              half_life_windows=self.half_life_windows, adam_variant=self.adam_variant)
 
 
-CLI_FLAGS = {"micro_batch": "--micro-batch", "grad_accum_steps": "--grad-accum", "steps": "--steps", "lr": "--lr",
-             "optimizer": "--optimizer", "log_every": "--log-every", "half_life_windows": "--half-life-windows",
-             "adam_variant": "--adam-variant", "threads": "--threads"}
-"""How ``globalbatch noise`` spells each setting: its errors name the flag the user typed."""
-
-
 def check_noise_settings(*, micro_batch: int = 8, grad_accum_steps: int = 4, steps: int = 50, lr: float = 1e-3,
                          optimizer: str = "adamw", log_every: int = 5, half_life_windows: float = 10.0,
                          adam_variant: bool = False, threads: int | None = None, world_size: int | None = None,
                          names: dict[str, str] | None = None) -> None:
     """Raise ``ValueError`` for the first bad setting, in the house style, before anything runs.
 
-    ``names`` maps a setting to how the user wrote it (the CLI passes :data:`CLI_FLAGS`); a
+    ``names`` maps a setting to how the user wrote it (the CLI passes its typer-derived flags); a
     setting not in it is named by its field name. ``world_size`` (processes, ``WORLD_SIZE``)
     enables the check that a window has at least two small batches.
     """
@@ -81,10 +75,10 @@ def check_noise_settings(*, micro_batch: int = 8, grad_accum_steps: int = 4, ste
     def whole(value: Any) -> bool:
         return not isinstance(value, bool) and isinstance(value, int)
 
-    for field, value in (("micro_batch", micro_batch), ("grad_accum_steps", grad_accum_steps), ("steps", steps),
-                         ("log_every", log_every), ("threads", threads)):
-        if (value is not None or field != "threads") and (not whole(value) or value < 1):
-            raise ValueError(f"{name(field)} {text(field, value)} is not allowed; allowed: a whole number ≥ 1")
+    for setting, value in (("micro_batch", micro_batch), ("grad_accum_steps", grad_accum_steps), ("steps", steps),
+                           ("log_every", log_every), ("threads", threads)):
+        if (value is not None or setting != "threads") and (not whole(value) or value < 1):
+            raise ValueError(f"{name(setting)} {text(setting, value)} is not allowed; allowed: a whole number ≥ 1")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (lr >= 0 and math.isfinite(lr)):
         raise ValueError(f"{name('lr')} {text('lr', lr)} is not allowed; allowed: a finite number ≥ 0")
     if optimizer not in optimizer_names():
@@ -169,7 +163,7 @@ def measure_noise(config: NoiseRunConfig, *, out_dir: str | None = None, tensorb
 
     from globalbatch.lab.device import resolve_device
     from globalbatch.lab.loop import Experiment
-    from globalbatch.lab.tasks import load_task
+    from globalbatch._util import load_task_checked
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_noise_settings(grad_accum_steps=config.grad_accum_steps, world_size=world)
@@ -182,9 +176,9 @@ def measure_noise(config: NoiseRunConfig, *, out_dir: str | None = None, tensorb
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+    task = load_task_checked(config.task, config.task_overrides)  # before the TensorBoard writer makes files
     writer = _tensorboard_writer(os.path.join(out_dir or "runs/noise", "tb")) if tensorboard and rank == 0 else None
     try:
-        task = load_task(config.task, **config.task_overrides)
         noise_config = NoiseConfig(half_life_windows=config.half_life_windows, adam=config.adam_variant)
         exp = Experiment(task, batch=config.micro_batch * config.grad_accum_steps * world, micro_batch=config.micro_batch,
                          optimizer=config.optimizer, lr=config.lr, seed=config.seed, device=device,

@@ -344,8 +344,15 @@ def _table_html(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, str]], *, title: str = "globalbatch sweep report") -> str:
-    """The page: the recommendation, the tables and every plot as an inline base64 PNG."""
-    u = data.unit
+    """The page: the recommendation, the tables and every plot as an inline base64 PNG.
+
+    Every value that comes from the run directory is escaped (``html.escape``): a page never
+    runs what a directory says (a shared report with ``"unit": "<img onerror=…>"`` stays text).
+    """
+    def esc(value: object) -> str:
+        return html.escape(str(value), quote=True)
+
+    u = esc(data.unit)
     cfg = data.config
     rec = analysis.recommendation
     rec_html = (
@@ -362,9 +369,10 @@ def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, 
     missing = (f"<p class='warn'>{len(data.missing)} trial(s) not finished: {html.escape(', '.join(data.missing))}</p>"
                if data.missing else "")
     overrides = f" {html.escape(json.dumps(cfg.task_overrides))}" if cfg.task_overrides else ""
-    grid = (f"task <code>{html.escape(cfg.task)}</code>{overrides}; batches "
-            f"{cfg.batches} samples; lrs {cfg.lrs}; budget {cfg.budget:,} {u}s per trial; seed {cfg.seed}; "
-            f"optimizer {cfg.optimizer}; LR warmup {cfg.warmup_fraction:.0%} then {cfg.lr_shape}; "
+    grid = (f"task <code>{esc(cfg.task)}</code>{overrides}; batches "
+            f"{esc(cfg.batches)} samples; lrs {esc(cfg.lrs)}; budget {esc(f'{cfg.budget:,}')} {u}s per trial; "
+            f"seed {esc(cfg.seed)}; optimizer {esc(cfg.optimizer)}; LR warmup {esc(f'{cfg.warmup_fraction:.0%}')} "
+            f"then {esc(cfg.lr_shape)}; "
             + (f"EMA half-life {analysis.halflife_steps:g} steps" if analysis.halflife_steps is not None
                else f"EMA half-life {analysis.ema_fraction:g} × each trial's steps to the target") + " (lag-corrected)")
     css = ("body{font-family:sans-serif;max-width:1200px;margin:2em auto;color:#222}"
@@ -380,7 +388,7 @@ def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, 
 <h2>Recommendation</h2>
 {rec_html}
 <h2>At the primary target</h2>
-{_table_html([h.replace('units', u + 's') for h in POINT_HEADER], _point_rows(data, analysis))}
+{_table_html([h.replace('units', data.unit + 's') for h in POINT_HEADER], _point_rows(data, analysis))}
 <h2>Critical batch at each loss target</h2>
 <p>B_crit = E_min/S_min from the fit of S(B) = S_min(1 + B_crit/B) in log space (McCandlish et al. 2018);
 SE from the fit covariance, CI with a Student-t quantile; when B_crit falls outside the swept batches only a
@@ -390,7 +398,7 @@ ideal E_min/B by 20% (Zhang et al. 2024) = 0.2·B_crit. The two definitions diff
 <h2>Plots</h2>
 {''.join(imgs)}
 <h2>Trials</h2>
-{_table_html([h.replace('unit', u) for h in TRIAL_HEADER], _trial_rows(data))}
+{_table_html([h.replace('unit', data.unit) for h in TRIAL_HEADER], _trial_rows(data))}
 <p id="img-check" class="foot">images rendered: checking…</p>
 <script>
 // Self-check for headless browsers: count the embedded plots the browser actually decoded.

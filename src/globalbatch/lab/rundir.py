@@ -8,15 +8,17 @@ never a silent mix of two runs.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from globalbatch._util import SettingError, atomic_write_json, json_default
 
-__all__ = ["append_event", "pid_alive", "remove_stale_tmp", "check_manifest"]
+__all__ = ["append_event", "pid_alive", "remove_stale_tmp", "check_manifest", "RunDirLock", "lock_run_dir", "lock_holder"]
 
 _KINDS = {"grid": "a sweep", "branch": "a branch test", "adaptive": "an adaptive-batch comparison"}
 
@@ -54,6 +56,104 @@ def remove_stale_tmp(trial_dir: Path, *, also_own: bool = False) -> None:
             stale.unlink(missing_ok=True)
 
 
+LOCK_NAME = ".lock"
+
+
+class RunDirLock:
+    """An exclusive lock on a run directory: ``.lock`` holding the owner's pid, ``fcntl.flock``-ed.
+
+    The kernel drops a flock when its process dies, so a lock can never outlive its owner;
+    a ``.lock`` left by a killed run (its pid gone) is taken over with a note on stderr.
+    The file is removed on release (after checking it is still ours, by inode).
+    """
+
+    def __init__(self, out: Path, *, field: str = "out") -> None:
+        self.out, self.field = Path(out), field
+        self.path = self.out / LOCK_NAME
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> "RunDirLock":
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise SettingError(self.field, str(self.out), "a writable run directory",
+                                   why=f"{self.path} cannot be created: {exc.strerror or exc}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = _read_pid(fd)
+                os.close(fd)
+                who = f"pid {holder}" if holder else "another process"
+                raise SettingError(self.field, str(self.out), "a directory no other run is using",
+                                   why=f"a run ({who}) holds {self.path}; wait for it or choose another directory") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # the previous owner removed the file between our open and our flock: retry
+                os.close(fd)
+                continue
+            stale = _read_pid(fd)
+            if stale and stale != os.getpid():
+                print(f"note: {self.out} was locked by pid {stale}, which is gone; taking it over",
+                      file=sys.stderr)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            self._fd = fd
+            return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            if os.fstat(self._fd).st_ino == os.stat(self.path).st_ino:
+                os.unlink(self.path)  # while still locked: a waiter re-checks the inode and retries
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(self._fd)  # drops the flock
+            self._fd = None
+
+    def __enter__(self) -> "RunDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def _read_pid(fd: int) -> Optional[int]:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def lock_holder(out: str | os.PathLike) -> Optional[int]:
+    """The pid holding ``out``'s lock (0 when unknown), or None when it is free; writes nothing."""
+    try:
+        fd = os.open(Path(out) / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return _read_pid(fd) or 0
+    else:
+        return None
+    finally:
+        os.close(fd)  # drops a shared flock taken here
+
+
+def lock_run_dir(out: str | os.PathLike, *, field: str = "out") -> RunDirLock:
+    """``with lock_run_dir(out):`` — hold ``out``'s exclusive :class:`RunDirLock` (the directory must exist).
+
+    A second run into a directory in use is a :class:`SettingError` naming ``field`` and the holder's pid.
+    """
+    return RunDirLock(Path(out), field=field)
+
+
 def check_manifest(out: Path, want: dict[str, Any], *, section: str, mutable: Sequence[str] = ()) -> None:
     """Refuse a directory that holds another kind of run, or this kind with other settings; record ``want``.
 
@@ -68,7 +168,7 @@ def check_manifest(out: Path, want: dict[str, Any], *, section: str, mutable: Se
             have = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise SettingError("out", str(out), f"a new directory, or {what} directory",
-                               why=f"manifest.json is unreadable: {exc}") from None
+                               why=f"{path} is unreadable: {' '.join(str(exc).split())}") from None
         if not isinstance(have, dict) or not isinstance(have.get(section), dict):
             other = next((name for key, name in _KINDS.items() if isinstance(have, dict) and key in have), None)
             raise SettingError("out", str(out), f"a new directory, or {what} directory",
@@ -85,4 +185,24 @@ def check_manifest(out: Path, want: dict[str, Any], *, section: str, mutable: Se
                                why=f"holds {what} with a different grid: {'; '.join(diffs)}")
         if have == want:
             return
-    atomic_write_json(path, want)
+        atomic_write_json(path, want)  # a mutable setting changed: under the run-dir lock
+        return
+    _create_exclusive(path, want)
+
+
+def _create_exclusive(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON to a new ``path``: complete (temp file + fsync) and exclusive (``os.link``
+    fails if another writer created it first)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(obj, indent=2, sort_keys=True, default=json_default) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise SettingError("out", str(path.parent), "a directory no other run is using",
+                               why=f"{path} was created by another run meanwhile") from None
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -18,12 +18,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from globalbatch._util import SettingError, load_task_checked
+from globalbatch._util import SettingError, load_task_checked, read_json_checked
 from globalbatch.lab.device import check_device
-from globalbatch.lab.rundir import check_manifest, remove_stale_tmp
+from globalbatch.lab.rundir import check_manifest, lock_run_dir, remove_stale_tmp
+from globalbatch.validate import make_out_dir
+from globalbatch.validate import out_dir as out_dir_checked
 from globalbatch.lab.sweep.config import BACKENDS, RAY_HINT, SweepConfig, TrialSpec
 from globalbatch.lab.sweep.timing import run_timing_pass
-from globalbatch.lab.sweep.trial import run_trial, trial_done
+from globalbatch.lab.sweep.trial import exit_if_orphaned, run_trial, trial_done
 
 __all__ = ["SweepResult", "run_sweep"]
 
@@ -161,10 +163,17 @@ def run_sweep(
             raise SettingError("backend", "ray", f"local, or ray after {RAY_HINT}", why="Ray Tune is not installed") from None
     check_device(config.device, config.precision)  # a device that does not exist: one line, nothing written
     unit = load_task_checked(config.task, config.task_overrides).unit  # fails here, not in a worker
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise SettingError("out", str(out), "a directory (this is a file)")
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir_checked(out_dir, "out")
+    make_out_dir(out, "out")
+    with lock_run_dir(out):  # a second sweep into this directory: one error line, exit 2
+        return _run_locked(config, out, unit, workers=workers, backend=backend, address=address, threads=threads,
+                           progress=progress, timing_steps=timing_steps, timing_warmup=timing_warmup)
+
+
+def _run_locked(config: SweepConfig, out: Path, unit: str, *, workers: Optional[int], backend: str,
+                address: Optional[str], threads: Optional[int], progress: bool, timing_steps: int,
+                timing_warmup: int) -> SweepResult:
+    """:func:`run_sweep` once the settings are checked and ``out`` is locked."""
     check_manifest(out, config.manifest(), section="grid")
     trials = config.trials()
     done = [t for t in trials if trial_done(out / "trials" / t.name, t)]
@@ -195,7 +204,7 @@ def run_sweep(
                 _run_pool(cfg_dict, pending, out, n_workers, threads)
     for t in trials:  # an orphan of a killed earlier run may have left one after this run began
         remove_stale_tmp(out / "trials" / t.name)
-    summaries = [json.loads((out / "trials" / t.name / "summary.json").read_text()) for t in trials]
+    summaries = [read_json_checked(out / "trials" / t.name / "summary.json") for t in trials]
     timing: dict[int, dict] = {}
     t_timing = time.time()
     if timing_steps > 0:
@@ -242,7 +251,8 @@ def _worker_init(threads: int, device: str = "cpu", counter: Any = None) -> None
 
 
 def _pool_trial(cfg: dict, spec: dict, out: str, threads: int, parent_pid: int) -> dict:
-    """``run_trial`` in a pool worker, on the worker's own device."""
+    """``run_trial`` in a pool worker, on the worker's own device; an orphaned worker starts nothing."""
+    exit_if_orphaned(parent_pid)
     return run_trial(cfg, spec, out, threads=threads, parent_pid=parent_pid, device=_WORKER_DEVICE)
 
 

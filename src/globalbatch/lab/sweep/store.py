@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -116,18 +115,15 @@ def load_sweep(out_dir: str | os.PathLike) -> SweepData:
     allowed = "a sweep directory (written by globalbatch sweep)"
     if not manifest.is_file():
         raise SettingError("run_dir", str(out), allowed, why="no manifest.json")
-    try:
-        doc = json.loads(manifest.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SettingError("run_dir", str(out), allowed, why=f"manifest.json is unreadable: {exc}") from None
+    doc = read_json_checked(manifest)
     if isinstance(doc, dict) and "grid" not in doc and "branch" in doc:
         raise SettingError("run_dir", str(out), allowed, why="it is a branch test, not a sweep")
     if not isinstance(doc, dict) or not isinstance(doc.get("grid"), dict):
-        raise SettingError("run_dir", str(out), allowed, why="manifest.json has no sweep grid")
+        raise SettingError("run_dir", str(out), allowed, why=f"{manifest} has no sweep grid")
     try:
         config = SweepConfig.from_dict(doc["grid"])
     except (TypeError, ValueError) as exc:
-        raise SettingError("run_dir", str(out), allowed, why=f"manifest.json holds an invalid grid: {exc}") from None
+        raise SettingError("run_dir", str(out), allowed, why=f"{manifest} holds an invalid grid: {exc}") from None
     trials: dict[str, list[dict]] = {}
     summaries: dict[str, dict] = {}
     missing = []
@@ -135,18 +131,50 @@ def load_sweep(out_dir: str | os.PathLike) -> SweepData:
     for t in config.trials():
         d = out / "trials" / t.name
         if not trial_done(d, t):
+            if (d / "summary.json").is_file():  # written atomically: unreadable means damaged, not unfinished
+                _checked_record(d / "summary.json", read_json_checked(d / "summary.json"), {})
             missing.append(t.name)
             continue
-        summaries[t.name] = read_json_checked(d / "summary.json")
-        trials[t.name] = read_jsonl(d / "metrics.jsonl")
+        summaries[t.name] = _checked_record(d / "summary.json", read_json_checked(d / "summary.json"), _SUMMARY)
+        trials[t.name] = [_checked_record(d / "metrics.jsonl", r, _STEP if isinstance(r, dict) and r.get("kind") == "step" else {},
+                                          line=i)
+                          for i, r in enumerate(_records(d / "metrics.jsonl"), 1)]
         unit = summaries[t.name]["unit"]
     timing = {}
     for b in config.batches:
         path = timing_path(out, b)
         if path.is_file():
-            timing[b] = read_json_checked(path)
+            timing[b] = _checked_record(path, read_json_checked(path), {"units_per_s": (int, float)})
+    if len({s["unit"] for s in summaries.values()}) > 1:
+        raise SettingError("run_dir", str(out), allowed, why="its trials' summary.json files name different units")
     return SweepData(out_dir=str(out), config=config, unit=unit or "unit", trials=trials, summaries=summaries, missing=missing,
                      timing=timing)
+
+
+_NUMBER = (int, float)
+_SUMMARY = {"batch": (int,), "lr": _NUMBER, "unit": (str,), "mean_batch_units": _NUMBER, "units_per_s": _NUMBER,
+            "consumed": _NUMBER}
+"""The keys of a trial's ``summary.json`` the analysis reads, with their types."""
+_STEP = {"consumed": _NUMBER, "loss": _NUMBER}
+"""The keys of a ``metrics.jsonl`` step record the analysis reads."""
+
+
+def _records(path: Path) -> list:
+    return read_jsonl(path)
+
+
+def _checked_record(path: Path, rec: object, keys: dict, *, line: Optional[int] = None) -> dict:
+    """``rec`` if it is a mapping with every key of ``keys`` of its type; else an error naming the file."""
+    where = f"{path}" + (f" line {line}" if line is not None else "")
+    allowed = "a run directory written by globalbatch"
+    if not isinstance(rec, dict):
+        raise SettingError("run_dir", str(path.parent), allowed, why=f"{where} is not a JSON object")
+    for key, types in keys.items():
+        v = rec.get(key)
+        if key not in rec or isinstance(v, bool) or not isinstance(v, types):
+            raise SettingError("run_dir", str(path.parent), allowed,
+                               why=f"{where}: {key} is {v!r}, not a {'number' if types is _NUMBER else types[0].__name__}")
+    return rec
 
 
 def curves_from_sweep(data: SweepData):

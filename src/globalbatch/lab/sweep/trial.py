@@ -22,6 +22,16 @@ from globalbatch.lab.sweep.config import SweepConfig, TrialSpec
 __all__ = ["run_trial", "trial_done"]
 
 
+def exit_if_orphaned(parent_pid: Optional[int]) -> None:
+    """End this process at once if the sweep process ``parent_pid`` is gone.
+
+    ``os._exit``, not ``SystemExit``: a pool worker catches ``SystemExit`` from its task,
+    reports it and takes the next trial — an orphan must start and write nothing more.
+    """
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(3)
+
+
 def trial_done(trial_dir: Path, spec: TrialSpec) -> bool:
     """True when ``trial_dir`` holds a finished result of ``spec`` (``summary.json`` is the done marker)."""
     summary = trial_dir / "summary.json"
@@ -60,6 +70,7 @@ def run_trial(
     trial = TrialSpec(**spec)
     out = Path(out_dir)
     trial_dir = out / "trials" / trial.name
+    exit_if_orphaned(parent_pid)  # a worker whose sweep died starts no trial
     trial_dir.mkdir(parents=True, exist_ok=True)
     if threads is not None:
         torch.set_num_threads(max(1, int(threads)))
@@ -119,8 +130,7 @@ def run_trial(
         f.flush()
         next_eval = eval_every
         while driver.trained_units < cfg.budget:
-            if parent_pid is not None and os.getppid() != parent_pid:
-                raise SystemExit(f"sweep process {parent_pid} is gone; trial {trial.name} stops unfinished")
+            exit_if_orphaned(parent_pid)
             t0 = time.perf_counter()
             res = exp.train_window(order).result
             dt = time.perf_counter() - t0
@@ -161,6 +171,7 @@ def run_trial(
             f.flush()
         os.fsync(f.fileno())
 
+    exit_if_orphaned(parent_pid)  # an orphan publishes nothing (its tmp file is removed on resume)
     os.replace(tmp, trial_dir / "metrics.jsonl")
     steady = rates[2:] if len(rates) > 4 else rates  # the first steps pay one-off costs
     threads_used = torch.get_num_threads()
@@ -191,6 +202,7 @@ def run_trial(
         "finished_at": time.time(),
         "pid": os.getpid(),
     }
+    exit_if_orphaned(parent_pid)
     atomic_write_json(trial_dir / "summary.json", summary)
     append_event(out, event="done", trial=trial.name)
     return summary

@@ -72,12 +72,18 @@ def _import_user_function(spec: str):
             raise ValueError(f"task: {spec!r}: cannot import {str(path)!r}")
         module = importlib.util.module_from_spec(file_spec)
         sys.modules[module_name] = module  # dataclasses look their module up here
-        file_spec.loader.exec_module(module)
+        try:
+            file_spec.loader.exec_module(module)  # runs the file: --task is code the user chose to run
+        except Exception as exc:  # SyntaxError, ImportError, anything the file raises: one line
+            sys.modules.pop(module_name, None)
+            raise ValueError(f"task: {spec!r}: {str(path)!r} cannot be imported: {_one_line(exc)}") from None
     else:
         try:
             module = importlib.import_module(module_part)
         except ModuleNotFoundError as exc:
-            raise ValueError(f"task: {spec!r}: cannot import module {module_part!r} ({exc})") from exc
+            raise ValueError(f"task: {spec!r}: cannot import module {module_part!r} ({exc})") from None
+        except Exception as exc:
+            raise ValueError(f"task: {spec!r}: module {module_part!r} cannot be imported: {_one_line(exc)}") from None
     fn = getattr(module, func_name, None)
     if fn is None or not callable(fn):
         raise ValueError(f"task: {spec!r}: module {module_part!r} has no callable {func_name!r}")
@@ -114,4 +120,15 @@ def load_task(spec: str = DEFAULT_TASK, **overrides: Any) -> Task:
                          f"{fn.__name__}{inspect.signature(fn)} ({exc})") from exc
     except ValueError:  # no signature available (builtins); let the call decide
         pass
-    return check_task(fn(**overrides), origin=spec)
+    try:
+        made = fn(**overrides)
+    except ValueError:
+        raise
+    except Exception as exc:  # the user's function failed: one line naming it, not a traceback
+        raise ValueError(f"task: {spec!r}: {fn.__name__}(**{overrides!r}) failed: {_one_line(exc)}") from None
+    return check_task(made, origin=spec)
+
+
+def _one_line(exc: BaseException) -> str:
+    """``SyntaxError: invalid syntax (syn.py, line 1)`` — an exception as one line."""
+    return f"{type(exc).__name__}: " + " ".join(str(exc).split())

@@ -1,0 +1,267 @@
+"""The one validation path: shared validators that raise :class:`~globalbatch._util.SettingError`.
+
+Every command and file reader checks its inputs with these before anything is printed or
+written. Each raises ``SettingError(field, value, allowed)`` naming the library's field; the
+CLI renames the field to the flag the user typed from its own typer definitions
+(``globalbatch.cli.flag_for``), so no message is ever parsed to find the field.
+
+No torch at import time (``plan`` uses these too); :func:`device` imports it when called.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+from globalbatch._util import SettingError, _Raw
+
+__all__ = ["MAX_COUNT", "MAX_BATCH", "count", "whole", "positive", "number", "fraction", "choice", "out_dir",
+           "existing_dir", "device", "number_list", "count_list", "make_out_dir", "created_out_dir"]
+
+MAX_COUNT = 10**18
+"""Upper bound of any token, sample or step count (a quintillion: far above any training run)."""
+MAX_BATCH = 10**9
+"""Upper bound of a batch size in samples (it names a trial directory and sizes a tensor)."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def count(value: Any, field: str, *, minimum: int = 1, maximum: int = MAX_COUNT, what: str = "a whole number") -> int:
+    """A count typed as ``2M``, ``4.1B``, ``2,048``, ``1e6`` or an int; whole, ``minimum ≤ n ≤ maximum``.
+
+    ``1e400`` and ``1e999999999`` are errors naming ``field`` (never an OverflowError).
+    """
+    allowed = f"{what} ≥ {minimum:,} (at most {_sci(maximum)}), e.g. 2M"
+    if _is_int(value):
+        n = value
+    else:
+        from globalbatch.plan import parse_count
+
+        try:
+            n = parse_count(value, field)
+        except ValueError:
+            raise SettingError(field, value if not isinstance(value, str) else _Typed(value), allowed) from None
+    if not minimum <= n <= maximum:
+        raise SettingError(field, value if _is_int(value) else _Typed(str(value)), allowed)
+    return n
+
+
+def _sci(n: int) -> str:
+    """``10**18`` → ``1e18``; other numbers with thousands separators."""
+    text = str(n)
+    return f"1e{len(text) - 1}" if text.strip("0") == "1" else f"{n:,}"
+
+
+def whole(value: Any, field: str, *, minimum: int = 1, maximum: int = MAX_COUNT) -> int:
+    """A plain whole number (no suffixes), ``minimum ≤ n ≤ maximum``."""
+    if not _is_int(value) or not minimum <= value <= maximum:
+        top = f" ≤ {maximum:,}" if maximum < MAX_COUNT else ""
+        raise SettingError(field, value, f"a whole number ≥ {minimum}{top}")
+    return value
+
+
+def number(value: Any, field: str, *, low: Optional[float] = None, high: Optional[float] = None,
+           low_open: bool = False, high_open: bool = False, allowed: Optional[str] = None) -> float:
+    """A finite real number in ``[low, high]`` (either end open with ``*_open``; None: unbounded)."""
+    if allowed is None:
+        parts = []
+        if low is not None:
+            parts.append(f"{'>' if low_open else '≥'} {low:g}")
+        if high is not None:
+            parts.append(f"{'<' if high_open else '≤'} {high:g}")
+        allowed = "a finite number" + (" " + " and ".join(parts) if parts else "")
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    x = float(value) if ok else math.nan
+    ok = ok and math.isfinite(x)
+    if ok and low is not None:
+        ok = x > low if low_open else x >= low
+    if ok and high is not None:
+        ok = x < high if high_open else x <= high
+    if not ok:
+        raise SettingError(field, value, allowed)
+    return x
+
+
+def positive(value: Any, field: str, *, allowed: Optional[str] = None) -> float:
+    """A finite number > 0."""
+    return number(value, field, low=0.0, low_open=True, allowed=allowed or "a finite number > 0")
+
+
+def fraction(value: Any, field: str, *, low_open: bool = False, high_open: bool = True) -> float:
+    """A number in [0, 1) by default (ends chosen by ``low_open``/``high_open``)."""
+    lo, hi = ("0 <" if low_open else "0 ≤"), ("< 1" if high_open else "≤ 1")
+    return number(value, field, low=0.0, high=1.0, low_open=low_open, high_open=high_open,
+                  allowed=f"a fraction, {lo} x {hi}")
+
+
+def choice(value: Any, field: str, choices: Iterable[str]) -> str:
+    """One of ``choices`` (exact spelling)."""
+    choices = list(choices)
+    if value not in choices:
+        raise SettingError(field, value, ", ".join(choices))
+    return value
+
+
+def number_list(text: Any, field: str, *, positive_only: bool = True) -> list[float]:
+    """``"3e-4,1e-3"`` → ``[3e-4, 1e-3]``: distinct finite numbers (> 0 with ``positive_only``)."""
+    allowed = f"distinct finite numbers{' > 0' if positive_only else ''}, e.g. 3e-4,1e-3"
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise SettingError(field, _Typed(str(text)), allowed)
+    out = []
+    for item in items:
+        try:
+            x = float(item)
+        except ValueError:
+            raise SettingError(field, item, allowed) from None
+        if not math.isfinite(x) or (positive_only and x <= 0):
+            raise SettingError(field, _Typed(item), allowed)
+        out.append(x)
+    if len(set(out)) != len(out):
+        raise SettingError(field, _Typed(str(text)), allowed)
+    return out
+
+
+def count_list(text: Any, field: str, *, maximum: int = MAX_BATCH, allowed: Optional[str] = None) -> list[int]:
+    """``"16,32,1K"`` → ``[16, 32, 1000]``: whole numbers from 1 to ``maximum``."""
+    allowed = allowed or f"whole numbers ≥ 1 (at most {_sci(maximum)}), e.g. 16,32,64"
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise SettingError(field, _Typed(repr(str(text))), allowed)
+    out = []
+    for item in items:
+        try:
+            out.append(count(item, field, maximum=maximum))
+        except SettingError:
+            try:
+                float(item)
+                shown: Any = _Typed(item)
+            except ValueError:
+                shown = item
+            raise SettingError(field, shown, allowed) from None
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Paths
+# ---------------------------------------------------------------------------
+
+def _too_long(path: Path) -> Optional[str]:
+    try:
+        name_max = os.pathconf(_existing_ancestor(path), "PC_NAME_MAX")
+        path_max = os.pathconf(_existing_ancestor(path), "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096
+    longest = max((len(os.fsencode(p)) for p in path.parts), default=0)
+    if longest > name_max:
+        return f"a name is {longest} bytes; this file system allows {name_max}"
+    if len(os.fsencode(str(path.absolute()))) >= path_max:
+        return f"the path is longer than {path_max} bytes"
+    return None
+
+
+def _existing_ancestor(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def out_dir(path: Any, field: str = "out") -> Path:
+    """An output directory that exists or can be created: checked, nothing created.
+
+    Refused: ``''``, a name too long for the file system, an existing non-directory, a path
+    under a file, a first existing ancestor that this process cannot write.
+    """
+    allowed = "a directory that exists or can be created"
+    if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
+        raise SettingError(field, "" if path is None else path, allowed, why="empty")
+    p = Path(path)
+    why = _too_long(p)
+    if why:
+        raise SettingError(field, _Typed(_short(str(p))), allowed, why=why)
+    if p.exists() and not p.is_dir():
+        raise SettingError(field, str(p), allowed, why="it is a file")
+    anc = _existing_ancestor(p)
+    if not anc.is_dir():
+        raise SettingError(field, str(p), allowed, why=f"{anc} is a file")
+    if not p.exists() and not os.access(anc, os.W_OK | os.X_OK):
+        raise SettingError(field, str(p), allowed, why=f"{anc} is not writable")
+    if p.exists() and not os.access(p, os.W_OK | os.X_OK):
+        raise SettingError(field, str(p), allowed, why="it is not writable")
+    return p
+
+
+def make_out_dir(path: Path, field: str = "out") -> None:
+    """``mkdir -p`` of a checked :func:`out_dir`; an OS refusal (read-only file system) is a SettingError."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SettingError(field, str(path), "a directory that exists or can be created",
+                           why=exc.strerror or errno.errorcode.get(exc.errno or 0, str(exc))) from None
+
+
+@contextmanager
+def created_out_dir(path: Any, field: str = "out") -> Iterator[Path]:
+    """Check and create ``path`` for a command's output; if the command then fails, a directory it
+    created (still empty) is removed again, so a rejected run leaves nothing behind."""
+    p = out_dir(path, field)
+    new = not p.exists()
+    make_out_dir(p, field)
+    try:
+        yield p
+    except BaseException:
+        if new:
+            try:
+                p.rmdir()
+            except OSError:
+                pass
+        raise
+
+
+def existing_dir(path: Any, field: str, *, allowed: str = "an existing directory") -> Path:
+    """A directory that exists."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
+        raise SettingError(field, "" if path is None else path, allowed, why="empty")
+    p = Path(path)
+    if _too_long(p):
+        raise SettingError(field, _Typed(_short(str(p))), allowed, why=_too_long(p) or "")
+    if not p.exists():
+        raise SettingError(field, str(p), allowed, why="it does not exist")
+    if not p.is_dir():
+        raise SettingError(field, str(p), allowed, why="it is a file")
+    return p
+
+
+def _short(text: str, n: int = 60) -> str:
+    return text if len(text) <= n else text[:n] + f"… ({len(text)} characters)"
+
+
+# ---------------------------------------------------------------------------
+# Devices
+# ---------------------------------------------------------------------------
+
+def device(text: Any, field: str = "device", *, precision: Any = None, precision_field: str = "precision",
+           default_cuda: bool = False) -> str:
+    """A device that exists here (``lab.device.resolve_device``), with its precision; returns its name.
+
+    ``text=None`` with ``default_cuda`` means cuda when available, else cpu.
+    """
+    import torch
+
+    from globalbatch.lab.device import check_device
+
+    if text is None and default_cuda:
+        text = "cuda" if torch.cuda.is_available() else "cpu"
+    check_device(text, "fp32" if precision is None else precision, field=field, precision_field=precision_field)
+    return str(text)
+
+
+_Typed = _Raw
+"""A value shown as the user typed it (unquoted)."""
