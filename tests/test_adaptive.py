@@ -270,6 +270,8 @@ def test_resume_is_bitwise_across_a_change(tmp_path):
         assert torch.equal(ac.params_vector(m2), ref)  # bitwise
         assert s2.history == sched.history
         assert float(d2.optimizer.param_groups[0]["lr"]) == float(driver.optimizer.param_groups[0]["lr"])
+    # the run definition a checkpoint records is the settings, not the decisions: it does not move with a change
+    assert "changes" not in repr(sched) and "c=3.0" in repr(sched) and "patience=2" in repr(sched)
 
 
 def test_noise_tracking_grows_with_the_measured_noise_scale():

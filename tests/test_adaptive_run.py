@@ -166,11 +166,14 @@ def test_cli_adaptive_writes_the_report(tmp_path, capsys):
 
 def test_cli_adaptive_bad_input_is_one_line_exit_2(tmp_path, capsys):
     cases = {("--c", "-1"): "error: --c -1 is not allowed; allowed: a finite number > 0",
-             ("--lr-rule", "cube"): "error: --lr-rule 'cube' is not allowed; allowed: sqrt, linear, adascale or none",
+             ("--lr-rule", "cube"): "error: --lr-rule 'cube' is not allowed; allowed: sqrt, linear, adascale, none",
              ("--policy", "magic"): "error: --policy 'magic' is not allowed; allowed: noise, goodput or package.module:function",
              ("--initial-batch", "6"): "error: --initial-batch 6 is not allowed",
              ("--target", "-2"): "error: --target -2 is not allowed; allowed: a finite held-out loss > 0",
              ("--optimizer", "rmsprop"): "error: --optimizer 'rmsprop' is not allowed; allowed: ",
+             ("--tokens", "0"): "error: --tokens 0 is not allowed",
+             ("--min-interval", "-1"): "error: --min-interval -1 is not allowed",
+             ("--lr-base-batch", "0"): "error: --lr-base-batch 0 is not allowed",
              ("--throughput-from", str(tmp_path / "nosweep")): "error: --throughput-from"}
     for (flag, value), want in cases.items():
         code, _, err = _cli(["adaptive", *TINY_ARGS, flag, value, "--out", str(tmp_path / "x")], capsys)

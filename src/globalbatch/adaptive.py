@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Optional, Protocol, runtime_checkable
 
 from globalbatch.schedule import BatchSchedule, _check_unit
 
@@ -525,5 +525,11 @@ class AdaptiveBatchSchedule(BatchSchedule):
         return [c.as_dict() for c in self.history]
 
     def __repr__(self) -> str:
-        return (f"AdaptiveBatchSchedule(policy={getattr(self.policy, 'name', type(self.policy).__name__)}, "
-                f"initial_batch={self.initial_batch}, lr_rule={self.lr_rule}, changes={len(self.history)})")
+        """The settings that define the run, never its decisions so far: checkpoints compare this text on resume
+        (:func:`globalbatch.checkpoint.run_definition`), and the history is state, restored from the checkpoint."""
+        name = getattr(self.policy, "name", type(self.policy).__name__)
+        c = getattr(self.policy, "c", None)
+        return (f"AdaptiveBatchSchedule(policy={name}{f', c={c!r}' if c is not None else ''}, feasible={self.feasible!r}, "
+                f"initial_batch={self.initial_batch}, lr_rule={self.lr_rule}, unit={self.unit}, "
+                f"decide_every={self.decide_every}, min_interval_steps={self.min_interval_steps}, "
+                f"patience={self.patience}, allow_decrease={self.allow_decrease})")

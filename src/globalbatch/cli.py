@@ -35,6 +35,7 @@ Objective = Literal["time", "cost"]
 Metric = Literal["val", "train"]
 Test = Literal["paired", "welch"]
 LrRule = Literal["linear", "sqrt", "none"]
+AdaptiveLrRule = Literal["sqrt", "linear", "adascale", "none"]
 
 app = typer.Typer(
     name="globalbatch",
@@ -76,6 +77,8 @@ _FIELD_PARAMS: dict[str, dict[str, str]] = {
     "noise": {"grad_accum_steps": "grad_accum", "task_overrides": "task_arg"},
     "branch": {"branch_at": "warmup_tokens", "window": "window_tokens", "task_overrides": "task_arg",
                "tolerance": "loss_tolerance"},
+    "adaptive": {"budget": "tokens", "task_overrides": "task_arg", "base_batch": "lr_base_batch",
+                 "min_interval_steps": "min_interval"},
 }
 """Library field → the command's typer parameter, only where the library names a setting differently."""
 
@@ -675,7 +678,7 @@ def adaptive_cmd(
     lr: float = typer.Option(3e-3, "--lr", help="Peak LR at --lr-base-batch; other batches scale it by --lr-rule."),
     lr_base_batch: int = typer.Option(8, "--lr-base-batch", help="The batch --lr belongs to: batch B trains at lr × rule(B / this)."),
     initial_batch: Optional[int] = typer.Option(None, "--initial-batch", help="The adaptive run's first batch (default: the smallest fixed batch)."),
-    lr_rule: str = typer.Option("sqrt", "--lr-rule", help="LR at a batch change: sqrt, linear, adascale (gain from B_simple) or none."),
+    lr_rule: AdaptiveLrRule = typer.Option("sqrt", "--lr-rule", help="LR at a batch change: sqrt, linear, adascale (gain from B_simple) or none."),
     throughput_from: Optional[str] = typer.Option(None, "--throughput-from", help="Goodput: a sweep directory whose timing pass gives throughput per batch (default: the fixed runs')."),
     c: float = typer.Option(2.0, "--c", help="Noise tracking: target batch = c × B_simple (2: tuned on the demo tinygpt, seeds 101-102)."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Largest adaptive batch (default: the largest fixed batch)."),
@@ -686,32 +689,28 @@ def adaptive_cmd(
     tokens: str = typer.Option("300K", "--tokens", help="Budget per run in the task's unit (tokens), e.g. 300K."),
     seeds: str = typer.Option("1,2,3", "--seeds", help="Seeds (model init and data order), comma-separated; >= 3 for intervals."),
     micro_batch: int = typer.Option(4, "--micro-batch", help="Samples per forward/backward, every arm."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + _OPTIMIZERS + " (pick --lr-rule to match: sqrt for Adam-type, linear for SGD)."),
+    optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + _OPTIMIZERS + " (pick --lr-rule to match: sqrt for Adam-type, linear for SGD)."),
     target: list[float] = typer.Option([], "--target", help="Held-out loss target (repeatable); default two: every fixed batch's final loss reaches it (worst + 0.01), and half of them do (median + 0.01)."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable)."),
     out: str = typer.Option("runs/adaptive", "--out", help="Output directory; rerunning resumes it (finished runs are kept; --seeds may grow)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or mps (checked before anything is written)."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    precision: PrecisionName = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the analyses as JSON (stable snake_case keys) instead of tables (progress stays on stderr)."),
 ) -> None:
     """Train the adaptive policy and each fixed batch at equal tokens on every seed; report loss vs tokens/steps,
     the batch over time and tokens-/steps-to-target with intervals."""
     import math
 
+    from . import validate as V
     from ._util import SettingError, flag_names, parse_list, parse_task_args
     from .lab.adaptive_report import format_analysis, write_adaptive_report
     from .lab.adaptive_run import AdaptiveConfig, run_adaptive
     from .lab.sweep import demo_config
     from .plan import parse_count
 
-    names = {"task": "--task", "task_overrides": "--task-arg", "policy": "--policy", "batches": "--batches",
-             "lr": "--lr", "base_batch": "--lr-base-batch", "initial_batch": "--initial-batch", "lr_rule": "--lr-rule",
-             "c": "--c", "max_batch": "--max-batch",
-             "decide_every": "--decide-every", "min_interval_steps": "--min-interval", "patience": "--patience",
-             "budget": "--tokens", "seeds": "--seeds", "micro_batch": "--micro-batch", "threads": "--threads",
-             "out": "--out", "device": "--device", "precision": "--precision", "target": "--target",
-             "optimizer": "--optimizer", "throughput_from": "--throughput-from"}
-    with flag_names(names):
+    with flag_names(flag_names_of("adaptive")):
+        V.out_dir(out, "out")
         overrides = parse_task_args(task_arg)
         if task == "tinygpt":
             overrides = {**demo_config().task_overrides, **overrides}
@@ -730,6 +729,9 @@ def adaptive_cmd(
     typer.echo(f"{len(result.ran)} run(s) trained, {len(result.skipped)} already finished, {result.wall_time_s:,.0f} s",
                err=True)
     analyses, files = write_adaptive_report(out, targets=target or None)
+    if as_json:
+        _echo_json({"analyses": [a.as_dict() for a in analyses], "files": files})
+        return
     for analysis in analyses:
         typer.echo(format_analysis(analysis))
     typer.echo(f"report: {files[-1]}")

@@ -228,7 +228,7 @@ def throughput_from_timing(sweep_dir: str | os.PathLike) -> dict[int, float]:
     for path in sorted(timing_path(Path(sweep_dir), 0).parent.glob("b*.json")):
         try:
             rec = json.loads(path.read_text())
-            b, units, steps, secs = int(rec["batch"]), float(rec["units"]), int(rec["steps"]), float(rec["seconds"])
+            b, steps, secs = int(rec["batch"]), int(rec["steps"]), float(rec["seconds"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if secs > 0 and steps > 0:
