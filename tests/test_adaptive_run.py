@@ -110,6 +110,12 @@ def test_run_resume_policy_dirs_and_report(tmp_path):
     assert sorted(r2.ran) == ["adaptive/s1", "adaptive/s2"] and len(r2.skipped) == 6
     dirs = sorted(p.name for p in (out / "runs").iterdir())
     assert dirs == sorted(["b4", "b8", "b16", tiny().adaptive_dir(), tiny(c=50.0).adaptive_dir()])
+    # a second comparison into a directory in use is refused (the run-directory lock)
+    from globalbatch.lab.rundir import lock_run_dir
+
+    with lock_run_dir(out):
+        with pytest.raises(SettingError, match="out"):
+            run_adaptive(cfg, out, threads=1)
     # a setting that changes the fixed runs is refused, naming the difference
     with pytest.raises(SettingError, match="budget: 3000 -> 4000"):
         run_adaptive(tiny(budget=4000), out, threads=1)

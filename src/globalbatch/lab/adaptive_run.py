@@ -383,13 +383,20 @@ def run_adaptive(cfg: AdaptiveConfig, out: str | os.PathLike, *, threads: Option
         _build_policy(cfg, {})
     if cfg.throughput_from is not None:
         throughput_from_timing(cfg.throughput_from)
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise SettingError("out", str(out), "a directory (new or a previous adaptive run)", why="it is a file")
-    out.mkdir(parents=True, exist_ok=True)
-    check_manifest(out, cfg.manifest(), section="adaptive", mutable=POLICY_FIELDS)
-    if threads is not None:
-        torch.set_num_threads(max(1, int(threads)))
+    from globalbatch.lab.rundir import lock_run_dir
+    from globalbatch.validate import make_out_dir
+    from globalbatch.validate import out_dir as out_dir_checked
+
+    out = out_dir_checked(out, "out")
+    make_out_dir(out, "out")
+    with lock_run_dir(out):  # a second comparison into this directory: one error line, exit 2
+        check_manifest(out, cfg.manifest(), section="adaptive", mutable=POLICY_FIELDS)
+        if threads is not None:
+            torch.set_num_threads(max(1, int(threads)))
+        return _run_locked(cfg, out, log)
+
+
+def _run_locked(cfg: AdaptiveConfig, out: Path, log: Any) -> AdaptiveRunResult:
     t0 = time.time()
     ran, skipped = [], []
     for seed in cfg.seeds:
