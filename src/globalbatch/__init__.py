@@ -42,6 +42,11 @@ _EXPORTS: dict[str, str] = {
     "causal_lm_loss_sum": "globalbatch.losses",
     "save_checkpoint": "globalbatch.checkpoint",
     "load_checkpoint": "globalbatch.checkpoint",
+    # the adaptive batch
+    "AdaptiveBatchSchedule": "globalbatch.adaptive",
+    "FeasibleBatches": "globalbatch.adaptive",
+    "NoiseTrackingPolicy": "globalbatch.adaptive",
+    "GoodputPolicy": "globalbatch.adaptive",
     # optimizers
     "build_optimizer": "globalbatch.optim",
     "optimizer_names": "globalbatch.optim",

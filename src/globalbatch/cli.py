@@ -35,6 +35,7 @@ Objective = Literal["time", "cost"]
 Metric = Literal["val", "train"]
 Test = Literal["paired", "welch"]
 LrRule = Literal["linear", "sqrt", "none"]
+AdaptiveLrRule = Literal["sqrt", "linear", "adascale", "none"]
 
 app = typer.Typer(
     name="globalbatch",
@@ -76,6 +77,8 @@ _FIELD_PARAMS: dict[str, dict[str, str]] = {
     "noise": {"grad_accum_steps": "grad_accum", "task_overrides": "task_arg"},
     "branch": {"branch_at": "warmup_tokens", "window": "window_tokens", "task_overrides": "task_arg",
                "tolerance": "loss_tolerance"},
+    "adaptive": {"budget": "tokens", "task_overrides": "task_arg", "base_batch": "lr_base_batch",
+                 "min_interval_steps": "min_interval"},
 }
 """Library field → the command's typer parameter, only where the library names a setting differently."""
 
@@ -737,6 +740,73 @@ def branch_cmd(
         return
     typer.echo(result.text())
     typer.echo(f"wrote {out}/result.json")
+
+
+@app.command("adaptive", short_help="An adaptive global batch (noise-tracking or goodput) vs fixed batches, over seeds.")
+def adaptive_cmd(
+    task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt (default: the demo's settings), mnist or package.module:function."),
+    policy: str = typer.Option("noise", "--policy", help="noise (B = c·B_simple, on its lower bound), goodput (Pollux) or package.module:function (a factory f(config) -> policy)."),
+    batches: str = typer.Option("4,8,16,32,64", "--batches", help="Fixed global batches to compare against, in samples, comma-separated."),
+    lr: float = typer.Option(3e-3, "--lr", help="Peak LR at --lr-base-batch; other batches scale it by --lr-rule."),
+    lr_base_batch: int = typer.Option(8, "--lr-base-batch", help="The batch --lr belongs to: batch B trains at lr × rule(B / this)."),
+    initial_batch: Optional[int] = typer.Option(None, "--initial-batch", help="The adaptive run's first batch (default: the smallest fixed batch)."),
+    lr_rule: AdaptiveLrRule = typer.Option("sqrt", "--lr-rule", help="LR at a batch change: sqrt, linear, adascale (gain from B_simple) or none."),
+    throughput_from: Optional[str] = typer.Option(None, "--throughput-from", help="Goodput: a sweep directory whose timing pass gives throughput per batch (default: the fixed runs')."),
+    c: float = typer.Option(2.0, "--c", help="Noise tracking: target batch = c × B_simple (2: tuned on the demo tinygpt, seeds 101-102)."),
+    max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Largest adaptive batch (default: the largest fixed batch)."),
+    any_batch: bool = typer.Option(False, "--any-batch", help="Allow any multiple of the micro-batch, not only powers of two."),
+    decide_every: int = typer.Option(10, "--decide-every", help="Optimizer steps between decisions."),
+    min_interval: int = typer.Option(50, "--min-interval", help="Optimizer steps between two batch changes."),
+    patience: int = typer.Option(2, "--patience", help="Decisions in a row that must agree before a change (hysteresis)."),
+    tokens: str = typer.Option("300K", "--tokens", help="Budget per run in the task's unit (tokens), e.g. 300K."),
+    seeds: str = typer.Option("1,2,3", "--seeds", help="Seeds (model init and data order), comma-separated; >= 3 for intervals."),
+    micro_batch: int = typer.Option(4, "--micro-batch", help="Samples per forward/backward, every arm."),
+    optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + _OPTIMIZERS + " (pick --lr-rule to match: sqrt for Adam-type, linear for SGD)."),
+    target: list[float] = typer.Option([], "--target", help="Held-out loss target (repeatable); default two: every fixed batch's final loss reaches it (worst + 0.01), and half of them do (median + 0.01)."),
+    task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable)."),
+    out: str = typer.Option("runs/adaptive", "--out", help="Output directory; rerunning resumes it (finished runs are kept; --seeds may grow)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or mps (checked before anything is written)."),
+    precision: PrecisionName = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the analyses as JSON (stable snake_case keys) instead of tables (progress stays on stderr)."),
+) -> None:
+    """Train the adaptive policy and each fixed batch at equal tokens on every seed; report loss vs tokens/steps,
+    the batch over time and tokens-/steps-to-target with intervals."""
+    import math
+
+    from . import validate as V
+    from ._util import SettingError, flag_names, parse_list, parse_task_args
+    from .lab.adaptive_report import format_analysis, write_adaptive_report
+    from .lab.adaptive_run import AdaptiveConfig, run_adaptive
+    from .lab.sweep import demo_config
+    from .plan import parse_count
+
+    with flag_names(flag_names_of("adaptive")):
+        V.out_dir(out, "out")
+        overrides = parse_task_args(task_arg)
+        if task == "tinygpt":
+            overrides = {**demo_config().task_overrides, **overrides}
+        cfg = AdaptiveConfig(task=task, task_overrides=overrides, policy=policy,
+                             batches=parse_list(batches, "--batches", int), lr=lr, base_batch=lr_base_batch,
+                             initial_batch=initial_batch,
+                             lr_rule=lr_rule, c=c, throughput_from=throughput_from, max_batch=max_batch, powers_of_two=not any_batch,
+                             decide_every=decide_every, min_interval_steps=min_interval, patience=patience,
+                             budget=parse_count(tokens, "--tokens"),
+                             seeds=parse_list(seeds, "--seeds", int, allowed="whole numbers ≥ 0, e.g. 1,2,3"),
+                             micro_batch=micro_batch, optimizer=optimizer, device=device, precision=precision)
+        for t in target:
+            if not (t > 0 and math.isfinite(t)):
+                raise SettingError("target", t, "a finite held-out loss > 0")
+        result = run_adaptive(cfg, out, threads=threads, log=lambda m: typer.echo(m, err=True))
+    typer.echo(f"{len(result.ran)} run(s) trained, {len(result.skipped)} already finished, {result.wall_time_s:,.0f} s",
+               err=True)
+    analyses, files = write_adaptive_report(out, targets=target or None)
+    if as_json:
+        _echo_json({"analyses": [a.as_dict() for a in analyses], "files": files})
+        return
+    for analysis in analyses:
+        typer.echo(format_analysis(analysis))
+    typer.echo(f"report: {files[-1]}")
 
 
 @app.command("demo", short_help="Quick sweep of a small tinygpt and its report (the main job).")

@@ -690,6 +690,14 @@ class StepDriver:
         self._follow_batch_schedule()
         return lr_used
 
+    def refresh_batch(self) -> None:
+        """Re-read the batch schedule at the current position (between windows) and, on a change, rescale
+        the LR and log it. The driver does this after every applied step; an adaptive schedule
+        (:mod:`globalbatch.adaptive`) calls it right after deciding, so the next window uses the new batch."""
+        if self._micro_index:
+            raise RuntimeError("refresh_batch() inside a window; call it between step() and the next micro-batch")
+        self._follow_batch_schedule()
+
     def _follow_batch_schedule(self) -> None:
         pos = self.schedule_position
         new_batch = self.schedule.batch_at(pos)
@@ -747,7 +755,7 @@ class StepDriver:
         """Counters and schedule position: Python ints/floats only (``weights_only`` loadable)."""
         if self._micro_index:
             raise RuntimeError("state_dict() inside a window; call it between step() and the next micro-batch")
-        return {
+        state = {
             "version": _STATE_VERSION,
             "consumed_units": self.consumed_units,
             "consumed_samples": self.consumed_samples,
@@ -761,6 +769,9 @@ class StepDriver:
             "batch_lr_mult": self.batch_lr_mult,
             "initial_lrs": list(self._initial_lrs),
         }
+        if hasattr(self.schedule, "state_dict"):  # a stateful (adaptive) batch schedule: its decisions so far
+            state["batch_schedule"] = self.schedule.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore counters; the global batch is re-derived from the schedule position."""
@@ -770,6 +781,8 @@ class StepDriver:
                     "optimizer_steps", "windows", "skipped_windows", "consecutive_skips"):
             setattr(self, key, int(state[key]))
         self._initial_lrs = [float(x) for x in state["initial_lrs"]]
+        if state.get("batch_schedule") is not None and hasattr(self.schedule, "load_state_dict"):
+            self.schedule.load_state_dict(state["batch_schedule"])  # before the batch is re-derived from it
         self.global_batch = self.schedule.batch_at(self.schedule_position)
         self.batch_lr_mult = self.schedule.lr_multiplier(self.global_batch)
         if self.global_batch != int(state["global_batch"]):

@@ -20,7 +20,7 @@ from globalbatch._util import SettingError, atomic_write_json, json_default
 
 __all__ = ["append_event", "pid_alive", "remove_stale_tmp", "check_manifest", "RunDirLock", "lock_run_dir", "lock_holder"]
 
-_KINDS = {"grid": "a sweep", "branch": "a branch test"}
+_KINDS = {"grid": "a sweep", "branch": "a branch test", "adaptive": "an adaptive-batch comparison"}
 
 
 def append_event(out_dir: Path, **event: Any) -> None:

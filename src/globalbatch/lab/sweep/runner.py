@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -247,8 +248,31 @@ _WORKER_DEVICE: Optional[str] = None
 """This pool worker's device (one GPU per worker for ``device="cuda"``), set by :func:`_worker_init`."""
 
 
+def _die_with_parent() -> None:
+    """Linux: the kernel SIGKILLs this worker the moment the sweep process dies (``PR_SET_PDEATHSIG``).
+
+    Polling the parent (below, and :func:`exit_if_orphaned` at every step) leaves a window between
+    a check and the write after it; a pending SIGKILL closes it: the worker never returns to user
+    space after its parent is gone, so no trial starts and no result is written afterwards.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # no prctl: the polling below still applies
+        pass
+
+
 def _worker_init(threads: int, device: str = "cpu", counter: Any = None) -> None:
     global _WORKER_DEVICE
+    parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(3)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="watch-parent").start()
     if counter is not None:
         with counter.get_lock():
