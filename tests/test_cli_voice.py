@@ -71,7 +71,10 @@ def test_plan_and_report_json(tmp_path):
     write_synthetic_sweep(tmp_path)
     code, out, err = run(["report", str(tmp_path), "--json"])
     doc = json.loads(out)
-    assert code == 0 and doc["html"].endswith("report.html") and "recommend" in doc["recommendation"]
+    assert code == 0 and doc["html"].endswith("report.html") and "recommend" in doc["first_seed_recommendation"]
+    # the analysis over seeds (issue 10): targets and a recommendation with its spread, when the sweep has one
+    rec = doc["recommendation"]
+    assert rec is None or {"batch", "lr", "per_seed", "probability_fastest"} <= set(rec)
 
 
 def test_noise_json(tmp_path):

@@ -32,7 +32,7 @@ def write_synthetic_sweep(out: Path, *, with_noise_scale: bool = True, seed: int
     grows as √B, so wall-clock to target ∝ (1 + B/B_crit)/√B is lowest at B = B_crit.
     """
     rng = np.random.default_rng(seed)
-    cfg = SweepConfig(task="tinygpt", batches=[16, 32, 64, 128, 256, 512], lrs=[1e-3, 3e-3], budget=400_000)
+    cfg = SweepConfig(task="tinygpt", batches=[16, 32, 64, 128, 256, 512], lrs=[1e-3, 3e-3], budget=400_000, lr_rule="none")
     atomic_write_json(out / "manifest.json", cfg.manifest())
     slow = {1e-3: 1.0, 3e-3: 1.3}
     for t in cfg.trials():
@@ -120,11 +120,11 @@ def test_report_files_and_html_embed_every_plot(report):
 
 def test_no_noise_plot_without_b_simple_and_partial_sweep_is_reported(tmp_path):
     write_synthetic_sweep(tmp_path, with_noise_scale=False)
-    shutil.rmtree(tmp_path / "trials" / "b512_lr0.003")  # an unfinished trial
+    shutil.rmtree(tmp_path / "trials" / "b512_lr0.003_s0")  # an unfinished trial
     res = write_report(tmp_path, tmp_path / "r")
     assert [Path(p).name for p in res.plots] == ["loss_vs_data.png", "steps_vs_examples.png", "batch_tradeoff.png"]
-    assert load_sweep(tmp_path).missing == ["b512_lr0.003"]
-    assert "1 trial(s) not finished: b512_lr0.003" in Path(res.html).read_text()
+    assert load_sweep(tmp_path).missing == ["b512_lr0.003_s0"]
+    assert "1 trial(s) not finished: b512_lr0.003_s0" in Path(res.html).read_text()
 
 
 def test_report_of_a_non_sweep_dir_names_it(tmp_path):
@@ -201,7 +201,7 @@ def test_report_shows_the_timing_pass_mfu(tmp_path):
 
 def test_extrapolated_b_crit_is_reported_as_a_one_sided_bound(tmp_path):
     """Every batch in the perfect-scaling regime: no two-sided CI, a lower bound instead."""
-    cfg = SweepConfig(task="tinygpt", batches=[4, 8, 16, 32], lrs=[1e-3], budget=64_000)
+    cfg = SweepConfig(task="tinygpt", batches=[4, 8, 16, 32], lrs=[1e-3], budget=64_000, lr_rule="none")
     atomic_write_json(tmp_path / "manifest.json", cfg.manifest())
     for t in cfg.trials():
         b_tok = t.batch * TOKENS_PER_SAMPLE
@@ -239,7 +239,7 @@ def test_header_throughput_source_and_load_warning(tmp_path):
     """No empty `{}` after the task; the recommendation says where its throughput comes from; a >1.5× in-trial
     spread across one batch's LRs is a warning (machine load), in the text and on the page."""
     write_synthetic_sweep(tmp_path, with_noise_scale=False)
-    f = tmp_path / "trials" / "b32_lr0.003" / "summary.json"
+    f = tmp_path / "trials" / "b32_lr0.003_s0" / "summary.json"
     s = json.loads(f.read_text())
     s["units_per_s"] *= 2.1
     atomic_write_json(f, s)
@@ -248,7 +248,9 @@ def test_header_throughput_source_and_load_warning(tmp_path):
     assert "task <code>tinygpt</code>; batches" in page and "{}" not in page.split("<h2>")[0]
     text = res.analysis.recommendation.text()
     assert "(in-trial, median over its LRs)" in text and ") (lr" not in text and "), lr 0.001:" in text
-    assert len(res.analysis.warnings) == 1 and res.analysis.warnings[0].startswith("batch 32: in-trial tokens/s vary 2.1×")
+    # (the fixture's few validation points share no loss range: the analysis over seeds says so in a second warning)
+    load = [w for w in res.analysis.warnings if not w.startswith("no analysis over seeds")]
+    assert len(load) == 1 and load[0].startswith("batch 32: in-trial tokens/s vary 2.1×")
     assert "warning: batch 32: in-trial tokens/s vary 2.1×" in text and "warning: batch 32" in page
     for b in (16, 32, 64, 128, 256, 512):
         atomic_write_json(tmp_path / "timing" / f"b{b}.json", {"batch": b, "units_per_s": 1000.0 * b})

@@ -98,7 +98,7 @@ def test_two_sweeps_into_one_directory_exactly_one_runs(tmp_path):
     winner = 0 if results[0][0] == 0 else 1
     grid = json.loads((out / "manifest.json").read_text())["grid"]
     assert grid["batches"] == [(2, 4)[winner]]  # one grid, the winner's
-    assert [d.name for d in (out / "trials").iterdir()] == [f"b{(2, 4)[winner]}_lr0.001"]
+    assert [d.name for d in (out / "trials").iterdir()] == [f"b{(2, 4)[winner]}_lr0.001_s0"]
     assert not (out / ".lock").exists()
 
 

@@ -72,7 +72,7 @@ _FIELD_PARAMS: dict[str, dict[str, str]] = {
              "compute_flops": "compute", "loss_nats": "loss", "config": "config"},
     "probe": {"dp_world_size": "dp", "tolerance": "throughput_tolerance", "task_overrides": "task_arg",
               "memory_limit_bytes": "memory_limit"},
-    "sweep": {"budget": "tokens", "task_overrides": "task_arg"},
+    "sweep": {"budget": "tokens", "task_overrides": "task_arg", "max_val_samples": "val_samples"},
     "report": {"halflife_steps": "half_life_steps", "tolerance": "time_tolerance"},
     "noise": {"grad_accum_steps": "grad_accum", "task_overrides": "task_arg"},
     "branch": {"branch_at": "warmup_tokens", "window": "window_tokens", "task_overrides": "task_arg",
@@ -418,6 +418,64 @@ def probe_cmd(
             console.print(f"[yellow]{choice.role}:[/yellow] {choice.error}")
 
 
+def _parse_seeds(text: str) -> list[int]:
+    """``"0,1,2"`` → ``[0, 1, 2]``; one error line naming --seeds otherwise."""
+    from ._util import SettingError
+
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    try:
+        vals = [int(t) for t in items]
+    except ValueError:
+        vals = []
+    if not vals or any(v < 0 for v in vals) or len(set(vals)) != len(vals):
+        raise SettingError("seeds", text, "distinct whole numbers ≥ 0, comma-separated, e.g. 0,1,2")
+    return vals
+
+
+def _parse_units(text: str, flag: str) -> int:
+    """``"10K"`` → 10000, ``"0"`` → 0 (a count of units that may be zero)."""
+    from .plan import parse_count
+
+    return 0 if str(text).strip() in ("0", "0.0") else parse_count(text, flag)
+
+
+def _print_seed_analysis(data, sa) -> None:
+    """The tables over seeds, the recommendation and the warnings, on the terminal."""
+    from rich.console import Console
+
+    from .lab.report import seed_tables
+
+    Console(width=max(Console().width, 160)).print(seed_tables(data, sa))
+    if sa.joint is not None:
+        j = sa.joint
+        typer.echo(f"joint fit over targets and seeds: B_crit(L) = {j.b_ref:,.0f}·(L/{j.loss_ref:.3f})^{j.k:.2f} "
+                   f"(SE of the exponent {j.se_k:.2f}; Kaplan α_B = {j.alpha_b:.2f}); "
+                   f"{sa.monotone_share():.0%} of seed × target cells monotone")
+    if sa.recommendation is not None:
+        typer.echo(sa.recommendation.text())
+    for w in sa.warnings:
+        typer.echo(f"warning: {w}", err=True)
+
+
+def _print_report(res) -> None:
+    """The analysis over seeds when there is one, else the first seed's training-loss analysis."""
+    if res.seed_analysis is not None:
+        _print_seed_analysis(res.data, res.seed_analysis)
+        for w in res.analysis.warnings:
+            if w not in res.seed_analysis.warnings:
+                typer.echo(f"warning: {w}", err=True)
+        return
+    from rich.console import Console
+
+    from .lab.report import analysis_table
+
+    Console(width=max(Console().width, 140)).print(analysis_table(res.data, res.analysis))
+    if res.analysis.recommendation is not None:
+        typer.echo(res.analysis.recommendation.text())
+    for w in res.analysis.warnings:
+        typer.echo(f"warning: {w}", err=True)
+
+
 @app.command("sweep", short_help="Batch × LR sweep at equal tokens; fit the critical batch.")
 def sweep_cmd(
     task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt, mnist or package.module:function."),
@@ -429,9 +487,16 @@ def sweep_cmd(
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads per trial (default cores ÷ workers); keep it when resuming."),
     backend: Backend = typer.Option("local", "--backend", help="local (spawned processes) or ray (Ray Tune; pip install 'globalbatch[ray]')."),
     address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address (with --backend ray)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the model init and of the shared data order."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the model init and of the shared data order (one seed; see --seeds)."),
+    seeds: Optional[str] = typer.Option(None, "--seeds", help="Seeds, comma-separated, e.g. 0,1,2: every cell runs per seed (resumable); the report states the spread."),
+    warmup: Optional[str] = typer.Option(None, "--warmup", help="LR warmup in the task's units (tokens), e.g. 10K; default 5% of the budget."),
+    lr_rule: str = typer.Option("auto", "--lr-rule", help="LR grid per batch: auto (the optimizer's rule), sqrt, linear or none (one grid for all)."),
+    base_batch: Optional[int] = typer.Option(None, "--base-batch", help="The batch at which --lrs hold (default the smallest)."),
+    lr_edge_extend: int = typer.Option(2, "--lr-edge-extend", help="Extra LRs per side run when a batch's best LR sits at an edge of its grid."),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per forward/backward (default min(batch, 16))."),
-    eval_every: Optional[str] = typer.Option(None, "--eval-every", help="Units between validation evaluations (default budget ÷ 8)."),
+    eval_every: Optional[str] = typer.Option(None, "--eval-every", help="Units between held-out evaluations (default: --eval-points log-spaced ones)."),
+    eval_points: int = typer.Option(32, "--eval-points", help="Log-spaced held-out evaluations per trial (≥ 30 for a sound read-out)."),
+    val_samples: int = typer.Option(512, "--val-samples", help="Held-out samples per evaluation (a fixed random draw, the same for every trial)."),
     optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + _OPTIMIZERS + "."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
     noise: bool = typer.Option(False, "--noise", help="Also log the gradient noise scale B_simple at every evaluation (the report plots it)."),
@@ -442,9 +507,11 @@ def sweep_cmd(
     """Train every batch × LR on the same data order and token budget, then fit the critical batch."""
     from rich.console import Console
 
+    from types import SimpleNamespace
+
     from . import validate as V
     from ._util import flag_names, parse_task_args
-    from .lab.report import analysis_table
+    from .lab.report import seed_analysis_or_note, seed_json
     from .lab.sweep import SweepConfig, analyze_sweep, run_sweep
 
     with flag_names(flag_names_of("sweep")):
@@ -452,6 +519,10 @@ def sweep_cmd(
         cfg = SweepConfig(task=task, task_overrides=parse_task_args(task_arg),
                           batches=V.count_list(batches, "batches"), lrs=V.number_list(lrs, "lrs"),
                           budget=V.count(tokens, "budget", what="a whole number of units"), seed=seed,
+                          seeds=None if seeds is None else _parse_seeds(seeds),
+                          warmup=None if warmup is None else _parse_units(warmup, "--warmup"),
+                          lr_rule=lr_rule, base_batch=base_batch, lr_edge_extend=lr_edge_extend,
+                          eval_points=eval_points, max_val_samples=val_samples,
                           micro_batch=micro_batch,
                           eval_every=None if eval_every is None else V.count(eval_every, "eval_every"),
                           optimizer=optimizer, noise=noise, device=device, precision=precision)
@@ -459,20 +530,20 @@ def sweep_cmd(
         result = run_sweep(cfg, out, workers=workers, threads=threads, backend=backend, address=address,
                            progress=not as_json)
     data, analysis = analyze_sweep(out)
+    sa, note = seed_analysis_or_note(out)
+    if note is not None:
+        analysis.warnings.append(note)
     if as_json:
         _echo_json({"out_dir": result.out_dir, "ran": result.ran, "skipped": result.skipped,
                     "wall_time_s": result.wall_time_s, "workers": result.workers,
                     "threads_per_worker": result.threads_per_worker, "analysis": analysis.to_dict(),
+                    "seeds": None if sa is None else seed_json(data, sa),
                     "recommendation": None if analysis.recommendation is None else analysis.recommendation.text(),
                     "warnings": list(analysis.warnings)})
         return
     console.print(f"sweep {out}: {len(result.ran)} trial(s) run, {len(result.skipped)} already finished, "
                   f"{result.wall_time_s:,.1f} s ({result.workers} worker(s) × {result.threads_per_worker} thread(s))")
-    Console(width=max(Console().width, 140)).print(analysis_table(data, analysis))
-    if analysis.recommendation is not None:
-        typer.echo(analysis.recommendation.text())
-    for w in analysis.warnings:
-        typer.echo(f"warning: {w}", err=True)
+    _print_report(SimpleNamespace(data=data, analysis=analysis, seed_analysis=sa))
     typer.echo(f"report: globalbatch report {out}")
 
 
@@ -480,36 +551,37 @@ def sweep_cmd(
 def report_cmd(
     run_dir: str = typer.Argument(..., help="A sweep output directory (with manifest.json)."),
     out: Optional[str] = typer.Option(None, "--out", help="Where to write plots and report.html (default RUN_DIR/report)."),
-    targets: Optional[str] = typer.Option(None, "--targets", help="Loss targets, comma-separated; the first is primary (default: automatic)."),
+    targets: Optional[str] = typer.Option(None, "--targets", help="Loss targets, comma-separated (default: automatic); over seeds the lowest is the primary, for the first seed alone the first."),
     objective: Objective = typer.Option("time", "--objective", help="time (wall-clock to target) or cost (units to target)."),
     tolerance: float = typer.Option(0.05, "--time-tolerance", help="Batches within this fraction of the best time (or cost) to target count as ties; the most data-efficient wins."),
     ema_fraction: float = typer.Option(0.05, "--ema-fraction", help="EMA half-life of the training loss as a fraction of each trial's steps to the target (lag-corrected)."),
     half_life_steps: Optional[float] = typer.Option(None, "--half-life-steps", help="A fixed EMA half-life in steps instead (biases B_crit low; see docs/critical.md)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the analysis as JSON (stable snake_case keys) instead of the table."),
+    readout: str = typer.Option("heldout", "--readout", help="heldout (monotone fit of the held-out evaluations) or train (EMA of the training loss, window ≥ 2% of the budget)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the analysis over seeds as JSON (stable snake_case keys: targets with b_crit, b_crit_per_seed, steps_to_target, monotone; recommendation with batch, lr, per_seed, probability_fastest) instead of the tables."),
 ) -> None:
     """Write PNG plots and a self-contained HTML report of a sweep, with the recommended batch."""
-    from rich.console import Console
 
     from . import validate as V
     from ._util import flag_names
-    from .lab.report import analysis_table, write_report
+    from .lab.report import seed_json, write_report
 
     with flag_names(flag_names_of("report")):
         V.existing_dir(run_dir, "run_dir", allowed="a sweep directory (written by globalbatch sweep)")
         target_list = None if targets is None else V.number_list(targets, "targets", positive_only=False)
         with V.created_out_dir(out if out is not None else str(Path(run_dir) / "report"), "out"):
             res = write_report(run_dir, out, targets=target_list, objective=objective, tolerance=tolerance,
-                               ema_fraction=ema_fraction, halflife_steps=half_life_steps)
+                               ema_fraction=ema_fraction, halflife_steps=half_life_steps, readout=readout,
+                               seed_targets=target_list)
     if as_json:
-        _echo_json({"html": str(res.html), "plots": [str(p) for p in res.plots],
-                    "recommendation": None if res.analysis.recommendation is None else res.analysis.recommendation.text(),
-                    "warnings": list(res.analysis.warnings)})
+        doc = seed_json(res.data, res.seed_analysis) if res.seed_analysis is not None else {
+            "recommendation": None, "warnings": []}
+        doc.update({"html": str(res.html), "plots": [str(p) for p in res.plots],
+                    "first_seed_recommendation": None if res.analysis.recommendation is None
+                    else res.analysis.recommendation.text()})
+        doc["warnings"] = list(doc["warnings"]) + [w for w in res.analysis.warnings if w not in doc["warnings"]]
+        _echo_json(doc)
         return
-    Console(width=max(Console().width, 140)).print(analysis_table(res.data, res.analysis))
-    if res.analysis.recommendation is not None:
-        typer.echo(res.analysis.recommendation.text())
-    for w in res.analysis.warnings:
-        typer.echo(f"warning: {w}", err=True)
+    _print_report(res)
     typer.echo(f"wrote {res.html} and {len(res.plots)} plot(s)")
 
 
@@ -754,7 +826,7 @@ def demo_cmd(
 
     from . import validate as V
     from ._util import SettingError, flag_names
-    from .lab.report import analysis_table, write_report
+    from .lab.report import seed_json, write_report
     from .lab.sweep import demo_config, run_sweep
 
     t0 = time.time()
@@ -770,20 +842,18 @@ def demo_cmd(
         if holder is not None:  # in use by another run: one line now, not after the banner
             raise SettingError("out", out, "a directory no other run is using", why=f"a run (pid {holder}) holds it")
         console = Console(stderr=True)
-        console.print(f"demo: tinygpt {cfg.task_overrides}, batches {cfg.batches}, lrs {cfg.lrs}, "
+        console.print(f"demo: tinygpt {cfg.task_overrides}, batches {cfg.batches}, lrs {cfg.lrs} at batch "
+                      f"{min(cfg.batches)} ({cfg.lr_rule_resolved()} rule), seeds {cfg.seed_list()}, "
                       f"{cfg.budget:,} tokens per trial, {cfg.device} {cfg.precision}")
         result = run_sweep(cfg, out, workers=workers, progress=not as_json)
     res = write_report(out)
     if as_json:
         _echo_json({"out_dir": result.out_dir, "wall_time_s": result.wall_time_s, "report": str(res.html),
                     "analysis": res.analysis.to_dict(), "warnings": list(res.analysis.warnings),
+                    "seeds": None if res.seed_analysis is None else seed_json(res.data, res.seed_analysis),
                     "recommendation": None if res.analysis.recommendation is None else res.analysis.recommendation.text()})
         return
-    Console(width=max(Console().width, 140)).print(analysis_table(res.data, res.analysis))
-    if res.analysis.recommendation is not None:
-        typer.echo(res.analysis.recommendation.text())
-    for w in res.analysis.warnings:
-        typer.echo(f"warning: {w}", err=True)
+    _print_report(res)
     typer.echo(f"sweep {result.wall_time_s:,.0f} s, total {time.time() - t0:,.0f} s; report: {res.html}")
 
 

@@ -77,10 +77,28 @@ class Curve:
     """Cost (any currency or device-seconds) of one example at this batch; None if unknown."""
     label: str = ""
     """Free-form trial name, e.g. ``b64_lr0.001``."""
+    seed: int = 0
+    """Seed of the trial (model init and data order)."""
+    eval_examples: Optional[np.ndarray] = None
+    """Held-out evaluations: cumulative examples at each (0 for the initial model), or None."""
+    eval_steps: Optional[np.ndarray] = None
+    """Optimizer updates done at each held-out evaluation."""
+    eval_loss: Optional[np.ndarray] = None
+    """Held-out loss after those updates."""
+    warmup_examples: float = 0.0
+    """Examples of LR warmup: a target reached before this is flagged."""
+    b_simple: list = field(default_factory=list)
+    """``(examples, B_simple)`` pairs logged at evaluations (``--noise``), unflagged ones."""
 
     def __post_init__(self) -> None:
         self.examples = np.asarray(self.examples, dtype=float)
         self.loss = np.asarray(self.loss, dtype=float)
+        if self.eval_loss is not None:
+            self.eval_examples = np.asarray(self.eval_examples, dtype=float)
+            self.eval_steps = np.asarray(self.eval_steps, dtype=float)
+            self.eval_loss = np.asarray(self.eval_loss, dtype=float)
+            if not (self.eval_examples.shape == self.eval_steps.shape == self.eval_loss.shape):
+                raise ValueError("eval_examples/eval_steps/eval_loss: must be equal 1-D arrays")
         if not self.batch_size > 0:
             raise ValueError(f"batch_size: {self.batch_size}: must be > 0")
         if not self.lr > 0:
@@ -156,12 +174,17 @@ def _crossing(curve: Curve, target: float, halflife_steps: float) -> Optional[tu
     return float(s), e
 
 
+READOUTS = ("heldout", "train")
+
+
 def steps_to_target(
     curve: Curve,
     target: float,
     *,
     ema_fraction: float = 0.05,
     halflife_steps: Optional[float] = None,
+    readout: str = "train",
+    min_window_examples: Optional[float] = None,
 ) -> Optional[tuple[float, float]]:
     """Steps and examples the trial needed to bring its smoothed loss to ``target``.
 
@@ -178,11 +201,30 @@ def steps_to_target(
     biases B_crit low (the large batches, with few steps, have the most curvature per
     step): measured on synthetic curves with B_crit = 1,600, half-life 8 steps gave
     1,390 while ``ema_fraction`` 0.02–0.1 gave 1,598–1,629 (docs/critical.md).
+
+    ``min_window_examples``: the half-life is at least this many examples (÷ the batch, in
+    steps), the same amount of data for every batch — without it a small batch's window
+    covers so little data that its first crossing lands in a noise dip (issue 10: read 55.7
+    steps where the held-out loss says ≈115).
+
+    ``readout="heldout"``: the held-out evaluations of the curve instead
+    (:func:`globalbatch.readout.heldout_crossing`: a monotone fit, interpolated in log
+    examples); the smoothing settings do not apply.
     """
+    if readout not in READOUTS:
+        raise ValueError(f"readout: {readout!r}: expected one of {', '.join(READOUTS)}")
+    if readout == "heldout":
+        from globalbatch.readout import heldout_crossing
+
+        if curve.eval_loss is None:
+            raise ValueError(f"readout: 'heldout' needs held-out evaluations; curve {curve.label!r} has none")
+        c = heldout_crossing(curve.eval_examples, curve.eval_steps, curve.eval_loss, target)
+        return None if c is None else (c.steps, c.examples)
     if curve.loss.size == 0:
         return None
+    floor = (min_window_examples / curve.batch_size) if min_window_examples else 0.0
     if halflife_steps is not None:
-        return _crossing(curve, target, halflife_steps)
+        return _crossing(curve, target, max(halflife_steps, floor))
     if not 0 < ema_fraction < 1:
         raise ValueError(f"ema_fraction: {ema_fraction}: must be in (0, 1), e.g. 0.05")
     # Start from the heaviest smoothing this fraction allows (of the whole trial) so that a
@@ -190,11 +232,11 @@ def steps_to_target(
     # A trial whose heavily smoothed loss never reaches the target did not reach it: a
     # lighter smoothing would only let single noisy steps dip below (measured: a batch-4
     # trial "reached" a loss 0.17 below its smoothed minimum at step 215 of 1,621).
-    r = _crossing(curve, target, max(0.5, ema_fraction * curve.loss.size))
+    r = _crossing(curve, target, max(0.5, floor, ema_fraction * curve.loss.size))
     for _ in range(4):
         if r is None:
             return None
-        r_next = _crossing(curve, target, max(0.5, ema_fraction * r[0]))
+        r_next = _crossing(curve, target, max(0.5, floor, ema_fraction * r[0]))
         if r_next is None:  # heavier smoothing no longer reaches a target at the edge: keep the last
             return r
         if abs(r_next[0] - r[0]) <= 1e-3 * r[0]:
@@ -233,8 +275,10 @@ class HyperbolaFit:
     batch_range: tuple[float, float]
     """Smallest and largest batch that went into the fit."""
     degenerate: Optional[str] = None
-    """Why the fit cannot be read as a critical batch (E_min ≈ 0, S_min ≈ 0, non-finite,
-    B_crit pinned at the search bound), or None. A degenerate fit reports no B_crit and no bound."""
+    """Why the fit cannot be read as a critical batch (non-finite, or S_min ≈ 0: steps fall
+    faster than 1/batch), or None. A degenerate fit reports no B_crit and no bound."""
+    data: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
+    """The fitted (batches, steps): what the profile-likelihood bounds are computed from."""
 
     def steps(self, batch_size: np.ndarray | float) -> np.ndarray:
         """Predicted steps to target at ``batch_size``."""
@@ -245,9 +289,19 @@ class HyperbolaFit:
         return np.asarray(batch_size, dtype=float) * self.steps(batch_size)
 
     def b_crit_interval(self, level: float = 0.95) -> tuple[float, float]:
-        """Confidence interval of B_crit: symmetric in ln B_crit with a Student-t quantile (dof of the fit)."""
+        """Confidence interval of B_crit: symmetric in ln B_crit with a Student-t quantile (dof of the fit).
+
+        Raises ValueError for a degenerate fit or one whose B_crit lies outside the swept
+        batches: there the curvature was not observed and only :meth:`b_crit_bound` (or
+        nothing) can be said.
+        """
         from scipy import stats
 
+        if self.degenerate is not None:
+            raise ValueError(f"b_crit_interval: the fit is degenerate ({self.degenerate}); no interval")
+        if self.extrapolated:
+            raise ValueError(f"b_crit_interval: B_crit {self.b_crit:.3g} lies outside the swept batches "
+                             f"{self.batch_range[0]:g}–{self.batch_range[1]:g}; use b_crit_bound()")
         q = float(stats.t.ppf(0.5 + level / 2.0, max(self.dof, 1)))
         half = min(q * self.se_log_b_crit, 700.0)  # exp(700) ~ 1e304: an unbounded interval, not an overflow
         return self.b_crit * math.exp(-half), self.b_crit * math.exp(half)
@@ -257,34 +311,80 @@ class HyperbolaFit:
         """True when B_crit lies outside the swept batch range (the curvature was not observed)."""
         return not (self.batch_range[0] <= self.b_crit <= self.batch_range[1])
 
+    def profile_limits(self, level: float = 0.95, *, one_sided: bool = True) -> tuple[Optional[float], Optional[float]]:
+        """Profile-likelihood confidence limits of B_crit: ``(low, high)``, None where the data set no limit.
+
+        For each trial B_crit the best S_min is closed-form in log space (the mean residual),
+        so the profile SSE(B_crit) is exact. The limits are where it exceeds the minimum by
+        the F-test margin SSE_min·q²/dof (q the Student-t quantile, one-sided by default).
+        Unlike the Wald interval this stays finite and sane when B_crit is pinned far outside
+        the swept batches: flat steps bound B_crit from above, S ∝ 1/B from below.
+        """
+        from scipy import stats
+
+        b = np.asarray(self.data[0], dtype=float)
+        s = np.asarray(self.data[1], dtype=float)
+        if b.size < 3 or self.degenerate is not None:
+            return None, None
+        y = np.log(s)
+        lo, hi = math.log(b.min()) - 12.0, math.log(b.max()) + 12.0
+        grid = np.linspace(lo, hi, 2401)
+        r = y[None, :] - np.log1p(np.exp(grid)[:, None] / b[None, :])
+        sse = np.sum((r - r.mean(axis=1, keepdims=True)) ** 2, axis=1)
+        sse_min = float(min(sse.min(), self.residual_std_log ** 2 * max(self.dof, 1)))
+        dof = max(self.dof, 1)
+        q = float(stats.t.ppf(level if one_sided else 0.5 + level / 2.0, dof))
+        # A floor on the residual scale (1e-4 in log steps) keeps exact synthetic data from
+        # claiming a limit at the point estimate itself.
+        threshold = sse_min + max(sse_min, 1e-8 * dof) * q * q / dof
+        inside = np.flatnonzero(sse <= threshold)
+        if inside.size == 0:
+            return None, None
+        low = None if inside[0] == 0 else float(math.exp(grid[inside[0]]))
+        high = None if inside[-1] == grid.size - 1 else float(math.exp(grid[inside[-1]]))
+        return low, high
+
     def b_crit_bound(self, level: float = 0.95) -> Optional[tuple[str, float]]:
         """The one-sided bound to report instead of a two-sided interval when B_crit is extrapolated.
 
         Above the swept range every batch is in the perfect-scaling regime (S ∝ 1/B): the
         data only say B_crit is large, so the answer is ``("lower", X)``, X = the smaller of
-        the one-sided ``level`` lower confidence bound and the largest swept batch. Below
-        the range every batch is in the saturated regime (S ≈ S_min): ``("upper", Y)``, Y =
-        the larger of the one-sided upper bound and the smallest swept batch. None when
-        B_crit lies inside the swept range (then :meth:`b_crit_interval` stands).
+        the one-sided ``level`` profile-likelihood lower limit (:meth:`profile_limits`) and
+        the largest swept batch. Below the range every batch is in the saturated regime
+        (S ≈ S_min): ``("upper", Y)``, Y = the larger of the upper limit and the smallest
+        swept batch. A bound is stated only where the data support it: None when B_crit
+        lies inside the range (then :meth:`b_crit_interval` stands), when the fit is
+        degenerate, or when the limit does not exist or lies on the wrong side of the swept
+        batches (a "lower bound" below the smallest batch says nothing; see
+        :meth:`bound_missing`).
         """
-        from scipy import stats
-
-        if not self.extrapolated:
+        if not self.extrapolated or self.degenerate is not None:
             return None
-        q = float(stats.t.ppf(level, max(self.dof, 1)))
-        half = min(q * self.se_log_b_crit, 700.0) if math.isfinite(self.se_log_b_crit) else 700.0
+        low, high = self.profile_limits(level, one_sided=True)
         if self.b_crit > self.batch_range[1]:
-            return "lower", min(self.b_crit * math.exp(-half), self.batch_range[1])
-        return "upper", max(self.b_crit * math.exp(half), self.batch_range[0])
+            if low is None or low < self.batch_range[0]:
+                return None
+            return "lower", min(low, self.batch_range[1])
+        if high is None or high > self.batch_range[1]:
+            return None
+        return "upper", max(high, self.batch_range[0])
+
+    def bound_missing(self, level: float = 0.95) -> bool:
+        """True when B_crit is extrapolated and the data support no one-sided bound."""
+        return self.degenerate is None and self.extrapolated and self.b_crit_bound(level) is None
 
     def b_crit_text(self, level: float = 0.95) -> str:
-        """``"1,600 (95% CI 1,500–1,700)"``, or the one-sided bound when extrapolated."""
+        """``"1,600 (95% CI 1,500–1,700)"``, the one-sided bound when extrapolated, or why there is none."""
         if self.degenerate is not None:
             return f"fit failed (degenerate: {self.degenerate}); no bound"
-        bound = self.b_crit_bound(level)
-        if bound is None:
+        if not self.extrapolated:
             lo, hi = self.b_crit_interval(level)
             return f"{self.b_crit:,.0f} ({level:.0%} CI {lo:,.0f}–{hi:,.0f})"
+        bound = self.b_crit_bound(level)
+        if bound is None:
+            side = "above" if self.b_crit > self.batch_range[1] else "below"
+            return (f"B_crit {side} the swept batches {self.batch_range[0]:,.0f}–{self.batch_range[1]:,.0f}; "
+                    f"the scatter of the steps supports no bound")
         kind, x = bound
         if kind == "lower":
             return f"B_crit > {x:,.0f} (lower bound; all batches in the perfect-scaling regime)"
@@ -310,21 +410,21 @@ def zhang_cbs(s_min: float, e_min: float, *, overhead: float = 0.2, base_batch: 
     return overhead * e_min / s_min + (1.0 + overhead) * base_batch
 
 
-def _degenerate(s_min: float, e_min: float, b_crit: float, log_b_crit: float, log_bounds: tuple[float, float],
-                b: np.ndarray, s: np.ndarray) -> Optional[str]:
-    """Why a fit says nothing about B_crit, or None (see :attr:`HyperbolaFit.degenerate`)."""
+def _degenerate(s_min: float, e_min: float, b_crit: float, b: np.ndarray, s: np.ndarray) -> Optional[str]:
+    """Why a fit says nothing about B_crit, or None (see :attr:`HyperbolaFit.degenerate`).
+
+    Unit-free: only ratios to the data enter (the same steps in thousands of samples get the
+    same verdict). B_crit pinned far below or above the swept batches is *not* degenerate:
+    it is the saturated or perfect-scaling regime, and :meth:`HyperbolaFit.b_crit_bound`
+    says what the data support.
+    """
     if not all(math.isfinite(v) for v in (s_min, e_min, b_crit)):
         return "non-finite S_min, E_min or B_crit"
     if s_min <= 0 or s_min < 1e-6 * float(s.min()):
-        return f"S_min = {s_min:.3g} ≤ 0: steps fall faster than 1/batch"
-    min_examples = float((b * s).min())
-    # E_min below one example, or B_crit a thousandth of the smallest swept batch: the fit
-    # found no dependence of the steps on the batch and pushed B_crit towards zero.
-    if (e_min <= 0 or e_min < 1.0 or e_min < 1e-6 * min_examples or b_crit < 1e-3 * float(b.min())
-            or log_b_crit <= log_bounds[0] + 1e-3):
-        return f"E_min = {e_min:.3g} ≈ 0: steps do not fall with the batch (every batch saturated)"
-    if log_b_crit >= log_bounds[1] - 1e-3:
-        return "B_crit at the search bound: steps ∝ 1/batch, no saturation seen"
+        return f"S_min = {s_min:.3g} ≈ 0 (a {s_min / float(s.min()):.1e} fraction of the fewest steps): steps fall faster than 1/batch"
+    slope = float(np.polyfit(np.log(b), np.log(s), 1)[0])
+    if slope < -1.1:  # the hyperbola's steepest is −1 (S ∝ 1/B); 10 % slack for noise
+        return f"steps fall as batch^{slope:.2f}, faster than 1/batch: no hyperbola describes them"
     return None
 
 
@@ -382,7 +482,8 @@ def fit_hyperbola(batch_sizes: Sequence[float], steps: Sequence[float]) -> Hyper
     var_le = pcov[0, 0] + pcov[1, 1] + 2.0 * pcov[0, 1]
     e_min = s_min * b_crit
     return HyperbolaFit(
-        degenerate=_degenerate(s_min, e_min, b_crit, log_b_crit, (lo - 12.0, hi + 12.0), b, s),
+        degenerate=_degenerate(s_min, e_min, b_crit, b, s),
+        data=(tuple(float(x) for x in b), tuple(float(x) for x in s)),
         s_min=s_min,
         e_min=e_min,
         b_crit=b_crit,
@@ -483,9 +584,10 @@ def _throughput(curves: Sequence[Curve]) -> dict[float, tuple[Optional[float], O
 
 
 def points_for_target(
-    curves: Sequence[Curve], target: float, *, ema_fraction: float = 0.05, halflife_steps: Optional[float] = None
+    curves: Sequence[Curve], target: float, *, ema_fraction: float = 0.05, halflife_steps: Optional[float] = None,
+    readout: str = "train", min_window_examples: Optional[float] = None,
 ) -> TargetResult:
-    """For each batch size, the fastest LR's steps and examples to ``target``, and the fit."""
+    """For each batch size, the fastest LR's steps and examples to ``target``, and the fit (see :func:`steps_to_target`)."""
     tput = _throughput(curves)
     points: list[BatchPoint] = []
     unreached: list[float] = []
@@ -494,7 +596,8 @@ def points_for_target(
         for c in curves:
             if c.batch_size != b:
                 continue
-            r = steps_to_target(c, target, ema_fraction=ema_fraction, halflife_steps=halflife_steps)
+            r = steps_to_target(c, target, ema_fraction=ema_fraction, halflife_steps=halflife_steps, readout=readout,
+                                min_window_examples=min_window_examples)
             if r is not None and (best is None or r[0] < best[0]):
                 best = (r[0], r[1], c.lr)
         if best is None:
@@ -525,7 +628,7 @@ def points_for_target(
         result.cbs_20 = fit.cbs(overhead=0.2)
         result.se_cbs_20 = 0.2 * fit.se_b_crit
         result.b_crit_bound = fit.b_crit_bound(0.95)
-        if result.b_crit_bound is None:
+        if not fit.extrapolated:
             result.b_crit_ci95 = fit.b_crit_interval(0.95)
     return result
 

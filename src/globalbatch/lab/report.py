@@ -34,7 +34,8 @@ import numpy as np
 
 from globalbatch.critical import Analysis, ema_smooth
 from globalbatch._util import atomic_write, atomic_write_json, atomic_write_text
-from globalbatch.lab.sweep import SweepData, analyze_sweep
+from globalbatch.critical_seeds import SeedAnalysis, seed_analysis_json
+from globalbatch.lab.sweep import SweepData, analyze_sweep, analyze_sweep_seeds
 
 __all__ = ["ReportResult", "write_report", "analysis_table", "batch_label", "render_html"]
 
@@ -48,6 +49,8 @@ class ReportResult:
     analysis_json: str
     analysis: Analysis
     data: SweepData
+    seed_analysis: Optional[SeedAnalysis] = None
+    """The analysis over every seed (held-out read-out by default): what the recommendation rests on."""
 
 
 def batch_label(data: SweepData, units: float) -> str:
@@ -332,6 +335,107 @@ def analysis_table(data: SweepData, analysis: Analysis):
     return Group(t1, t2)
 
 
+def plot_b_crit_vs_loss(data: SweepData, sa: SeedAnalysis, path: Path) -> str:
+    """B_crit per seed and its median at every target, with the joint power law B_crit(L) and its band."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colors = dict(zip(sa.seeds, _colors(len(sa.seeds))))
+    for st in sa.targets:
+        for s, v in st.b_crit_per_seed.items():
+            if v is not None:
+                ax.plot([st.target], [v], "o", color=colors[s], ms=4, alpha=0.8,
+                        label=f"seed {s}" if st is sa.targets[0] else None)
+        if st.b_crit is not None:
+            ax.plot([st.target], [st.b_crit], "_", color="black", ms=14, mew=2,
+                    label="median over seeds" if st is sa.targets[0] else None)
+    if sa.joint is not None:
+        ls = np.linspace(min(t.target for t in sa.targets), max(t.target for t in sa.targets), 50)
+        ax.plot(ls, [sa.joint.b_crit(x) for x in ls], "-", color="tab:red",
+                label=f"joint fit: B_crit ∝ L^{sa.joint.k:.2f} (α_B = {sa.joint.alpha_b:.2f})")
+        band = np.array([sa.joint.interval(x) for x in ls])
+        ax.fill_between(ls, band[:, 0], band[:, 1], color="tab:red", alpha=0.15)
+    ax.set_yscale("log")
+    ax.invert_xaxis()
+    ax.set_xlabel(f"target loss ({'held-out' if sa.readout == 'heldout' else 'training'})")
+    ax.set_ylabel(f"B_crit ({data.unit}s per step)")
+    ax.set_title("Critical batch against the loss (McCandlish 2018; joint power law as Kaplan 2020)")
+    _legend(ax, fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    return _save(fig, path)
+
+
+def _samples(data: SweepData, units: float) -> int:
+    """Samples per step of the batch whose mean units per step is ``units``."""
+    pairs = list(data.batch_units().items())
+    return int(min(pairs, key=lambda kv: abs(kv[1] - units))[0]) if pairs else int(round(units))
+
+
+def _seed_rows(data: SweepData, sa: SeedAnalysis) -> list[list[str]]:
+    rows = []
+    for st in sa.targets:
+        per = "; ".join(f"s{s}: {_fmt(v)}" if v is not None else f"s{s}: – ({st.b_crit_text_per_seed.get(s, '')})"
+                        for s, v in st.b_crit_per_seed.items())
+        iv = st.interval()
+        mono = sum(st.monotone.values())
+        rows.append([f"{st.target:.4f}" + (" (primary)" if st is sa.primary else ""), _fmt(st.b_crit),
+                     f"{_fmt(iv[0])}–{_fmt(iv[1])}" if iv else "–", per,
+                     _fmt(st.joint_b_crit) + (f" ({_fmt(st.joint_interval[0])}–{_fmt(st.joint_interval[1])})"
+                                              if st.joint_interval else ""),
+                     f"{mono}/{len(st.monotone)}", "in warmup: " + ", ".join(st.reached_in_warmup) if st.reached_in_warmup else ""])
+    return rows
+
+
+SEED_HEADER = ["target loss", "B_crit (median over seeds)", "spread (seed range ∪ bootstrap 95%)", "per seed",
+               "joint fit (95%)", "monotone seeds", "flags"]
+
+
+def _steps_rows(data: SweepData, sa: SeedAnalysis) -> list[list[str]]:
+    st = sa.primary
+    rec = sa.recommendation
+    rows = []
+    for b in sorted(st.steps):
+        cells = [f"{st.steps[b][s]:,.1f}" if st.steps[b][s] is not None else "not reached" for s in sa.seeds]
+        lrs = [f"{st.best_lr[b][s]:g}" if st.best_lr[b][s] is not None else "–" for s in sa.seeds]
+        t = rec.time_to_target.get(b) if rec is not None else None
+        p = rec.probability_fastest.get(b) if rec is not None else None
+        edge = sa.lr_edges.get(b)
+        rows.append([batch_label(data, b), " / ".join(cells), " / ".join(lrs) + (f" (at {edge} edge)" if edge else ""),
+                     f"{t[0]:,.1f} [{t[1]:,.1f}–{t[2]:,.1f}]" if t else "–", f"{p:.0%}" if p is not None else "–",
+                     "◀ recommended" if rec is not None and rec.batch_size == b else ("tie" if rec is not None and b in rec.tie else "")])
+    return rows
+
+
+STEPS_HEADER = ["batch", "steps to target per seed", "best lr per seed", "time to target s, median [range]",
+                "P(fastest)", ""]
+
+
+def seed_tables(data: SweepData, sa: SeedAnalysis):
+    """Rich renderables of the analysis over seeds: steps at the primary target and B_crit per target."""
+    from rich.console import Group
+    from rich.table import Table
+
+    t1 = Table(title=f"to held-out loss {sa.primary.target:.4f} (primary target; seeds {', '.join(map(str, sa.seeds))})"
+               if sa.readout == "heldout" else f"to training loss {sa.primary.target:.4f} (primary target)")
+    for h in STEPS_HEADER:
+        t1.add_column(h, justify="right")
+    for r in _steps_rows(data, sa):
+        t1.add_row(*r)
+    t2 = Table(title=f"critical batch per target over seeds ({data.unit}s per step; McCandlish B_crit)")
+    for h in SEED_HEADER:
+        t2.add_column(h, justify="right")
+    for r in _seed_rows(data, sa):
+        t2.add_row(*r)
+    return Group(t1, t2)
+
+
+def seed_json(data: SweepData, sa: SeedAnalysis) -> dict:
+    """The ``globalbatch report --json`` document (batches keyed by samples per step)."""
+    doc = seed_analysis_json(sa, lambda u: _samples(data, u))
+    doc["grid"] = data.config.manifest()["grid"]
+    doc["missing"] = data.missing
+    return doc
+
+
 # ---------------------------------------------------------------------------
 # HTML
 # ---------------------------------------------------------------------------
@@ -343,7 +447,8 @@ def _table_html(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, str]], *, title: str = "globalbatch sweep report") -> str:
+def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, str]], *, title: str = "globalbatch sweep report",
+                seed_analysis: Optional[SeedAnalysis] = None) -> str:
     """The page: the recommendation, the tables and every plot as an inline base64 PNG.
 
     Every value that comes from the run directory is escaped (``html.escape``): a page never
@@ -355,6 +460,26 @@ def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, 
     u = esc(data.unit)
     cfg = data.config
     rec = analysis.recommendation
+    sa = seed_analysis
+    seeds_html = ""
+    if sa is not None:
+        srec = sa.recommendation
+        seeds_html = (
+            (f"<p class='rec'>Recommended batch: <b>{html.escape(batch_label(data, srec.batch_size))}</b> at lr {srec.lr:g}"
+             + (" (a tie: " + html.escape(", ".join(batch_label(data, b) for b in srec.tie)) + ")" if len(srec.tie) > 1 else "")
+             + f"</p><pre>{html.escape(srec.text())}</pre>" if srec is not None
+             else "<p class='rec'>No recommendation over seeds: a batch missed the primary target or has no throughput.</p>")
+            + f"<h2>Critical batch over seeds ({'held-out' if sa.readout == 'heldout' else 'training'} loss)</h2>"
+            "<p>Steps to each target from the monotone fit of the held-out loss (a fixed random held-out draw, log-spaced "
+            "evaluations), best LR per batch and seed; fits per seed (non-monotone cells flagged and left out), the median "
+            "over seeds with the seed range and a bootstrap over seeds, and one joint fit of B_crit(L) = B_ref·(L/L_ref)^k "
+            "across targets and seeds.</p>"
+            + _table_html(STEPS_HEADER, _steps_rows(data, sa)) + _table_html(SEED_HEADER, _seed_rows(data, sa))
+            + "".join(f"<p class='warn'>{html.escape(w)}</p>" for w in sa.warnings if w not in analysis.warnings)
+            + ("".join(f"<p>B_simple at loss {t:.4f} (best-LR trials; depends on the LR): local "
+                       f"{_fmt(v.get('local'))}, path-averaged {_fmt(v.get('path_averaged'))} {u}s</p>"
+                       for t, v in sa.b_simple.items()))
+            + "<h2>First seed alone (training-loss read-out, EMA; for comparison)</h2>")
     rec_html = (
         f"<p class='rec'>Recommended batch: <b>{html.escape(batch_label(data, rec.batch_size))}</b> at lr {rec.lr:g}</p>"
         f"<pre>{html.escape(rec.text())}</pre>"
@@ -370,9 +495,9 @@ def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, 
                if data.missing else "")
     overrides = f" {html.escape(json.dumps(cfg.task_overrides))}" if cfg.task_overrides else ""
     grid = (f"task <code>{esc(cfg.task)}</code>{overrides}; batches "
-            f"{esc(cfg.batches)} samples; lrs {esc(cfg.lrs)}; budget {esc(f'{cfg.budget:,}')} {u}s per trial; "
-            f"seed {esc(cfg.seed)}; optimizer {esc(cfg.optimizer)}; LR warmup {esc(f'{cfg.warmup_fraction:.0%}')} "
-            f"then {esc(cfg.lr_shape)}; "
+            f"{esc(cfg.batches)} samples; lrs {esc(cfg.lrs)} at batch {esc(cfg.base_batch or min(cfg.batches))}, LR rule "
+            f"{esc(cfg.lr_rule_resolved())}; budget {esc(f'{cfg.budget:,}')} {u}s per trial; seeds {esc(cfg.seed_list())}; "
+            f"optimizer {esc(cfg.optimizer)}; LR warmup {esc(f'{cfg.warmup_units():,}')} {u}s then {esc(cfg.lr_shape)}; "
             + (f"EMA half-life {analysis.halflife_steps:g} steps" if analysis.halflife_steps is not None
                else f"EMA half-life {analysis.ema_fraction:g} × each trial's steps to the target") + " (lag-corrected)")
     css = ("body{font-family:sans-serif;max-width:1200px;margin:2em auto;color:#222}"
@@ -386,7 +511,7 @@ def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, 
 <p>{grid}</p>
 {missing}{warns}
 <h2>Recommendation</h2>
-{rec_html}
+{seeds_html}{rec_html}
 <h2>At the primary target</h2>
 {_table_html([h.replace('units', data.unit + 's') for h in POINT_HEADER], _point_rows(data, analysis))}
 <h2>Critical batch at each loss target</h2>
@@ -422,6 +547,25 @@ def _throughput_note(data: SweepData) -> str:
             "while trials shared the machine.")
 
 
+def seed_analysis_or_note(run_dir: str | os.PathLike, *, targets: Optional[Sequence[float]] = None,
+                          readout: str = "heldout", objective: str = "time",
+                          tolerance: float = 0.05) -> tuple[Optional[SeedAnalysis], Optional[str]]:
+    """The analysis over seeds, falling back to the training read-out for a sweep without enough held-out
+    evaluations (older sweeps, ``--eval-every`` runs); ``(None, why)`` when there is none."""
+    try:
+        return analyze_sweep_seeds(run_dir, targets=targets, readout=readout, objective=objective,
+                                   tolerance=tolerance)[1], None
+    except ValueError as exc:
+        if readout == "heldout" and "too few held-out evaluations" in str(exc):
+            try:
+                _, sa = analyze_sweep_seeds(run_dir, targets=targets, readout="train", objective=objective,
+                                            tolerance=tolerance)
+                return sa, "this sweep has too few held-out evaluations: the analysis over seeds reads the training loss"
+            except ValueError as exc2:
+                return None, f"no analysis over seeds: {exc2}"
+        return None, f"no analysis over seeds: {exc}"
+
+
 def write_report(
     run_dir: str | os.PathLike,
     out_dir: Optional[str | os.PathLike] = None,
@@ -433,12 +577,18 @@ def write_report(
     halflife_steps: Optional[float] = None,
     objective: str = "time",
     tolerance: float = 0.05,
+    readout: str = "heldout",
+    seed_targets: Optional[Sequence[float]] = None,
 ) -> ReportResult:
     """Analyse the sweep in ``run_dir`` and write the plots, ``analysis.json`` and ``report.html``.
 
     Args:
         out_dir: where to write; default ``run_dir/report``.
+        readout, seed_targets: of the analysis over seeds (:func:`analyze_sweep_seeds`); the
+            other settings are the first seed's training-loss analysis.
     """
+    seed_analysis, seed_note = seed_analysis_or_note(run_dir, targets=seed_targets, readout=readout,
+                                                     objective=objective, tolerance=tolerance)
     data, analysis = analyze_sweep(run_dir, targets=targets, n_targets=n_targets, n_tighter=n_tighter, ema_fraction=ema_fraction,
                                    halflife_steps=halflife_steps,
                                    objective=objective, tolerance=tolerance)
@@ -449,14 +599,20 @@ def write_report(
         ("Steps against examples with the fitted hyperbola", plot_steps_vs_examples(data, analysis, out / "steps_vs_examples.png")),
         ("Units to target, throughput and wall-clock against batch", plot_batch_tradeoff(data, analysis, out / "batch_tradeoff.png")),
     ]
+    if seed_note is not None:
+        analysis.warnings.append(seed_note)
+    if seed_analysis is not None:
+        plots.append(("Critical batch against the loss, per seed, with the joint fit",
+                      plot_b_crit_vs_loss(data, seed_analysis, out / "b_crit_vs_loss.png")))
     noise = plot_noise_scale(data, out / "noise_scale.png")
     if noise is not None:
         plots.append(("Gradient noise scale against consumed data", noise))
     summary = {"analysis": analysis.to_dict(), "batch_units": data.batch_units(), "missing": data.missing,
-               "grid": data.config.manifest()["grid"]}
+               "grid": data.config.manifest()["grid"],
+               "seeds": seed_json(data, seed_analysis) if seed_analysis is not None else None}
     atomic_write_json(out / "analysis.json", summary)
-    page = render_html(data, analysis, plots)
+    page = render_html(data, analysis, plots, seed_analysis=seed_analysis)
     atomic_write_text(out / "report.html", page)
     return ReportResult(html=str(out / "report.html"), plots=[p for _, p in plots], analysis_json=str(out / "analysis.json"),
-                        analysis=analysis, data=data)
+                        analysis=analysis, data=data, seed_analysis=seed_analysis)
 plot_loss_vs_tokens = plot_loss_vs_data  # the old name

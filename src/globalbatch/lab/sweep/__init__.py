@@ -14,9 +14,9 @@ against examples consumed. The package follows the seams of that job:
 
 from globalbatch.lab.sweep.config import SweepConfig, TrialSpec, demo_config
 from globalbatch.lab.sweep.runner import SweepResult, run_sweep
-from globalbatch.lab.sweep.store import SweepData, analyze_sweep, curves_from_sweep, load_sweep
+from globalbatch.lab.sweep.store import SweepData, analyze_sweep, analyze_sweep_seeds, curves_from_sweep, load_sweep
 from globalbatch.lab.sweep.timing import run_timing_pass
 from globalbatch.lab.sweep.trial import run_trial
 
 __all__ = ["SweepConfig", "TrialSpec", "SweepResult", "SweepData", "run_sweep", "run_trial", "load_sweep",
-           "analyze_sweep", "curves_from_sweep", "run_timing_pass", "demo_config"]
+           "analyze_sweep", "analyze_sweep_seeds", "curves_from_sweep", "run_timing_pass", "demo_config"]

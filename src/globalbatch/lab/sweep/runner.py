@@ -19,12 +19,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from globalbatch._util import SettingError, load_task_checked, read_json_checked
+from globalbatch._util import SettingError, load_task_checked
 from globalbatch.lab.device import check_device
 from globalbatch.lab.rundir import check_manifest, lock_run_dir, remove_stale_tmp
 from globalbatch.validate import make_out_dir
 from globalbatch.validate import out_dir as out_dir_checked
 from globalbatch.lab.sweep.config import BACKENDS, RAY_HINT, SweepConfig, TrialSpec
+from globalbatch.lab.sweep.lr_edges import analysis_edges, edge_cells, finished_summaries
 from globalbatch.lab.sweep.timing import run_timing_pass
 from globalbatch.lab.sweep.trial import exit_if_orphaned, run_trial, trial_done
 
@@ -188,24 +189,40 @@ def _run_locked(config: SweepConfig, out: Path, unit: str, *, workers: Optional[
     n_workers = max(1, min(len(pending) or 1, requested))
     t0 = time.time()
     cfg_dict = asdict(config)
-    if pending:
-        with _Progress(out, pending, config.budget, unit, progress):
+    ran: list[TrialSpec] = []
+
+    def run_cells(cells: Sequence[TrialSpec]) -> None:
+        with _Progress(out, cells, config.budget, unit, progress):
             if backend == "ray":
-                _run_ray(cfg_dict, pending, out, n_workers, threads, address)
+                _run_ray(cfg_dict, cells, out, max(1, min(len(cells), requested)), threads, address)
             elif requested == 1:
                 import torch
 
                 old = torch.get_num_threads()
                 try:
-                    for t in pending:
+                    for t in cells:
                         run_trial(cfg_dict, asdict(t), str(out), threads=threads)
                 finally:
                     torch.set_num_threads(old)
             else:
-                _run_pool(cfg_dict, pending, out, n_workers, threads)
+                _run_pool(cfg_dict, cells, out, max(1, min(len(cells), requested)), threads)
+        ran.extend(cells)
+
+    if pending:
+        run_cells(pending)
+    # LR grid per batch: while the best LR of a batch sits at an edge of what it ran, one more
+    # LR beyond it (every seed); derived from the finished results, so a resume repeats it.
+    while True:
+        done_now = finished_summaries(out, config)
+        complete = all(trial_done(out / "trials" / t.name, t) for t in trials)
+        edges = analysis_edges(out) if complete else None  # the analysis' own best LR per batch
+        extra = [t for t in edge_cells(config, done_now, edges) if not trial_done(out / "trials" / t.name, t)]
+        if not extra:
+            break
+        run_cells(extra)
     for t in trials:  # an orphan of a killed earlier run may have left one after this run began
         remove_stale_tmp(out / "trials" / t.name)
-    summaries = [read_json_checked(out / "trials" / t.name / "summary.json") for t in trials]
+    summaries = finished_summaries(out, config)
     timing: dict[int, dict] = {}
     t_timing = time.time()
     if timing_steps > 0:
@@ -213,7 +230,7 @@ def _run_locked(config: SweepConfig, out: Path, unit: str, *, workers: Optional[
         timing = run_timing_pass(config, out, summaries, threads=min(cores, max(1, requested * threads)),
                                  steps=timing_steps, warmup=timing_warmup)
     return SweepResult(
-        out_dir=str(out), summaries=summaries, ran=[t.name for t in pending], skipped=[t.name for t in done],
+        out_dir=str(out), summaries=summaries, ran=[t.name for t in ran], skipped=[t.name for t in done],
         wall_time_s=time.time() - t0, workers=n_workers, threads_per_worker=threads, timing=timing,
         timing_s=time.time() - t_timing,
     )

@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from globalbatch._util import SettingError, read_json_checked, read_jsonl
-from globalbatch.lab.sweep.config import SweepConfig
+from globalbatch.lab.sweep.config import SweepConfig, TrialSpec
+from globalbatch.lab.sweep.lr_edges import finished_summaries
 from globalbatch.lab.sweep.timing import timing_path
 from globalbatch.lab.sweep.trial import trial_done
 
-__all__ = ["SweepData", "load_sweep", "curves_from_sweep", "analyze_sweep"]
+__all__ = ["SweepData", "load_sweep", "curves_from_sweep", "analyze_sweep", "analyze_sweep_seeds"]
 
 
 # ---------------------------------------------------------------------------
@@ -126,20 +127,24 @@ def load_sweep(out_dir: str | os.PathLike) -> SweepData:
         raise SettingError("run_dir", str(out), allowed, why=f"{manifest} holds an invalid grid: {exc}") from None
     trials: dict[str, list[dict]] = {}
     summaries: dict[str, dict] = {}
-    missing = []
     unit = None
+    done = {TrialSpec(batch=int(s["batch"]), lr=float(s["lr"]), seed=int(s.get("seed", 0))).name: s
+            for s in finished_summaries(out, config)}  # base cells and LR-edge extensions
+    missing = []
     for t in config.trials():
-        d = out / "trials" / t.name
-        if not trial_done(d, t):
-            if (d / "summary.json").is_file():  # written atomically: unreadable means damaged, not unfinished
-                _checked_record(d / "summary.json", read_json_checked(d / "summary.json"), {})
-            missing.append(t.name)
+        if t.name in done:
             continue
-        summaries[t.name] = _checked_record(d / "summary.json", read_json_checked(d / "summary.json"), _SUMMARY)
-        trials[t.name] = [_checked_record(d / "metrics.jsonl", r, _STEP if isinstance(r, dict) and r.get("kind") == "step" else {},
-                                          line=i)
-                          for i, r in enumerate(_records(d / "metrics.jsonl"), 1)]
-        unit = summaries[t.name]["unit"]
+        d = out / "trials" / t.name
+        if (d / "summary.json").is_file() and not trial_done(d, t):  # written atomically: unreadable means damaged
+            _checked_record(d / "summary.json", read_json_checked(d / "summary.json"), {})
+        missing.append(t.name)
+    for name, s in sorted(done.items(), key=lambda kv: (kv[1].get("seed", 0), kv[1]["batch"], kv[1]["lr"])):
+        d = out / "trials" / name
+        summaries[name] = _checked_record(d / "summary.json", s, _SUMMARY)
+        trials[name] = [_checked_record(d / "metrics.jsonl", r, _STEP if isinstance(r, dict) and r.get("kind") == "step" else {},
+                                        line=i)
+                        for i, r in enumerate(_records(d / "metrics.jsonl"), 1)]
+        unit = summaries[name]["unit"]
     timing = {}
     for b in config.batches:
         path = timing_path(out, b)
@@ -178,18 +183,25 @@ def _checked_record(path: Path, rec: object, keys: dict, *, line: Optional[int] 
 
 
 def curves_from_sweep(data: SweepData):
-    """One :class:`globalbatch.critical.Curve` per finished trial; batch in units per step."""
+    """One :class:`globalbatch.critical.Curve` per finished trial; batch in units per step.
+
+    Each curve carries the training loss of every step and the held-out evaluations
+    (``eval_examples``, ``eval_steps``, ``eval_loss``: the loss after that many updates), its
+    seed and the units of LR warmup.
+    """
     import numpy as np
 
     from globalbatch.critical import Curve
 
     units = data.batch_units()
+    warm = data.config.warmup_units()
     curves = []
     for name, recs in data.trials.items():
         s = data.summaries[name]
         steps = [r for r in recs if r.get("kind") == "step" and not r.get("skipped")]
         if not steps:
             continue
+        evals = [r for r in recs if r.get("val_loss") is not None and r.get("kind") in ("step", "eval")]
         tput = data.units_per_s(int(s["batch"]))  # the sequential timing pass when recorded
         curves.append(
             Curve(
@@ -199,6 +211,14 @@ def curves_from_sweep(data: SweepData):
                 loss=np.array([r["loss"] for r in steps], dtype=float),
                 examples_per_s=tput if tput and math.isfinite(tput) and tput > 0 else None,
                 label=name,
+                seed=int(s.get("seed", 0)),
+                eval_examples=np.array([r["consumed"] for r in evals], dtype=float),
+                eval_steps=np.array([r["step"] for r in evals], dtype=float),
+                eval_loss=np.array([r["val_loss"] if r["val_loss"] is not None else math.nan for r in evals], dtype=float),
+                warmup_examples=float(warm),
+                b_simple=[(float(r["consumed"]), float(r["b_simple"])) for r in evals
+                          if r.get("b_simple") is not None and not r.get("b_simple_flags")
+                          and math.isfinite(r["b_simple"]) and r["b_simple"] > 0],
             )
         )
     return curves
@@ -221,7 +241,8 @@ def analyze_sweep(
     check_analysis_settings(objective=objective, tolerance=tolerance, ema_fraction=ema_fraction,
                             halflife_steps=halflife_steps)
     data = load_sweep(out_dir)
-    curves = curves_from_sweep(data)
+    first = data.config.seed_list()[0]
+    curves = [c for c in curves_from_sweep(data) if c.seed == first]  # one seed: see analyze_sweep_seeds for all
     if not curves:
         raise SettingError("run_dir", data.out_dir, "a sweep with at least one finished trial",
                            why=f"no finished trial yet, {len(data.missing)} pending")
@@ -233,3 +254,45 @@ def analyze_sweep(
     return data, analysis
 
 
+
+
+def analyze_sweep_seeds(
+    out_dir: str | os.PathLike,
+    *,
+    targets: Optional[Sequence[float]] = None,
+    n_targets: int = 5,
+    readout: str = "heldout",
+    min_window_fraction: float = 0.02,
+    objective: str = "time",
+    tolerance: float = 0.05,
+):
+    """Load a sweep and run :func:`globalbatch.critical_seeds.analyze_seeds` over all its seeds.
+
+    ``readout="train"`` reads the training loss instead of the held-out evaluations, with an
+    EMA window of at least ``min_window_fraction`` × the budget in units for every batch.
+    Returns ``(data, seed_analysis)``.
+    """
+    from globalbatch.critical import READOUTS, check_analysis_settings
+    from globalbatch.critical_seeds import analyze_seeds
+
+    check_analysis_settings(objective=objective, tolerance=tolerance)
+    if readout not in READOUTS:
+        raise SettingError("readout", readout, ", ".join(READOUTS))
+    if isinstance(n_targets, bool) or not isinstance(n_targets, int) or n_targets < 2:
+        raise SettingError("n_targets", n_targets, "a whole number ≥ 2")
+    data = load_sweep(out_dir)
+    curves = curves_from_sweep(data)
+    if not curves:
+        raise SettingError("run_dir", data.out_dir, "a sweep with at least one finished trial",
+                           why=f"no finished trial yet, {len(data.missing)} pending")
+    if readout == "heldout" and any(c.eval_loss is None or c.eval_loss.size < 4 for c in curves):
+        raise SettingError("readout", readout, "train (this sweep has too few held-out evaluations)")
+    try:
+        analysis = analyze_seeds(curves, targets=targets, n_targets=n_targets, readout=readout,
+                                 min_window_examples=min_window_fraction * data.config.budget, tolerance=tolerance,
+                                 objective=objective, unit=data.unit, label=data.label,
+                                 warnings=data.throughput_warnings())
+    except ValueError as exc:
+        raise SettingError("run_dir", data.out_dir, "a sweep whose batches share a loss range",
+                           why=str(exc)) from None
+    return data, analysis

@@ -66,9 +66,9 @@ def run_timing_pass(config: SweepConfig, out_dir: str | os.PathLike, summaries: 
     try:
         for b, lr in todo:
             exp = Experiment(task, batch=b, micro_batch=config.micro_batch_for(b), optimizer=config.optimizer, lr=lr,
-                             weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm, seed=config.seed,
+                             weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm, seed=config.seed_list()[0],
                              device=config.device, precision=config.precision, measure_flops=True)
-            order = task.sample_order(config.seed)
+            order = task.sample_order(config.seed_list()[0])
             units = secs = 0.0
             flops: float | None = 0.0
             rates = []

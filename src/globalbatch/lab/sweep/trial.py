@@ -41,7 +41,8 @@ def trial_done(trial_dir: Path, spec: TrialSpec) -> bool:
         s = json.loads(summary.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
-    return isinstance(s, dict) and bool(s.get("completed")) and s.get("batch") == spec.batch and s.get("lr") == spec.lr
+    return (isinstance(s, dict) and bool(s.get("completed")) and s.get("batch") == spec.batch and s.get("lr") == spec.lr
+            and s.get("seed", 0) == spec.seed)
 
 
 def run_trial(
@@ -79,7 +80,7 @@ def run_trial(
     task = load_task(cfg.task, **cfg.task_overrides)
     unit = task.unit
     micro = cfg.micro_batch_for(trial.batch)
-    warmup = int(cfg.warmup_fraction * cfg.budget)
+    warmup = cfg.warmup_units()
     lr_schedule = TokenLRSchedule(peak_lr=trial.lr, total=cfg.budget, warmup=warmup, shape=cfg.lr_shape, unit=unit)
 
     def noise_monitor(model, opt):
@@ -90,13 +91,13 @@ def run_trial(
         return [NoiseScaleMonitor(model, optimizer=opt, unit=unit)]
 
     exp = Experiment(task, batch=trial.batch, micro_batch=micro, optimizer=cfg.optimizer, lr=trial.lr,
-                     weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, seed=cfg.seed,
+                     weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, seed=trial.seed,
                      lr_schedule=lr_schedule, callbacks=noise_monitor,
                      device=device if device is not None else cfg.device, precision=cfg.precision)
     driver = exp.driver
     monitor = driver.callbacks[0] if cfg.noise else None
-    order = task.sample_order(cfg.seed)
-    eval_every = cfg.eval_every_units()
+    order = task.sample_order(trial.seed)
+    positions = cfg.eval_positions()
 
     tmp = trial_dir / f"metrics.jsonl.tmp-{os.getpid()}"
     append_event(out, event="start", trial=trial.name)
@@ -106,9 +107,11 @@ def run_trial(
         "trial": trial.name,
         "batch": trial.batch,
         "lr": trial.lr,
+        "seed": trial.seed,
         "micro_batch": micro,
         "unit": unit,
         "task": task.name,
+        "warmup_units": warmup,
         "grid": cfg.manifest()["grid"],
         "device": str(exp.device),
         "precision": cfg.precision,
@@ -124,11 +127,11 @@ def run_trial(
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(json.dumps(header) + "\n")
         t0 = time.perf_counter()
-        last_val = exp.evaluate(cfg.max_val_samples)
+        last_val = exp.evaluate(cfg.max_val_samples, cfg.eval_batch)
         eval_time += time.perf_counter() - t0
         f.write(json.dumps({"kind": "eval", "step": 0, "consumed": 0, "val_loss": last_val}) + "\n")
         f.flush()
-        next_eval = eval_every
+        next_eval = 0  # index into positions
         while driver.trained_units < cfg.budget:
             exit_if_orphaned(parent_pid)
             t0 = time.perf_counter()
@@ -155,9 +158,10 @@ def run_trial(
                 "units_per_s": rate,
                 "train_time_s": train_time,
             }
-            if driver.trained_units >= next_eval or driver.trained_units >= cfg.budget:
+            if (next_eval < len(positions) and driver.trained_units >= positions[next_eval]) \
+                    or driver.trained_units >= cfg.budget:
                 t1 = time.perf_counter()
-                last_val = exp.evaluate(cfg.max_val_samples)
+                last_val = exp.evaluate(cfg.max_val_samples, cfg.eval_batch)
                 eval_time += time.perf_counter() - t1
                 rec["val_loss"] = last_val
                 if monitor is not None:
@@ -165,8 +169,8 @@ def run_trial(
                     rec["b_simple"] = est.b_simple
                     rec["b_simple_low"], rec["b_simple_high"] = est.low, est.high
                     rec["b_simple_flags"] = list(est.flags)
-                while next_eval <= driver.trained_units:
-                    next_eval += eval_every
+                while next_eval < len(positions) and positions[next_eval] <= driver.trained_units:
+                    next_eval += 1
             f.write(json.dumps(rec) + "\n")
             f.flush()
         os.fsync(f.fileno())
@@ -181,6 +185,7 @@ def run_trial(
         "trial": trial.name,
         "batch": trial.batch,
         "lr": trial.lr,
+        "seed": trial.seed,
         "micro_batch": micro,
         "unit": unit,
         "device": str(exp.device),

@@ -57,6 +57,19 @@ def _check_micro_batch(micro_batch: int) -> None:
         raise ValueError(f"micro_batch: {micro_batch!r}: must be an int >= 1")
 
 
+VAL_ORDER_SEED = 20_181_206
+"""Seed of the fixed order of the held-out samples (the same for every trial, seed and command)."""
+
+
+def val_order(n: int) -> np.ndarray:
+    """A fixed random permutation of ``range(n)``: the order a task's ``val_batches`` yields its held-out samples.
+
+    Evaluating "the first N held-out samples" then reads a random draw across the whole
+    corpus (not its first files, nor MNIST's first classes), and the same draw every time.
+    """
+    return np.random.default_rng(VAL_ORDER_SEED).permutation(int(n))
+
+
 def to_device(batch: dict[str, torch.Tensor], device: torch.device | str | None) -> dict[str, torch.Tensor]:
     """Return ``batch`` with every tensor moved to ``device`` (no copy when ``device`` is None)."""
     if device is None:

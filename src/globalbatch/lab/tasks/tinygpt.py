@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from globalbatch.lab.tasks.base import IGNORE_INDEX, Task, _check_micro_batch, _check_seed, to_device
+from globalbatch.lab.tasks.base import IGNORE_INDEX, Task, _check_micro_batch, _check_seed, to_device, val_order
 
 
 PAD_ID = 256
@@ -277,7 +277,10 @@ class TinyGPTTask(Task):
         return batch["input_ids"].numel()
 
     def val_batches(self, micro_batch: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The held-out documents in a fixed random order (:func:`~globalbatch.lab.tasks.base.val_order`), so
+        the first N of them are drawn across the whole corpus, not its first files; the same every call."""
         _check_micro_batch(micro_batch)
-        return (self._collate(self.val_offsets[s:s + micro_batch], self.val_lengths[s:s + micro_batch], None)
+        order = val_order(self.num_val_samples)
+        return (self._collate(self.val_offsets[order[s:s + micro_batch]], self.val_lengths[order[s:s + micro_batch]], None)
                 for s in range(0, self.num_val_samples, micro_batch))
 

@@ -1,0 +1,125 @@
+"""Stability of the critical batch over seeds: the demo configuration (or MNIST's) run with N seeds.
+
+Prints, for the held-out read-out (the default) and, for comparison, the training-loss
+read-out with a minimum window in tokens:
+
+* the share of seed × target cells whose steps-to-target are monotone in the batch
+  (target ≥ 95 %);
+* for each common target, B_crit per seed and max/min across seeds (target ≤ 1.6);
+* the joint fit B_crit(L) over targets and seeds;
+* the recommendation per seed, the probability each batch is fastest, LR-edge flags.
+
+    python benchmarks/critical_stability.py [--task tinygpt|mnist] [--seeds 5] [--out runs/stability] [--workers 2]
+        [--budget N] [--batches 4,8,16,32,64]
+
+Resumable (the sweep is): rerun the same command after an interruption. ``--budget`` and
+``--batches`` shrink the run (a reduced form; it says so in its output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+
+
+def _short(text: str) -> str:
+    """A seed without a point estimate: its bound (">2,048", "<127") or why ("non-monotone", "no bound")."""
+    if text.startswith("B_crit > ") or text.startswith("B_crit < "):
+        return text[7] + text[9:].split(" ")[0]
+    if "non-monotone" in text:
+        return "non-monotone"
+    if "not reached" in text:
+        return "unreached"
+    return "no bound" if "no bound" in text else "–"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--task", choices=("tinygpt", "mnist"), default="tinygpt")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per trial (1 on a loaded machine)")
+    ap.add_argument("--budget", type=int, default=None, help="units per trial (default: the demo's)")
+    ap.add_argument("--batches", default=None, help="comma-separated batches (default: the demo's)")
+    ap.add_argument("--analyze-only", action="store_true", help="analyse the finished trials in --out, run nothing")
+    args = ap.parse_args(argv)
+
+    from globalbatch.lab.sweep import analyze_sweep_seeds, run_sweep
+    from globalbatch.lab.sweep.config import demo_config, mnist_demo_config
+
+    cfg = demo_config() if args.task == "tinygpt" else mnist_demo_config()
+    changes = {"seeds": list(range(args.seeds))}
+    reduced = []
+    if args.budget is not None:
+        changes["budget"] = args.budget
+        reduced.append(f"budget {args.budget:,} instead of {cfg.budget:,}")
+    if args.batches is not None:
+        changes["batches"] = [int(x) for x in args.batches.split(",")]
+        reduced.append(f"batches {changes['batches']} instead of {cfg.batches}")
+    cfg = dataclasses.replace(cfg, **changes)
+    out = args.out or f"runs/critical_stability_{args.task}"
+    print(f"task {cfg.task}: batches {cfg.batches}, lrs {cfg.lrs} at batch {min(cfg.batches)} ({cfg.lr_rule_resolved()} "
+          f"rule), {cfg.budget:,} units per trial, warmup {cfg.warmup_units():,}, seeds {cfg.seed_list()}"
+          + (f" — REDUCED: {'; '.join(reduced)}" if reduced else ""))
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
+    t0 = time.time()
+    if not args.analyze_only:
+        res = run_sweep(cfg, out, workers=args.workers, threads=args.threads, progress=False)
+        print(f"sweep: {len(res.ran)} trials run now, {len(res.skipped)} reused, {time.time() - t0:,.0f} s wall "
+              f"(load average {os.getloadavg()[0]:.1f} at the end)")
+    from globalbatch.lab.sweep import load_sweep
+
+    data = load_sweep(out)
+    done_seeds = sorted({int(s.get("seed", 0)) for s in data.summaries.values()})
+    cpu = sum(float(s.get("train_time_s", 0)) + float(s.get("eval_time_s", 0)) for s in data.summaries.values())
+    print(f"finished trials: {len(data.summaries)} (missing base cells: {len(data.missing)}), seeds with trials "
+          f"{done_seeds}; trial time summed {cpu:,.0f} s (1 thread each; eval share "
+          f"{sum(float(s.get('eval_time_s', 0)) for s in data.summaries.values()) / max(cpu, 1e-9):.0%})")
+
+    for readout in ("heldout", "train"):
+        data, sa = analyze_sweep_seeds(out, readout=readout)
+        name = {"heldout": "held-out read-out (default)", "train": "training-loss read-out, EMA ≥ 2% of the budget"}[readout]
+        print(f"\n== {name}")
+        share = sa.monotone_share()
+        n = sum(len(t.monotone) for t in sa.targets)
+        print(f"monotone seed × target cells: {share:.0%} of {n} (target ≥ 95%)")
+        ratios = []
+        for st in sa.targets:
+            vals = {s: v for s, v in st.b_crit_per_seed.items() if v is not None}
+            ratio = max(vals.values()) / min(vals.values()) if len(vals) >= 2 else math.nan
+            ratios.append(ratio)
+            per = ", ".join(f"{v:,.0f}" if v is not None else _short(st.b_crit_text_per_seed.get(s, ""))
+                            for s, v in st.b_crit_per_seed.items())
+            j = f"{st.joint_b_crit:,.0f}" if st.joint_b_crit else "–"
+            print(f"  target {st.target:.4f}: B_crit per seed [{per}] {data.unit}s; median "
+                  f"{st.b_crit:,.0f}" if st.b_crit else f"  target {st.target:.4f}: B_crit per seed [{per}]; median –",
+                  end="")
+            print(f"; max/min {ratio:.2f} (target ≤ 1.6); joint {j}; {len(vals)}/{len(st.b_crit_per_seed)} seeds fitted")
+        good = [r for r in ratios if math.isfinite(r)]
+        if good:
+            print(f"max/min across seeds: worst {max(good):.2f}, median {sorted(good)[len(good) // 2]:.2f} over "
+                  f"{len(good)} target(s)")
+        if sa.joint is not None:
+            print(f"joint: B_crit(L) = {sa.joint.b_ref:,.0f}·(L/{sa.joint.loss_ref:.3f})^{sa.joint.k:.2f} "
+                  f"(SE of k {sa.joint.se_k:.2f}); B_crit rises as the loss falls: {sa.joint.k < 0}")
+        rec = sa.recommendation
+        if rec is not None:
+            print("recommendation per seed: " + ", ".join(
+                f"seed {s}: {data.label(b) if b else '–'}" for s, b in rec.per_seed.items()))
+            print("P(fastest): " + ", ".join(f"{data.label(b)} {p:.0%}" for b, p in rec.probability_fastest.items()))
+            print(f"recommended: {data.label(rec.batch_size)} at lr {rec.lr:g}"
+                  + (f" (tie with {', '.join(data.label(b) for b in rec.tie if b != rec.batch_size)})" if len(rec.tie) > 1 else ""))
+        edges = {data.label(b): e for b, e in sa.lr_edges.items()}
+        print(f"best LR at a grid edge (primary target): {edges if edges else 'none'}")
+        for w in sa.warnings:
+            print(f"  warning: {w}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Seeds, the LR grid per batch with edge extensions, warmup in units and the log-spaced evaluations."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from globalbatch._util import SettingError
+from globalbatch.lab.sweep import SweepConfig, load_sweep, run_sweep
+from globalbatch.lab.sweep.config import TrialSpec, demo_config
+from globalbatch.lab.sweep.lr_edges import best_lr_at_edge, edge_cells
+from globalbatch.lab.tasks import load_task
+from globalbatch.lab.tasks.base import val_order
+
+TINY = dict(n_layer=1, d_model=16, n_head=2, seq_len=16, max_corpus_bytes=100_000)
+
+
+def test_lr_grid_follows_the_optimizer_rule():
+    cfg = SweepConfig(batches=[4, 16, 64], lrs=[1e-3, 2e-3], budget=10_000)
+    assert cfg.lr_rule_resolved() == "sqrt"  # adamw
+    assert cfg.lrs_for(4) == [1e-3, 2e-3] and cfg.lrs_for(16) == [2e-3, 4e-3] and cfg.lrs_for(64) == [4e-3, 8e-3]
+    sgd = SweepConfig(batches=[4, 16], lrs=[0.1], budget=10_000, optimizer="sgd")
+    assert sgd.lr_rule_resolved() == "linear" and sgd.lrs_for(16) == [0.4]
+    assert SweepConfig(batches=[4, 16], lrs=[0.1], budget=10_000, lr_rule="none").lrs_for(16) == [0.1]
+    assert SweepConfig(batches=[4, 16], lrs=[0.1], budget=10_000, base_batch=16).lrs_for(4) == [0.05]
+    # An old manifest (no lr_rule) keeps one grid for every batch.
+    assert SweepConfig.from_dict({"batches": [4, 16], "lrs": [0.1], "budget": 10}).lr_rule == "none"
+
+
+def test_seeds_are_an_axis_of_the_grid():
+    cfg = SweepConfig(batches=[4, 8], lrs=[1e-3], budget=10_000, seeds=[0, 3], lr_rule="none")
+    assert [t.name for t in cfg.trials()] == ["b4_lr0.001_s0", "b8_lr0.001_s0", "b4_lr0.001_s3", "b8_lr0.001_s3"]
+    assert SweepConfig(batches=[4], lrs=[1e-3], budget=10, seed=5).seed_list() == [5]
+    for bad in ([], [1, 1], [-1], ["a"]):
+        with pytest.raises(SettingError, match="^seeds "):
+            SweepConfig(batches=[4], lrs=[1e-3], budget=10, seeds=bad)
+
+
+def test_warmup_is_in_units_and_independent_of_the_budget():
+    a = SweepConfig(batches=[4], lrs=[1e-3], budget=100_000, warmup=5000)
+    b = SweepConfig(batches=[4], lrs=[1e-3], budget=900_000, warmup=5000)
+    assert a.warmup_units() == b.warmup_units() == 5000
+    assert SweepConfig(batches=[4], lrs=[1e-3], budget=100_000).warmup_units() == 5000  # 5 % fallback
+    with pytest.raises(SettingError, match="^warmup 100000 is not allowed"):
+        SweepConfig(batches=[4], lrs=[1e-3], budget=100_000, warmup=100_000)
+
+
+def test_eval_positions_are_log_spaced_and_end_at_the_budget():
+    cfg = demo_config()
+    pos = cfg.eval_positions()
+    assert len(pos) >= 30 and pos[-1] == cfg.budget and pos[0] == cfg.budget // 100
+    ratios = [b / a for a, b in zip(pos, pos[1:])]
+    assert max(ratios) / min(ratios) < 1.01  # evenly spaced in log
+
+
+def test_held_out_draw_spans_the_corpus_and_is_fixed():
+    task = load_task("tinygpt", **TINY)
+    first = [int(x) for x in val_order(task.num_val_samples)[:64]]
+    assert first == [int(x) for x in val_order(task.num_val_samples)[:64]]
+    # The first 64 of the draw reach the last quarter of the validation documents (the corpus order).
+    assert max(first) > 0.75 * task.num_val_samples and min(first) < 0.25 * task.num_val_samples
+    mnist = load_task("mnist")
+    import torch
+
+    y = next(iter(mnist.val_batches(128)))["y"]
+    assert len(torch.unique(y)) == 10  # the class-sorted hold-out no longer starts with one class
+
+
+def _summary(batch, lr, seed, loss):
+    return {"completed": True, "batch": batch, "lr": lr, "seed": seed, "final_val_loss": loss}
+
+
+def test_edge_cells_extend_the_side_the_best_lr_sits_on():
+    cfg = SweepConfig(batches=[4, 16], lrs=[1e-3, 2e-3], budget=10_000, seeds=[0, 1], lr_edge_extend=1)
+    s = [_summary(4, 1e-3, 0, 3.0), _summary(4, 1e-3, 1, 3.1), _summary(4, 2e-3, 0, 2.9), _summary(4, 2e-3, 1, 2.8),
+         _summary(16, 2e-3, 0, 2.5), _summary(16, 2e-3, 1, 2.6), _summary(16, 4e-3, 0, 2.7), _summary(16, 4e-3, 1, 2.7)]
+    assert best_lr_at_edge(s, 4) == "high" and best_lr_at_edge(s, 16) == "low"
+    cells = edge_cells(cfg, s)
+    assert set(cells) == {TrialSpec(batch=4, lr=4e-3, seed=0), TrialSpec(batch=4, lr=4e-3, seed=1),
+                          TrialSpec(batch=16, lr=1e-3, seed=0), TrialSpec(batch=16, lr=1e-3, seed=1)}
+    # Once the one allowed extension ran and is still best, no more cells (the analysis flags the edge).
+    s2 = s + [_summary(4, 4e-3, 0, 2.0), _summary(4, 4e-3, 1, 2.0)]
+    assert all(c.batch != 4 for c in edge_cells(cfg, s2))
+    # A batch with a seed still missing is not decided.
+    assert all(c.batch != 4 for c in edge_cells(cfg, s[1:]))
+    # A diverged trial (NaN loss) counts as the worst.
+    s3 = [dict(x, final_val_loss=float("nan")) if x["lr"] == 2e-3 and x["batch"] == 4 else x for x in s]
+    assert best_lr_at_edge(s3, 4) == "low"
+
+
+def test_two_seed_sweep_with_edge_extension_resumes_and_reports(tmp_path):
+    """A real (tiny) sweep: two seeds, the LR grid per batch, edge cells; a rerun runs nothing new."""
+    cfg = SweepConfig(task="tinygpt", task_overrides=TINY, batches=[4, 8], lrs=[1e-4, 2e-4], budget=2000,
+                      seeds=[0, 1], warmup=200, eval_points=8, max_val_samples=32, lr_edge_extend=1)
+    res = run_sweep(cfg, tmp_path, workers=1, threads=1, progress=False, timing_steps=0)
+    names = set(res.ran)
+    assert {t.name for t in cfg.trials()} <= names
+    extra = names - {t.name for t in cfg.trials()}
+    # LRs this small are too small at this budget: the best sits on the high edge and one more LR ran per batch and seed.
+    assert extra == {"b4_lr0.0004_s0", "b4_lr0.0004_s1", "b8_lr0.0005656_s0", "b8_lr0.0005656_s1"}  # 2.828e-4 × 2, extra
+    data = load_sweep(tmp_path)
+    assert set(data.summaries) == names and data.missing == []
+    recs = data.trials["b4_lr0.0001_s1"]
+    assert recs[0]["seed"] == 1 and recs[0]["warmup_units"] == 200
+    evals = [r for r in recs if r.get("val_loss") is not None]
+    assert len(evals) >= 8 and evals[0]["consumed"] == 0 and evals[-1]["consumed"] >= 2000
+    # Different seeds train on different data orders from different initialisations.
+    loss0 = [r["loss"] for r in data.trials["b4_lr0.0001_s0"] if r.get("kind") == "step"]
+    loss1 = [r["loss"] for r in data.trials["b4_lr0.0001_s1"] if r.get("kind") == "step"]
+    assert loss0[:5] != loss1[:5]
+    again = run_sweep(cfg, tmp_path, workers=1, threads=1, progress=False, timing_steps=0)
+    assert again.ran == [] and len(again.skipped) == len(cfg.trials())
+
+
+@pytest.mark.slow
+def test_demo_command_runs_seeds_and_prints_the_recommendation(tmp_path, monkeypatch, capsys):
+    """`globalbatch demo` end to end on a tiny stand-in for the demo grid (the real one is minutes)."""
+    import globalbatch.lab.sweep as sweep_pkg
+    from globalbatch.cli import main
+
+    tiny = SweepConfig(task="tinygpt", task_overrides=TINY, batches=[2, 4, 8], lrs=[3e-3], budget=3000, seeds=[0, 1],
+                       warmup=200, eval_points=12, max_val_samples=32, lr_rule="none", lr_edge_extend=0)
+    monkeypatch.setattr(sweep_pkg, "demo_config", lambda: tiny)
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--out", str(tmp_path), "--workers", "1"])
+    out = capsys.readouterr()
+    assert exc.value.code in (0, None), out.err
+    assert "seeds [0, 1]" in out.err and "winner per seed: seed 0:" in out.out and "P(fastest)" in out.out
+    doc = json.loads((tmp_path / "report" / "analysis.json").read_text())["seeds"]
+    assert doc["seeds"] == [0, 1] and doc["recommendation"]["batch"] in (2, 4, 8)
+    assert (tmp_path / "report" / "b_crit_vs_loss.png").is_file()
