@@ -12,7 +12,8 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "globalbatch"
 CORE = ["plan.py", "config.py", "plan_report.py", "schedule.py", "step.py", "checkpoint.py", "parallel.py", "optim",
-        "critical.py", "noise", "probe", "losses.py", "integrations"]
+        "critical.py", "critical_seeds.py", "readout.py", "noise", "probe", "losses.py", "integrations",
+        "memory.py", "flops.py", "adaptive.py", "nn"]
 
 
 def _imports(path: Path) -> list[str]:
