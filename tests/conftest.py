@@ -109,3 +109,16 @@ def run_torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 300)
     if proc.returncode != 0:
         pytest.fail(f"torchrun {script.name} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
+
+
+def children_of(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (a sweep's pool workers; the resource tracker too), from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out

@@ -12,9 +12,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from conftest import children_of
 
 from globalbatch._util import SettingError, read_jsonl
-from globalbatch.lab.rundir import check_manifest, lock_holder, lock_run_dir
+from globalbatch.lab.rundir import check_manifest, lock_holder, lock_run_dir, pid_alive
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1", COLUMNS="120")
@@ -110,25 +111,6 @@ run_sweep(cfg, sys.argv[1], workers=2, threads=1, progress=False, timing_steps=0
 """
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-
-
 @pytest.mark.slow
 def test_sigkill_of_the_sweep_no_trial_starts_or_finishes_afterwards(tmp_path):
     """Kill -9 the sweep right after its first trial finishes (its worker is about to take the next one)."""
@@ -145,7 +127,7 @@ def test_sigkill_of_the_sweep_no_trial_starts_or_finishes_afterwards(tmp_path):
     while time.time() < deadline and proc.poll() is None:
         events = read_jsonl(out / "events.jsonl") if (out / "events.jsonl").exists() else []
         if any(e["event"] == "done" for e in events):
-            workers = _children(proc.pid)
+            workers = children_of(proc.pid)
             proc.send_signal(signal.SIGKILL)
             break
         time.sleep(0.002)
@@ -153,9 +135,9 @@ def test_sigkill_of_the_sweep_no_trial_starts_or_finishes_afterwards(tmp_path):
     t_dead = time.time()  # the sweep process is dead and reaped: from here on nothing may start or finish
     assert workers, f"no trial finished in time: {proc.stdout.read().decode()[-2000:]}"
     deadline = time.time() + 30
-    while any(_alive(p) for p in workers) and time.time() < deadline:
+    while any(pid_alive(p) for p in workers) and time.time() < deadline:
         time.sleep(0.05)
-    assert not any(_alive(p) for p in workers), "a worker outlived the killed sweep"
+    assert not any(pid_alive(p) for p in workers), "a worker outlived the killed sweep"
     events = read_jsonl(out / "events.jsonl")
     late = [e for e in events if e["time"] > t_dead]
     assert not late, f"orphans wrote after the kill: {late}"

@@ -14,6 +14,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from conftest import children_of
+
+from globalbatch.lab.rundir import pid_alive
 
 from globalbatch._util import atomic_write_json, parse_list, parse_task_args, read_jsonl
 from globalbatch.lab.sweep import SweepConfig, analyze_sweep, load_sweep, run_sweep, run_trial
@@ -151,27 +154,6 @@ run_sweep(cfg, sys.argv[1], workers=2, threads=1, progress=False)
 """
 
 
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is ``pid`` (the pool workers; the resource tracker too)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    return "\nState:\tZ" not in state
-
-
 def test_sigkill_mid_trial_then_resume_equals_uninterrupted(tmp_path, reference_sweep):
     ref_out, _, _ = reference_sweep
     out = tmp_path / "sweep"
@@ -194,7 +176,7 @@ def test_sigkill_mid_trial_then_resume_equals_uninterrupted(tmp_path, reference_
             if 3 <= n_steps <= 20 and not (tmp.parent / "summary.json").exists():  # a trial has 50-100 steps
                 running.append(tmp.parent.name)
         if done and running:
-            workers = _children(proc.pid)
+            workers = children_of(proc.pid)
             proc.send_signal(signal.SIGKILL)
             killed_during = running
             break
@@ -206,9 +188,9 @@ def test_sigkill_mid_trial_then_resume_equals_uninterrupted(tmp_path, reference_
     starts = {e["pid"] for e in read_jsonl(out / "events.jsonl") if e["event"] == "start"}
     assert starts <= set(workers)
     deadline = time.time() + 20
-    while any(_alive(pid) for pid in workers) and time.time() < deadline:
+    while any(pid_alive(pid) for pid in workers) and time.time() < deadline:
         time.sleep(0.05)
-    assert not any(_alive(pid) for pid in workers), "a worker outlived the killed sweep"
+    assert not any(pid_alive(pid) for pid in workers), "a worker outlived the killed sweep"
 
     # Nothing corrupt: every finished file parses, every done marker has its full metrics.
     finished_before = {}
