@@ -263,9 +263,11 @@ def mlp_problem():
     return x, y, model, tr, g
 
 
-def _run_plain_loop(model, x, y, windows, sizes, seed, *, mean_loss=False, optimizer=None, adam=False):
+def _run_plain_loop(model, x, y, windows, sizes, seed, *, mean_loss=False, optimizer=None, adam=False,
+                    host_path=True, half_life=math.inf):
     mon = NoiseScaleMonitor(model, unit="sample", optimizer=optimizer,
-                            config=NoiseConfig(half_life=math.inf, adam=adam))
+                            config=NoiseConfig(half_life=half_life, adam=adam))
+    mon._host_path = host_path
     gen = torch.Generator().manual_seed(seed)
     k = len(sizes)
     for _ in range(windows):
@@ -326,6 +328,127 @@ def test_is_last_no_longer_matters(mlp_problem):
     assert got[0].windows == got[1].windows == 4
     assert got[1].tr_sigma == pytest.approx(got[0].tr_sigma, rel=1e-12)
     assert got[1].g_sq == pytest.approx(got[0].g_sq, rel=1e-12)
+
+
+def _adam_ready(model, x, y, steps=3):
+    """An Adam whose exp_avg_sq exists (a few steps on the problem); grads cleared."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        opt.zero_grad()
+        idx = torch.randint(0, len(x), (64,), generator=gen)
+        (nc.loss_sum(model, x[idx], y[idx])[0] / 64).backward()
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    return opt
+
+
+@pytest.mark.parametrize("case", ["ragged", "mean_loss", "adam", "ema"])
+def test_host_path_equals_tensor_path(mlp_problem, case):
+    """On CPU with one replica the window statistics are computed with host arithmetic; the device
+    tensor chain (every other device, and DP) must give the same estimates to rounding."""
+    x, y, model, _, _ = mlp_problem
+    got = []
+    for host in (True, False):
+        m = copy.deepcopy(model)
+        opt = _adam_ready(m, x, y) if case == "adam" else None
+        mon = _run_plain_loop(m, x, y, windows=7, sizes=[16, 40, 8, 24], seed=4, host_path=host,
+                              mean_loss=case == "mean_loss", optimizer=opt, adam=case == "adam",
+                              half_life=None if case == "ema" else math.inf)
+        got.append(mon.estimates())
+    assert got[0].keys() == got[1].keys() and got[0]
+    for key, a in got[0].items():
+        b = got[1][key]
+        assert a.windows == b.windows == 7
+        assert a.tr_sigma == pytest.approx(b.tr_sigma, rel=1e-12), key
+        assert a.g_sq == pytest.approx(b.g_sq, rel=1e-12), key
+
+
+def test_host_path_equals_tensor_path_with_uneven_micro_batches_and_loss_scale():
+    """A parameter that gets no gradient in some micro-batch (uneven norms per micro-batch) and a loss
+    scale passed by hand: host and tensor paths agree, and the scale is divided out."""
+    torch.manual_seed(0)
+    base = torch.nn.ModuleList([torch.nn.Linear(5, 4), torch.nn.Linear(4, 3)])
+    gen = torch.Generator().manual_seed(1)
+    data = [[(torch.randn(6, 5, generator=gen), torch.randint(0, 3, (6,), generator=gen)) for _ in range(3)]
+            for _ in range(5)]
+    got = []
+    for host, scale in ((True, 8.0), (False, 8.0), (True, 1.0)):
+        m = copy.deepcopy(base)
+        mon = NoiseScaleMonitor(m, unit="token", config=NoiseConfig(half_life=math.inf))
+        mon._host_path = host
+        for window in data:
+            for i, (xb, yb) in enumerate(window):
+                h = m[0](xb)
+                out = h[:, :3] if i == 1 else m[1](torch.relu(h))  # micro 1 never reaches the second layer
+                # each sample's loss counted twice: 2 "tokens" per sample, so both unit columns are used
+                (torch.nn.functional.cross_entropy(out, yb, reduction="sum") * 2 * scale).backward()
+                mon.micro_backward(2 * len(yb), samples=len(yb))
+            for p in m.parameters():
+                p.grad /= scale * 36
+            mon.window_end(loss_scale=scale)
+            m.zero_grad(set_to_none=True)
+        got.append(mon.estimates())
+    assert set(got[0]) == {"micro/token", "micro/sample"}
+    for key, e in got[0].items():
+        assert e.windows == got[1][key].windows == 5
+        for other in (got[1], got[2]):
+            assert e.tr_sigma == pytest.approx(other[key].tr_sigma, rel=1e-6), key
+            assert e.g_sq == pytest.approx(other[key].g_sq, rel=1e-6), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_snapshot_group_equals_a_hook_on_every_parameter(mlp_problem, dtype):
+    """Small parameters measured by one snapshot difference per micro-batch give the numbers of a
+    hook on each, ragged micro-batches, through the StepDriver and with the Adam variant; float64
+    to 1e-10, float32 to 1e-4 (the difference G_i − G_{i-1} loses digits the hook never had)."""
+    x, y, model, _, _ = mlp_problem
+    x = x.to(dtype)
+    got = []
+    for limit in (10**9, 0):  # every parameter in the group; a hook on every parameter
+        m = copy.deepcopy(model).to(dtype)
+        opt = _adam_ready(m, x, y)
+        mon = NoiseScaleMonitor(m, optimizer=opt, unit="sample",
+                                config=NoiseConfig(half_life=math.inf, adam=True, snapshot_max_numel=limit))
+        _driver_run(m, x, y, 6, callbacks=[mon], sizes=(8, 3, 8, 5))
+        assert (len(mon._hooks), len(mon._groups)) == ((0, 1) if limit else (len(list(m.parameters())), 0))
+        got.append(mon.estimates())
+    rel = 1e-10 if dtype == torch.float64 else 1e-4
+    assert set(got[0]) == {"micro/sample", "micro_adam/sample"}
+    for key, a in got[0].items():
+        b = got[1][key]
+        assert a.windows == b.windows == 6
+        assert a.tr_sigma == pytest.approx(b.tr_sigma, rel=rel), key
+        assert a.g_sq == pytest.approx(b.g_sq, rel=rel), key
+
+
+def test_snapshot_group_starts_each_window_from_zero_and_skips_unused_parameters():
+    """The first micro-batch of a window is measured against zero (the driver clears .grad), and a
+    parameter without a gradient in some micro-batch adds nothing: equal to hooks."""
+    torch.manual_seed(0)
+    base = torch.nn.ModuleList([torch.nn.Linear(5, 4), torch.nn.Linear(4, 3)]).double()
+    gen = torch.Generator().manual_seed(1)
+    data = [[(torch.randn(6, 5, generator=gen, dtype=torch.float64), torch.randint(0, 3, (6,), generator=gen))
+             for _ in range(3)] for _ in range(4)]
+    got = []
+    for limit in (10**9, 0):
+        m = copy.deepcopy(base)
+        mon = NoiseScaleMonitor(m, unit="sample", config=NoiseConfig(half_life=math.inf, snapshot_max_numel=limit))
+        for w, window in enumerate(data):
+            for i, (xb, yb) in enumerate(window):
+                h = m[0](xb)
+                out = h[:, :3] if (i == 0 and w % 2) else m[1](torch.relu(h))  # layer 1 idle in some micro-batches
+                torch.nn.functional.cross_entropy(out, yb, reduction="sum").backward()
+                mon.micro_backward(len(yb))
+            for p in m.parameters():
+                if p.grad is not None:
+                    p.grad /= 18
+            mon.window_end()
+            m.zero_grad(set_to_none=True)
+        got.append(mon.estimate())
+    assert got[0].windows == got[1].windows == 4
+    assert got[0].tr_sigma == pytest.approx(got[1].tr_sigma, rel=1e-10)
+    assert got[0].g_sq == pytest.approx(got[1].g_sq, rel=1e-10)
 
 
 def test_adam_variant_within_10_percent_of_preconditioned_truth(mlp_problem):
@@ -512,7 +635,7 @@ def test_every_n_measures_one_window_in_n_and_equals_those_windows(mlp_problem):
                       lambda cbs: _driver_run(m1, x, y, 12, callbacks=cbs))
     mon = NoiseScaleMonitor(m3, unit="sample", config=NoiseConfig(half_life=math.inf, every=3))
     hooked = []
-    _driver_run(m3, x, y, 12, callbacks=[mon], during=lambda d, w, i: hooked.append(bool(mon._hooks)) if i else None)
+    _driver_run(m3, x, y, 12, callbacks=[mon], during=lambda d, w, i: hooked.append(mon._installed) if i else None)
     # skipped windows cost nothing: no parameter hooks in place during them
     assert hooked == [w % 3 == 0 for w in range(12) for _ in range(3)]
     e = mon.estimate()
@@ -575,7 +698,7 @@ def test_callback_appended_late_works_from_the_next_window_and_remove_stops_it(m
     e = mon.estimate()
     assert seen["windows_at_6"] == 3  # windows 3, 4, 5 (window 2 joined half-way: left out)
     assert e.windows == 4  # windows 3..6; none after remove() and detach()
-    assert not mon._hooks
+    assert not mon._hooks and not mon._installed
 
 
 def test_window_skipped_by_the_driver_is_left_out(mlp_problem):

@@ -9,6 +9,9 @@ McCandlish, Kaplan, Amodei 2018 (arXiv 1812.06162), App. A.1 (the estimator is i
   while it is in cache, into a preallocated buffer slot. One in-cache read of the gradient per
   micro-batch; no snapshot copy, no gradient held, no tensor created per norm.
   Under FSDP2 the hooks sit on its unsharded parameters (before the reduce-scatter).
+  On a plain (one-replica) module, *small* parameters (≤ ``NoiseConfig.snapshot_max_numel``
+  elements: biases, norm weights) share one fused snapshot difference per micro-batch instead of
+  a hook each: for them the hook's fixed Python cost exceeds a few extra passes over a few KB.
 * ``"rank"``: each DP rank's window gradient before the all-reduce, one norm per bucket in a DDP
   comm hook that wraps the user's own hook (or DDP's default all-reduce). Not under FSDP2.
 
@@ -81,6 +84,12 @@ class NoiseConfig:
     """stderr / B_simple above this flags ``"too_noisy"``."""
     max_interval_ratio: float = 2.0
     """high / low of the interval above this flags ``"wide_interval"`` (``math.inf``: never)."""
+    snapshot_max_numel: int = 8192
+    """On a plain module (no DDP/FSDP2), float32/float64 parameters with at most this many elements
+    are measured together by one snapshot difference of their ``.grad`` per micro-batch (a few fused
+    calls, one extra copy of those parameters) instead of one tensor hook each. 0: a hook on every
+    parameter. Measured on CPU: a hook costs ≈5 µs of fixed Python, the extra passes ≈20 bytes per
+    element, so the break-even is near 8K elements (docs/noise.md)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.sources, str):
@@ -99,6 +108,10 @@ class NoiseConfig:
             raise ValueError(f"min_windows {self.min_windows!r} is not allowed; allowed: an int ≥ 2")
         if not self.max_relative_stderr > 0:
             raise ValueError(f"max_relative_stderr {self.max_relative_stderr!r} is not allowed; allowed: > 0")
+        if isinstance(self.snapshot_max_numel, bool) or not isinstance(self.snapshot_max_numel, int) \
+                or self.snapshot_max_numel < 0:
+            raise ValueError(f"snapshot_max_numel {self.snapshot_max_numel!r} is not allowed; allowed: an int ≥ 0 "
+                             "(0: a hook on every parameter)")
         if not self.max_interval_ratio > 1:
             raise ValueError(f"max_interval_ratio {self.max_interval_ratio!r} is not allowed; allowed: > 1 "
                              "(or math.inf)")
@@ -189,6 +202,15 @@ class _NormSlots:
             v.copy_(torch.linalg.vector_norm(grad))
         self.n = j + 1
 
+    def put_norm(self, norm: torch.Tensor) -> None:
+        """Write an already computed 0-d norm into the next slot."""
+        j = self.n
+        if j >= len(self.views) or self.buf.device != norm.device or \
+                (norm.dtype == torch.float64 and self.buf.dtype != torch.float64):
+            self._grow(norm.device, j, float64=norm.dtype == torch.float64)
+        self.views[j].copy_(norm)
+        self.n = j + 1
+
     def _grow(self, device: torch.device, need: int, *, float64: bool) -> None:
         """A bigger buffer (float64 once any float64 gradient was seen, else float32), contents kept."""
         old = self.buf
@@ -212,6 +234,35 @@ class _NormSlots:
 
     def written(self) -> torch.Tensor:
         return self.buf[:self.n] if self.buf is not None else torch.zeros(0)
+
+
+class _SnapshotGroup:
+    """Small parameters of one dtype measured together: after each micro backward, Δ = .grad − the
+    snapshot taken after the previous one (zero at the window's first, where ``.grad`` starts from
+    zero), its norm into one slot, then the snapshot refreshed. Four fused calls per micro-batch,
+    whatever the number of parameters."""
+
+    def __init__(self, params: list[torch.Tensor], index: list[int]) -> None:
+        self.params = params
+        self.index = index
+        self.snap = [torch.zeros_like(p) for p in params]
+        self.live = False
+
+    def measure(self, slots: _NormSlots, slots_adam: _NormSlots | None, precond: list[torch.Tensor] | None) -> None:
+        grads = [p.grad for p in self.params]
+        if any(g is None for g in grads):  # no gradient yet this window (an unused parameter): Δ = 0
+            grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.params)]
+        if self.live:
+            torch._foreach_sub_(self.snap, grads)      # snapshot ← G_{i-1} − G_i = −Δ_i
+            delta = self.snap
+        else:
+            delta = grads                              # the window's first micro-batch: Δ_1 = G_1
+        slots.put_norm(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(delta))))
+        if slots_adam is not None:
+            slots_adam.put_norm(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(
+                torch._foreach_mul(delta, [precond[i] for i in self.index])))))
+        torch._foreach_copy_(self.snap, grads)
+        self.live = True
 
 
 class NoiseScaleMonitor:
@@ -309,6 +360,8 @@ class NoiseScaleMonitor:
         self._slots = _NormSlots()                     # |Δ| per (micro, parameter), written by the hooks
         self._slots_adam = _NormSlots()
         self._hooks: list[Any] = []
+        self._installed = False                        # hooks (and the snapshot group) in place
+        self._groups: list[_SnapshotGroup] = []        # small parameters, one group per dtype
         self._attached = True
         self._countdown = 0                            # windows to leave out before the next measured one
         self._elapsed = 1                              # windows since the last measured one, this one included
@@ -316,6 +369,7 @@ class NoiseScaleMonitor:
         self._measuring = False
         self._last_measured = False
         self._armed = True
+        self._host_path = True                         # CPU, one replica: window statistics on the host
         self._reset_window()
         if self._micro:
             self._add_param_hooks()
@@ -360,7 +414,7 @@ class NoiseScaleMonitor:
             self._arm(self._countdown <= 0)
 
     def _add_param_hooks(self) -> None:
-        if self._hooks:
+        if self._installed:
             return
         slots, slots_adam = self._slots, self._slots_adam
         mon = self
@@ -387,17 +441,28 @@ class NoiseScaleMonitor:
         targets = self._params if self._fsdp is None else _fsdp_unsharded_params(self._fsdp)
         if targets is None:  # FSDP2 before its first forward: the unsharded parameters do not exist yet
             return
-        self._hooks = [p.register_hook(make(i)) for i, p in enumerate(targets)]
+        hooked = list(range(len(targets)))
+        if self._ddp is None and self._fsdp is None and not self._groups:
+            limit = self.config.snapshot_max_numel
+            for dtype in (torch.float32, torch.float64):
+                idx = [i for i, p in enumerate(targets) if p.dtype == dtype and p.numel() <= limit]
+                if len(idx) >= 2:  # one parameter: a hook is as cheap
+                    self._groups.append(_SnapshotGroup([targets[i] for i in idx], idx))
+        grouped = {i for g in self._groups for i in g.index}
+        hooked = [i for i in hooked if i not in grouped]
+        self._hooks = [targets[i].register_hook(make(i)) for i in hooked]
+        self._installed = True
 
     def _arm(self, on: bool) -> None:
         """Hooks in place exactly when the next window is measured (skipped windows cost nothing)."""
         on = on and self._attached
         if on and self._micro:
             self._add_param_hooks()
-        elif not on and self._hooks:
+        elif not on and self._installed:
             for h in self._hooks:
                 h.remove()
             self._hooks = []
+            self._installed = False
         self._slots.drop(), self._slots_adam.drop()
         self._armed = on
 
@@ -450,6 +515,8 @@ class NoiseScaleMonitor:
         self._hook_rank_adam: list[torch.Tensor] = []
         self._synced_micro = -1
         self._precond_ready = False
+        for g in getattr(self, "_groups", ()):
+            g.live = False  # the next micro-batch is the window's first: .grad starts from zero
 
     def _start_window(self, *, usable: bool = True) -> None:
         self._in_window = True
@@ -507,7 +574,7 @@ class NoiseScaleMonitor:
         """
         if not self._in_window:
             self._start_window()
-        if self._micro and self._armed and not self._hooks:  # FSDP2: hooks possible after the first forward
+        if self._micro and self._armed and not self._installed:  # FSDP2: hooks possible after the first forward
             self._add_param_hooks()
             self._measuring = False  # this window's earlier backward passes were not seen
         if not self._measuring:
@@ -519,6 +586,10 @@ class NoiseScaleMonitor:
         if self._hook_rank:
             self._synced_micro = len(self._counts)
         if self._micro:
+            if self._groups:
+                adam = self._adam_on and self._ensure_precond()
+                for g in self._groups:
+                    g.measure(self._slots, self._slots_adam if adam else None, self._precond)
             self._per_micro.append(self._slots.close_micro())  # norms the hooks wrote in this backward
             self._slots_adam.close_micro()
         if isinstance(count, torch.Tensor) and count.device.type == "cpu":
@@ -605,6 +676,14 @@ class NoiseScaleMonitor:
         samples_known = self._samples_known and len(self._samples) == k_local
         local_samples = sum(self._samples) if samples_known else 0.0
         hw = _host_weights(self._counts, self._mults, self._samples if samples_known else None)
+        if hw is not None and dev.type == "cpu" and self.dp_world_size == 1 and self._host_path:
+            # CPU, one replica: the same vector with host arithmetic (reading a CPU tensor is no device
+            # sync) — a few tensor calls instead of a chain of ~20 tiny ones, which cost more than the
+            # arithmetic on small models.
+            vec = self._host_vector(hw, local_samples, k_local, grads, active, big_later, adam,
+                                    loss_scale, big_grad_multiplier)
+            self._queue(None, vec, samples_known, adam, lr, big_later)
+            return
         if hw is not None:  # counts on the host (numbers or CPU tensors): the weights in Python, one tensor
             units_f, w_rows, mult_sum_t = hw
             head = torch.tensor([units_f, local_samples, float(k_local), 1.0], dtype=torch.float64, device=dev)
@@ -651,6 +730,42 @@ class NoiseScaleMonitor:
             import torch.distributed as dist
 
             work = dist.all_reduce(vec, group=self._group, async_op=True)  # waited on at the fold
+        self._queue(work, vec, samples_known, adam, lr, big_later)
+
+    def _host_vector(self, hw: tuple[float, list[list[float]], float], local_samples: float, k_local: int,
+                     grads: list[torch.Tensor], active: list[int], big_later: bool, adam: bool, loss_scale: Any,
+                     big_grad_multiplier: Any) -> torch.Tensor:
+        """:meth:`_measure_window`'s vector from host arithmetic (CPU, one replica); equal to the tensor
+        path's to rounding (``tests/noise/test_monitor.py::test_host_path_equals_tensor_path``)."""
+        units_f, (w_units, w_samples), _ = hw
+        if big_later:
+            big = [0.0, 0.0]
+        else:
+            b = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)), dtype=torch.float64))
+            b_adam = b
+            if self.config.adam and adam:
+                b_adam = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(torch._foreach_mul(
+                    grads, [self._precond[i] for i in active]))), dtype=torch.float64))
+            big = [b * b, b_adam * b_adam]
+        if big_grad_multiplier is not None:
+            m2 = float(big_grad_multiplier) ** 2
+            big = [x / m2 for x in big]
+        vec = [units_f, local_samples, float(k_local), 1.0, *big]
+        inv_s2 = 1.0 / float(loss_scale) ** 2 if loss_scale is not None else 1.0
+        per = self._per_micro
+        for name in self._variants():  # one replica: "micro" and "micro_adam" only
+            if name.endswith("_adam") and not adam:
+                vec += [0.0, 0.0]
+                continue
+            norms = (self._slots_adam if name.endswith("_adam") else self._slots).written()
+            if all(n == per[0] for n in per):
+                sq = norms.view(k_local, per[0]).double().square().sum(1).tolist()
+            else:
+                sq = [float(c.double().square().sum()) for c in norms.split(per)]
+            vec += [sum(w * x for w, x in zip(w_units, sq)) * inv_s2, sum(w * x for w, x in zip(w_samples, sq)) * inv_s2]
+        return torch.tensor(vec, dtype=torch.float64)
+
+    def _queue(self, work: Any, vec: torch.Tensor, samples_known: bool, adam: bool, lr: Any, big_later: bool) -> None:
         entry = {"work": work, "vec": vec, "samples_known": samples_known, "adam": adam, "lr": lr,
                  "windows": float(self._elapsed), "dropped": False}
         if big_later:
