@@ -12,8 +12,8 @@ read-out with a minimum window in tokens:
     python benchmarks/critical_stability.py [--task tinygpt|mnist] [--seeds 5] [--out runs/stability] [--workers 2]
         [--budget N] [--batches 4,8,16,32,64]
 
-Resumable (the sweep is): rerun the same command after an interruption. ``--budget`` and
-``--batches`` shrink the run (a reduced form; it says so in its output).
+Resumable (the sweep is): rerun the same command after an interruption. ``--budget``,
+``--batches`` and ``--warmup-min-steps`` change the run (it says so in its output).
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads per trial (1 on a loaded machine)")
     ap.add_argument("--budget", type=int, default=None, help="units per trial (default: the demo's)")
     ap.add_argument("--batches", default=None, help="comma-separated batches (default: the demo's)")
+    ap.add_argument("--warmup-min-steps", type=int, default=None, help="at least this many warmup steps per batch "
+                    "(default: the demo's)")
     ap.add_argument("--analyze-only", action="store_true", help="analyse the finished trials in --out, run nothing")
     args = ap.parse_args(argv)
 
@@ -61,11 +63,14 @@ def main(argv=None) -> int:
     if args.batches is not None:
         changes["batches"] = [int(x) for x in args.batches.split(",")]
         reduced.append(f"batches {changes['batches']} instead of {cfg.batches}")
+    if args.warmup_min_steps is not None and args.warmup_min_steps != cfg.warmup_min_steps:
+        changes["warmup_min_steps"] = args.warmup_min_steps
+        reduced.append(f"warmup_min_steps {args.warmup_min_steps} instead of {cfg.warmup_min_steps}")
     cfg = dataclasses.replace(cfg, **changes)
     out = args.out or f"runs/critical_stability_{args.task}"
     print(f"task {cfg.task}: batches {cfg.batches}, lrs {cfg.lrs} at batch {min(cfg.batches)} ({cfg.lr_rule_resolved()} "
           f"rule), {cfg.budget:,} units per trial, warmup {cfg.warmup_units():,}, seeds {cfg.seed_list()}"
-          + (f" — REDUCED: {'; '.join(reduced)}" if reduced else ""))
+          + (f" — CHANGED: {'; '.join(reduced)}" if reduced else ""))
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
     t0 = time.time()
     if not args.analyze_only:

@@ -397,60 +397,6 @@ def test_host_path_equals_tensor_path_with_uneven_micro_batches_and_loss_scale()
             assert e.g_sq == pytest.approx(other[key].g_sq, rel=1e-6), key
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_snapshot_group_equals_a_hook_on_every_parameter(mlp_problem, dtype):
-    """Small parameters measured by one snapshot difference per micro-batch give the numbers of a
-    hook on each, ragged micro-batches, through the StepDriver and with the Adam variant; float64
-    to 1e-10, float32 to 1e-4 (the difference G_i − G_{i-1} loses digits the hook never had)."""
-    x, y, model, _, _ = mlp_problem
-    x = x.to(dtype)
-    got = []
-    for limit in (10**9, 0):  # every parameter in the group; a hook on every parameter
-        m = copy.deepcopy(model).to(dtype)
-        opt = _adam_ready(m, x, y)
-        mon = NoiseScaleMonitor(m, optimizer=opt, unit="sample",
-                                config=NoiseConfig(half_life=math.inf, adam=True, snapshot_max_numel=limit))
-        _driver_run(m, x, y, 6, callbacks=[mon], sizes=(8, 3, 8, 5))
-        assert (len(mon._hooks), len(mon._groups)) == ((0, 1) if limit else (len(list(m.parameters())), 0))
-        got.append(mon.estimates())
-    rel = 1e-10 if dtype == torch.float64 else 1e-4
-    assert set(got[0]) == {"micro/sample", "micro_adam/sample"}
-    for key, a in got[0].items():
-        b = got[1][key]
-        assert a.windows == b.windows == 6
-        assert a.tr_sigma == pytest.approx(b.tr_sigma, rel=rel), key
-        assert a.g_sq == pytest.approx(b.g_sq, rel=rel), key
-
-
-def test_snapshot_group_starts_each_window_from_zero_and_skips_unused_parameters():
-    """The first micro-batch of a window is measured against zero (the driver clears .grad), and a
-    parameter without a gradient in some micro-batch adds nothing: equal to hooks."""
-    torch.manual_seed(0)
-    base = torch.nn.ModuleList([torch.nn.Linear(5, 4), torch.nn.Linear(4, 3)]).double()
-    gen = torch.Generator().manual_seed(1)
-    data = [[(torch.randn(6, 5, generator=gen, dtype=torch.float64), torch.randint(0, 3, (6,), generator=gen))
-             for _ in range(3)] for _ in range(4)]
-    got = []
-    for limit in (10**9, 0):
-        m = copy.deepcopy(base)
-        mon = NoiseScaleMonitor(m, unit="sample", config=NoiseConfig(half_life=math.inf, snapshot_max_numel=limit))
-        for w, window in enumerate(data):
-            for i, (xb, yb) in enumerate(window):
-                h = m[0](xb)
-                out = h[:, :3] if (i == 0 and w % 2) else m[1](torch.relu(h))  # layer 1 idle in some micro-batches
-                torch.nn.functional.cross_entropy(out, yb, reduction="sum").backward()
-                mon.micro_backward(len(yb))
-            for p in m.parameters():
-                if p.grad is not None:
-                    p.grad /= 18
-            mon.window_end()
-            m.zero_grad(set_to_none=True)
-        got.append(mon.estimate())
-    assert got[0].windows == got[1].windows == 4
-    assert got[0].tr_sigma == pytest.approx(got[1].tr_sigma, rel=1e-10)
-    assert got[0].g_sq == pytest.approx(got[1].g_sq, rel=1e-10)
-
-
 def test_adam_variant_within_10_percent_of_preconditioned_truth(mlp_problem):
     x, y, model, _, _ = mlp_problem
     model = copy.deepcopy(model)

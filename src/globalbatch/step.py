@@ -324,6 +324,7 @@ class StepDriver:
         self.global_batch = self.schedule.batch_at(0)
         self.batch_lr_mult = 1.0
         self.last_micro_samples = config.micro_batch
+        self.last_micro_count: Any = None
 
         self._reset_window()
         self._batchnorm_checked = False
@@ -460,6 +461,7 @@ class StepDriver:
             else:
                 self._acc_units.add_(count_t)
         self.last_micro_samples = self.config.micro_batch if samples is None else int(samples)  # for callbacks
+        self.last_micro_count = count  # for callbacks: the host number as given (no tensor to read back)
         self._samples_local += self.last_micro_samples
         if flops is not None:
             if isinstance(flops, bool) or not isinstance(flops, (int, float)) or not flops >= 0:

@@ -9,9 +9,6 @@ McCandlish, Kaplan, Amodei 2018 (arXiv 1812.06162), App. A.1 (the estimator is i
   while it is in cache, into a preallocated buffer slot. One in-cache read of the gradient per
   micro-batch; no snapshot copy, no gradient held, no tensor created per norm.
   Under FSDP2 the hooks sit on its unsharded parameters (before the reduce-scatter).
-  On a plain (one-replica) module, *small* parameters (≤ ``NoiseConfig.snapshot_max_numel``
-  elements: biases, norm weights) share one fused snapshot difference per micro-batch instead of
-  a hook each: for them the hook's fixed Python cost exceeds a few extra passes over a few KB.
 * ``"rank"``: each DP rank's window gradient before the all-reduce, one norm per bucket in a DDP
   comm hook that wraps the user's own hook (or DDP's default all-reduce). Not under FSDP2.
 
@@ -47,6 +44,7 @@ __all__ = ["SOURCES", "NoiseConfig", "NoiseScaleMonitor"]
 SOURCES = ("micro", "rank")
 _vector_norm = torch._C._linalg.linalg_vector_norm  # torch.linalg.vector_norm, called positionally in the hooks
 _FOLD_EVERY = 32  # measured windows queued (one small vector each) before they are folded in on the device
+_FOLD_EVERY_HOST = 256  # the same for host lists (CPU, one replica): a fold costs ≈ 0.7 ms of small calls
 
 
 def _check_every(every: Any) -> int:
@@ -84,12 +82,6 @@ class NoiseConfig:
     """stderr / B_simple above this flags ``"too_noisy"``."""
     max_interval_ratio: float = 2.0
     """high / low of the interval above this flags ``"wide_interval"`` (``math.inf``: never)."""
-    snapshot_max_numel: int = 8192
-    """On a plain module (no DDP/FSDP2), float32/float64 parameters with at most this many elements
-    are measured together by one snapshot difference of their ``.grad`` per micro-batch (a few fused
-    calls, one extra copy of those parameters) instead of one tensor hook each. 0: a hook on every
-    parameter. Measured on CPU: a hook costs ≈5 µs of fixed Python, the extra passes ≈20 bytes per
-    element, so the break-even is near 8K elements (docs/noise.md)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.sources, str):
@@ -108,10 +100,6 @@ class NoiseConfig:
             raise ValueError(f"min_windows {self.min_windows!r} is not allowed; allowed: an int ≥ 2")
         if not self.max_relative_stderr > 0:
             raise ValueError(f"max_relative_stderr {self.max_relative_stderr!r} is not allowed; allowed: > 0")
-        if isinstance(self.snapshot_max_numel, bool) or not isinstance(self.snapshot_max_numel, int) \
-                or self.snapshot_max_numel < 0:
-            raise ValueError(f"snapshot_max_numel {self.snapshot_max_numel!r} is not allowed; allowed: an int ≥ 0 "
-                             "(0: a hook on every parameter)")
         if not self.max_interval_ratio > 1:
             raise ValueError(f"max_interval_ratio {self.max_interval_ratio!r} is not allowed; allowed: > 1 "
                              "(or math.inf)")
@@ -202,15 +190,6 @@ class _NormSlots:
             v.copy_(torch.linalg.vector_norm(grad))
         self.n = j + 1
 
-    def put_norm(self, norm: torch.Tensor) -> None:
-        """Write an already computed 0-d norm into the next slot."""
-        j = self.n
-        if j >= len(self.views) or self.buf.device != norm.device or \
-                (norm.dtype == torch.float64 and self.buf.dtype != torch.float64):
-            self._grow(norm.device, j, float64=norm.dtype == torch.float64)
-        self.views[j].copy_(norm)
-        self.n = j + 1
-
     def _grow(self, device: torch.device, need: int, *, float64: bool) -> None:
         """A bigger buffer (float64 once any float64 gradient was seen, else float32), contents kept."""
         old = self.buf
@@ -234,35 +213,6 @@ class _NormSlots:
 
     def written(self) -> torch.Tensor:
         return self.buf[:self.n] if self.buf is not None else torch.zeros(0)
-
-
-class _SnapshotGroup:
-    """Small parameters of one dtype measured together: after each micro backward, Δ = .grad − the
-    snapshot taken after the previous one (zero at the window's first, where ``.grad`` starts from
-    zero), its norm into one slot, then the snapshot refreshed. Four fused calls per micro-batch,
-    whatever the number of parameters."""
-
-    def __init__(self, params: list[torch.Tensor], index: list[int]) -> None:
-        self.params = params
-        self.index = index
-        self.snap = [torch.zeros_like(p) for p in params]
-        self.live = False
-
-    def measure(self, slots: _NormSlots, slots_adam: _NormSlots | None, precond: list[torch.Tensor] | None) -> None:
-        grads = [p.grad for p in self.params]
-        if any(g is None for g in grads):  # no gradient yet this window (an unused parameter): Δ = 0
-            grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.params)]
-        if self.live:
-            torch._foreach_sub_(self.snap, grads)      # snapshot ← G_{i-1} − G_i = −Δ_i
-            delta = self.snap
-        else:
-            delta = grads                              # the window's first micro-batch: Δ_1 = G_1
-        slots.put_norm(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(delta))))
-        if slots_adam is not None:
-            slots_adam.put_norm(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(
-                torch._foreach_mul(delta, [precond[i] for i in self.index])))))
-        torch._foreach_copy_(self.snap, grads)
-        self.live = True
 
 
 class NoiseScaleMonitor:
@@ -360,8 +310,7 @@ class NoiseScaleMonitor:
         self._slots = _NormSlots()                     # |Δ| per (micro, parameter), written by the hooks
         self._slots_adam = _NormSlots()
         self._hooks: list[Any] = []
-        self._installed = False                        # hooks (and the snapshot group) in place
-        self._groups: list[_SnapshotGroup] = []        # small parameters, one group per dtype
+        self._installed = False                        # the parameter hooks are in place
         self._attached = True
         self._countdown = 0                            # windows to leave out before the next measured one
         self._elapsed = 1                              # windows since the last measured one, this one included
@@ -441,16 +390,7 @@ class NoiseScaleMonitor:
         targets = self._params if self._fsdp is None else _fsdp_unsharded_params(self._fsdp)
         if targets is None:  # FSDP2 before its first forward: the unsharded parameters do not exist yet
             return
-        hooked = list(range(len(targets)))
-        if self._ddp is None and self._fsdp is None and not self._groups:
-            limit = self.config.snapshot_max_numel
-            for dtype in (torch.float32, torch.float64):
-                idx = [i for i, p in enumerate(targets) if p.dtype == dtype and p.numel() <= limit]
-                if len(idx) >= 2:  # one parameter: a hook is as cheap
-                    self._groups.append(_SnapshotGroup([targets[i] for i in idx], idx))
-        grouped = {i for g in self._groups for i in g.index}
-        hooked = [i for i in hooked if i not in grouped]
-        self._hooks = [targets[i].register_hook(make(i)) for i in hooked]
+        self._hooks = [p.register_hook(make(i)) for i, p in enumerate(targets)]
         self._installed = True
 
     def _arm(self, on: bool) -> None:
@@ -515,8 +455,6 @@ class NoiseScaleMonitor:
         self._hook_rank_adam: list[torch.Tensor] = []
         self._synced_micro = -1
         self._precond_ready = False
-        for g in getattr(self, "_groups", ()):
-            g.live = False  # the next micro-batch is the window's first: .grad starts from zero
 
     def _start_window(self, *, usable: bool = True) -> None:
         self._in_window = True
@@ -586,10 +524,6 @@ class NoiseScaleMonitor:
         if self._hook_rank:
             self._synced_micro = len(self._counts)
         if self._micro:
-            if self._groups:
-                adam = self._adam_on and self._ensure_precond()
-                for g in self._groups:
-                    g.measure(self._slots, self._slots_adam if adam else None, self._precond)
             self._per_micro.append(self._slots.close_micro())  # norms the hooks wrote in this backward
             self._slots_adam.close_micro()
         if isinstance(count, torch.Tensor) and count.device.type == "cpu":
@@ -652,16 +586,27 @@ class NoiseScaleMonitor:
         if k_local * self.dp_world_size < 2:
             raise ValueError(f"grad_accum_steps {k_local} with dp_world_size {self.dp_world_size} is not allowed; "
                              f"allowed: ≥ 2 small batches per window (the noise scale {NEEDS_TWO_BATCH_SIZES})")
-        active = [i for i, p in enumerate(self._params) if p.grad is not None]
-        grads = [self._params[i].grad for i in active]
         if self._device is None:
-            g0 = getattr(grads[0], "_local_tensor", grads[0]) if grads else None
+            g0 = next((p.grad for p in self._params if p.grad is not None), None)
+            g0 = getattr(g0, "_local_tensor", g0)
             self._device = g0.device if g0 is not None else torch.device("cpu")
         dev = self._device
         adam = self.config.adam and self._ensure_precond()
         # |G_big|²: under the StepDriver, its pre-clip gradient norm (read in its one host sync) arrives
         # in on_step_end at no cost; otherwise one read of .grad here.
         big_later = big_from_driver and big_grad_multiplier is None
+        samples_known = self._samples_known and len(self._samples) == k_local
+        local_samples = sum(self._samples) if samples_known else 0.0
+        hw = _host_weights(self._counts, self._mults, self._samples if samples_known else None)
+        if hw is not None and dev.type == "cpu" and self.dp_world_size == 1 and self._host_path:
+            # CPU, one replica: the same vector with host arithmetic (reading a CPU tensor is no device
+            # sync) — a few tensor calls instead of a chain of ~20 tiny ones, which cost more than the
+            # arithmetic on small models.
+            vec = self._host_vector(hw, local_samples, k_local, big_later, adam, loss_scale, big_grad_multiplier)
+            self._queue(None, vec, samples_known, adam, lr, big_later)
+            return
+        active = [i for i, p in enumerate(self._params) if p.grad is not None]
+        grads = [self._params[i].grad for i in active]
         if self._fsdp is not None:  # sharded: local shard norms, × replicas so that Σ over ranks / R = |G|²
             local = [getattr(g, "_local_tensor", g) for g in grads]
             big = [torch.zeros((), dtype=torch.float64, device=dev) if big_later else
@@ -673,17 +618,6 @@ class NoiseScaleMonitor:
         if self.config.adam:
             big.append(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(torch._foreach_mul(
                 grads, [self._precond[i] for i in active]))), dtype=torch.float64) if adam else big[0])
-        samples_known = self._samples_known and len(self._samples) == k_local
-        local_samples = sum(self._samples) if samples_known else 0.0
-        hw = _host_weights(self._counts, self._mults, self._samples if samples_known else None)
-        if hw is not None and dev.type == "cpu" and self.dp_world_size == 1 and self._host_path:
-            # CPU, one replica: the same vector with host arithmetic (reading a CPU tensor is no device
-            # sync) — a few tensor calls instead of a chain of ~20 tiny ones, which cost more than the
-            # arithmetic on small models.
-            vec = self._host_vector(hw, local_samples, k_local, grads, active, big_later, adam,
-                                    loss_scale, big_grad_multiplier)
-            self._queue(None, vec, samples_known, adam, lr, big_later)
-            return
         if hw is not None:  # counts on the host (numbers or CPU tensors): the weights in Python, one tensor
             units_f, w_rows, mult_sum_t = hw
             head = torch.tensor([units_f, local_samples, float(k_local), 1.0], dtype=torch.float64, device=dev)
@@ -733,14 +667,17 @@ class NoiseScaleMonitor:
         self._queue(work, vec, samples_known, adam, lr, big_later)
 
     def _host_vector(self, hw: tuple[float, list[list[float]], float], local_samples: float, k_local: int,
-                     grads: list[torch.Tensor], active: list[int], big_later: bool, adam: bool, loss_scale: Any,
-                     big_grad_multiplier: Any) -> torch.Tensor:
-        """:meth:`_measure_window`'s vector from host arithmetic (CPU, one replica); equal to the tensor
-        path's to rounding (``tests/noise/test_monitor.py::test_host_path_equals_tensor_path``)."""
+                     big_later: bool, adam: bool, loss_scale: Any, big_grad_multiplier: Any) -> list[float]:
+        """:meth:`_measure_window`'s vector from host arithmetic (CPU, one replica), as a list; equal to
+        the tensor path's to rounding (``tests/test_noise.py::test_host_path_equals_tensor_path``).
+        Measured in place after a backward, every torch call here costs 5–15 µs (cold caches), so
+        the norms are read with one ``tolist()`` and the rest is Python."""
         units_f, (w_units, w_samples), _ = hw
         if big_later:
             big = [0.0, 0.0]
         else:
+            active = [i for i, p in enumerate(self._params) if p.grad is not None]
+            grads = [self._params[i].grad for i in active]
             b = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)), dtype=torch.float64))
             b_adam = b
             if self.config.adam and adam:
@@ -757,21 +694,23 @@ class NoiseScaleMonitor:
             if name.endswith("_adam") and not adam:
                 vec += [0.0, 0.0]
                 continue
-            norms = (self._slots_adam if name.endswith("_adam") else self._slots).written()
-            if all(n == per[0] for n in per):
-                sq = norms.view(k_local, per[0]).double().square().sum(1).tolist()
-            else:
-                sq = [float(c.double().square().sum()) for c in norms.split(per)]
+            slots = self._slots_adam if name.endswith("_adam") else self._slots
+            vals = slots.buf.tolist() if slots.buf is not None else []  # one call: the whole small buffer
+            sq, pos = [], 0
+            for n in per:
+                sq.append(sum(x * x for x in vals[pos:pos + n]))
+                pos += n
             vec += [sum(w * x for w, x in zip(w_units, sq)) * inv_s2, sum(w * x for w, x in zip(w_samples, sq)) * inv_s2]
-        return torch.tensor(vec, dtype=torch.float64)
+        return vec
 
-    def _queue(self, work: Any, vec: torch.Tensor, samples_known: bool, adam: bool, lr: Any, big_later: bool) -> None:
+    def _queue(self, work: Any, vec: torch.Tensor | list[float], samples_known: bool, adam: bool, lr: Any, big_later: bool) -> None:
         entry = {"work": work, "vec": vec, "samples_known": samples_known, "adam": adam, "lr": lr,
                  "windows": float(self._elapsed), "dropped": False}
         if big_later:
             entry["big_sq"] = None  # filled by on_step_end; a window the driver never finished stays out
         self._pending.append(entry)
-        if len(self._pending) > _FOLD_EVERY:  # the newest may still await on_step_end
+        if len(self._pending) > (_FOLD_EVERY_HOST if isinstance(vec, list) else _FOLD_EVERY):  # the newest may
+            # still await on_step_end
             self._flush(keep_last=True)
 
     def _flush(self, keep_last: bool = False) -> None:
@@ -786,7 +725,11 @@ class NoiseScaleMonitor:
         for p in pend:
             if p["work"] is not None:
                 p["work"].wait()
-        V = torch.stack([p["vec"] for p in pend])                  # (m, L)
+        vecs = [p["vec"] for p in pend]
+        if all(isinstance(v, list) for v in vecs):                # the CPU host path: one tensor for all
+            V = torch.tensor(vecs, dtype=torch.float64)
+        else:
+            V = torch.stack([v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64) for v in vecs])
         dev = V.device
         if any("big_sq" in p for p in pend):  # |G_big|² from the driver's host-side norm (× replicas, as summed)
             for p in pend:
@@ -860,7 +803,9 @@ class NoiseScaleMonitor:
             self._start_window(usable=micro_index == 0)
         elif micro_index != len(self._counts):  # attached in the middle of this window: start at the next
             self._measuring = False
-        self.micro_backward(local_count, samples=driver.last_micro_samples)
+        count = getattr(driver, "last_micro_count", None)
+        self.micro_backward(count if isinstance(count, (int, float)) else local_count,
+                            samples=driver.last_micro_samples)
 
     def on_window_end(self, driver: Any, global_count: Any, local_window_count: Any) -> None:
         """:class:`~globalbatch.step.StepDriver` callback: after sync, normalization, unscale."""

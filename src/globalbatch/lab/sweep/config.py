@@ -65,6 +65,11 @@ class SweepConfig:
     """Linear LR warmup over this many units (tokens or samples; the same for every batch and budget)."""
     warmup_fraction: float = 0.05
     """Only when ``warmup`` is None: warm up over this fraction of ``budget`` (changes with the budget)."""
+    warmup_min_steps: int = 0
+    """Warm up over at least this many optimizer steps: a batch of b samples warms up over
+    max(warmup, warmup_min_steps × b × units per sample) units (at most half the budget). Adam's
+    second-moment estimate averages ≈ 1/(1 − β2) steps (20 at β2 = 0.95); with a warmup in tokens
+    alone the largest batch gets a handful of steps and spikes at its best LR (docs/sweep.md)."""
     lr_shape: str = "constant"
     """Post-warmup LR shape over the budget (``constant``, ``cosine``, ``linear``, ``wsd``)."""
     max_grad_norm: Optional[float] = 1.0
@@ -131,6 +136,9 @@ class SweepConfig:
             raise E("precision", self.precision, ", ".join(PRECISIONS))
         if not isinstance(self.device, str) or not self.device.strip():
             raise E("device", self.device, "cpu, cuda, cuda:N or mps")
+        if isinstance(self.warmup_min_steps, bool) or not isinstance(self.warmup_min_steps, int) \
+                or self.warmup_min_steps < 0:
+            raise E("warmup_min_steps", self.warmup_min_steps, "a whole number of steps ≥ 0")
         if not 0.0 <= self.warmup_fraction < 1.0:
             raise E("warmup_fraction", self.warmup_fraction, "0 ≤ warmup_fraction < 1")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -146,9 +154,13 @@ class SweepConfig:
         """The seeds every cell runs with."""
         return list(self.seeds) if self.seeds is not None else [self.seed]
 
-    def warmup_units(self) -> int:
-        """Units of linear LR warmup."""
-        return int(self.warmup) if self.warmup is not None else int(self.warmup_fraction * self.budget)
+    def warmup_units(self, units_per_step: float | None = None) -> int:
+        """Units of linear LR warmup; with ``units_per_step`` (a batch's), at least ``warmup_min_steps``
+        of its steps, capped at half the budget."""
+        base = int(self.warmup) if self.warmup is not None else int(self.warmup_fraction * self.budget)
+        if units_per_step is None or not self.warmup_min_steps:
+            return base
+        return max(base, min(int(math.ceil(self.warmup_min_steps * units_per_step)), self.budget // 2))
 
     def eval_positions(self) -> list[int]:
         """Units after which a trial evaluates the held-out loss (it does so at the first step at or past each)."""
@@ -195,6 +207,8 @@ class SweepConfig:
         d = asdict(self)
         d["batches"] = sorted(d["batches"])
         d["lrs"] = sorted(d["lrs"])
+        if not d["warmup_min_steps"]:  # the default: absent, as in manifests written before the field
+            del d["warmup_min_steps"]
         return {"version": MANIFEST_VERSION, "grid": d}
 
     @classmethod

@@ -203,6 +203,7 @@ def curves_from_sweep(data: SweepData):
             continue
         evals = [r for r in recs if r.get("val_loss") is not None and r.get("kind") in ("step", "eval")]
         tput = data.units_per_s(int(s["batch"]))  # the sequential timing pass when recorded
+        head = next((r for r in recs if r.get("kind") == "header"), {})
         curves.append(
             Curve(
                 batch_size=units[int(s["batch"])],
@@ -215,7 +216,7 @@ def curves_from_sweep(data: SweepData):
                 eval_examples=np.array([r["consumed"] for r in evals], dtype=float),
                 eval_steps=np.array([r["step"] for r in evals], dtype=float),
                 eval_loss=np.array([r["val_loss"] if r["val_loss"] is not None else math.nan for r in evals], dtype=float),
-                warmup_examples=float(warm),
+                warmup_examples=float(head.get("warmup_units", warm)),
                 b_simple=[(float(r["consumed"]), float(r["b_simple"])) for r in evals
                           if r.get("b_simple") is not None and not r.get("b_simple_flags")
                           and math.isfinite(r["b_simple"]) and r["b_simple"] > 0],
