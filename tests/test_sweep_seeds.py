@@ -46,6 +46,34 @@ def test_warmup_is_in_units_and_independent_of_the_budget():
         SweepConfig(batches=[4], lrs=[1e-3], budget=100_000, warmup=100_000)
 
 
+def test_warmup_min_steps_gives_every_batch_that_many_steps():
+    cfg = SweepConfig(batches=[2, 32], lrs=[1e-3], budget=150_000, warmup=10_000, warmup_min_steps=20)
+    assert cfg.warmup_units(2 * 64) == 10_000          # 78 steps of 128 tokens: the units rule is longer
+    assert cfg.warmup_units(32 * 64) == 40_960         # 20 steps of 2,048 tokens
+    assert cfg.warmup_units(512 * 64) == 75_000        # capped at half the budget
+    assert cfg.warmup_units() == 10_000                # no batch given: the units rule
+    assert "warmup_min_steps" in cfg.manifest()["grid"]
+    # The default (0) is left out of the manifest, so sweeps written before the field still resume.
+    assert "warmup_min_steps" not in SweepConfig(batches=[2], lrs=[1e-3], budget=10_000).manifest()["grid"]
+    for bad in (-1, 2.5, True):
+        with pytest.raises(SettingError, match="^warmup_min_steps "):
+            SweepConfig(batches=[2], lrs=[1e-3], budget=10_000, warmup_min_steps=bad)
+
+
+def test_warmup_min_steps_reaches_the_trials_and_the_analysis(tmp_path):
+    """Each trial warms up over max(warmup, warmup_min_steps × its units per step): recorded in its header
+    and used by the analysis (targets reached during warmup are judged per batch)."""
+    from globalbatch.lab.sweep.store import curves_from_sweep
+
+    cfg = SweepConfig(task="tinygpt", task_overrides=TINY, batches=[2, 8], lrs=[1e-4], budget=2000, warmup=200,
+                      warmup_min_steps=5, eval_points=4, max_val_samples=16, lr_rule="none", lr_edge_extend=0)
+    run_sweep(cfg, tmp_path, workers=1, threads=1, progress=False, timing_steps=0)
+    data = load_sweep(tmp_path)
+    # batch 2: 5 steps × 2 × 16 = 160 < 200 units; batch 8: 5 × 8 × 16 = 640
+    assert {n: r[0]["warmup_units"] for n, r in data.trials.items()} == {"b2_lr0.0001_s0": 200, "b8_lr0.0001_s0": 640}
+    assert sorted(c.warmup_examples for c in curves_from_sweep(data)) == [200.0, 640.0]
+
+
 def test_eval_positions_are_log_spaced_and_end_at_the_budget():
     cfg = demo_config()
     pos = cfg.eval_positions()
