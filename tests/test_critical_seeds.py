@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from globalbatch.critical import Curve
-from globalbatch.critical_seeds import (analyze_seeds, common_targets, fit_joint, is_monotone, recommend_over_seeds,
-                                        seed_analysis_json, target_over_seeds)
+from globalbatch.critical_seeds import (analyze_seeds, common_lr, common_targets, fit_joint, is_monotone,
+                                        recommend_over_seeds, seed_analysis_json, target_over_seeds)
 from globalbatch.readout import heldout_crossing, monotone_fit
 
 BATCHES = [250.0, 500.0, 1000.0, 2000.0, 4000.0]
@@ -34,9 +34,11 @@ def s_min_true(loss):
 
 
 def synth_curve(batch: float, seed: int, *, lr: float = 1e-3, seed_sd: float = 0.05, eval_sd: float = 0.005,
-                train_sd_at_250: float = 0.25, warmup: float = 0.0, tput: float = 1.0) -> Curve:
+                train_sd_at_250: float = 0.25, warmup: float = 0.0, tput: float = 1.0,
+                factor: float | None = None) -> Curve:
     rng = np.random.default_rng([int(batch), seed, int(lr * 1e6)])
-    factor = math.exp(rng.normal(0, seed_sd))  # this seed's steps at this batch
+    draw = math.exp(rng.normal(0, seed_sd))  # this seed's steps at this batch
+    factor = draw if factor is None else factor
     grid = np.linspace(3.995, 2.05, 4000)
     steps_grid = factor * s_min_true(grid) * (1 + b_crit_true(grid) / batch)  # increasing along the grid
     n = int(BUDGET // batch)
@@ -209,3 +211,23 @@ def test_b_simple_is_read_at_the_same_losses_from_the_best_lr_trials():
     e = float(np.median([st.examples[b][s] for b in st.steps for s in (0, 1)]))
     assert a.b_simple[st.target]["local"] == pytest.approx(100.0 + e / 100.0, rel=0.05)
     assert all(v["path_averaged"] is None or v["path_averaged"] <= v["local"] for v in a.b_simple.values())
+
+
+def test_one_lr_per_batch_for_every_seed_not_each_seeds_lucky_best():
+    """At the largest batch a second LR sits at the edge of stability: one seed gets lucky (0.6× the
+    steps), the others pay 2×. Each seed's own best LR would give seed 0 the lucky curve and move its
+    B_crit; the analysis uses the LR with the least median steps over seeds for every seed."""
+    seeds = [0, 1, 2]
+    curves = [synth_curve(b, s, factor=1.0, eval_sd=0.0) for b in BATCHES for s in seeds]
+    curves += [synth_curve(4000.0, s, lr=2e-3, factor=0.6 if s == 0 else 2.0, eval_sd=0.0) for s in seeds]
+    target = 2.6
+    assert common_lr(curves, target) == {b: 1e-3 for b in BATCHES}
+    st = target_over_seeds(curves, target)
+    assert all(st.best_lr[4000.0][s] == 1e-3 for s in seeds)
+    vals = [st.b_crit_per_seed[s] for s in seeds]
+    assert max(vals) / min(vals) == pytest.approx(1.0, abs=1e-9)   # the same curves: the same B_crit
+    assert vals[0] == pytest.approx(float(b_crit_true(target)), rel=0.05)
+    # Seed 0 alone, free to pick its own best LR, takes the lucky curve: its B_crit moves by > 20 %.
+    alone = target_over_seeds([c for c in curves if c.seed == 0], target)
+    assert alone.best_lr[4000.0][0] == 2e-3
+    assert abs(alone.b_crit_per_seed[0] / vals[0] - 1) > 0.2

@@ -11,8 +11,13 @@ read-out). This module reads a sweep run with several seeds:
 1. **Common targets** (:func:`common_targets`): losses every batch × seed reaches with a
    margin (on the monotone fit of its best LR's held-out curve), none of them reached
    before the end of LR warmup; the batch set is the same at every target.
-2. **Per target**: steps- and examples-to-target per batch and seed (best LR of each),
-   a monotonicity check per seed (steps must not rise with the batch; examples
+2. **Per target**: steps- and examples-to-target per batch and seed at the batch's **one LR**
+   (:func:`common_lr` at the primary target, held for every target and seed: the LR a
+   practitioner would run that batch at). Each seed's own best LR at each target selects that
+   seed's luck where the large batches' best LR sits at the edge of stability, and mixes runs
+   across targets: on the tinygpt demo grid, 5 seeds, the worst max/min of B_crit across seeds
+   over 5 targets was 1.72 with per-seed best LRs, 1.62 with one LR per target, 1.42 with one
+   LR per batch (docs/sweep.md). Then a monotonicity check per seed (steps must not rise with the batch; examples
    are not checked: flat in the perfect-scaling regime; 3 % slack), the hyperbola fit per seed, their median and range, and a fit of the
    median steps with a bootstrap over seeds. Non-monotone cells are flagged and left out
    of every fit.
@@ -36,10 +41,18 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from globalbatch.critical import Curve, HyperbolaFit, TargetResult, fit_hyperbola, points_for_target, recommend
+from globalbatch.critical import (
+    Curve,
+    HyperbolaFit,
+    TargetResult,
+    fit_hyperbola,
+    points_for_target,
+    recommend,
+    steps_to_target,
+)
 
 __all__ = ["SeedTarget", "JointFit", "SeedRecommendation", "SeedAnalysis", "common_targets", "is_monotone",
-           "fit_joint", "recommend_over_seeds", "analyze_seeds", "MONOTONE_SLACK"]
+           "common_lr", "fit_joint", "recommend_over_seeds", "analyze_seeds", "MONOTONE_SLACK"]
 
 MONOTONE_SLACK = 0.03
 """Relative slack of the monotonicity check (interpolation between evaluations is not exact)."""
@@ -189,10 +202,35 @@ def _median_steps_fit(st: SeedTarget, seeds: Sequence[int]) -> Optional[Hyperbol
     return fit
 
 
+def common_lr(curves: Sequence[Curve], target: float, *, readout: str = "heldout",
+              min_window_examples: Optional[float] = None) -> dict[float, float]:
+    """Batch → the one LR used for every seed at ``target``: least median steps-to-target over the
+    seeds (a seed that never reaches the target counts as infinitely slow; ties: fewer seeds
+    unreached, then the smaller LR)."""
+    seeds = sorted({c.seed for c in curves})
+    cells: dict[tuple[float, float], dict[int, Curve]] = {}
+    for c in curves:
+        cells.setdefault((c.batch_size, c.lr), {})[c.seed] = c
+    best: dict[float, tuple[float, int, float]] = {}
+    for (b, lr), by_seed in cells.items():
+        steps = []
+        for s in seeds:
+            c = by_seed.get(s)
+            r = steps_to_target(c, target, readout=readout, min_window_examples=min_window_examples) if c else None
+            steps.append(r[0] if r is not None else math.inf)
+        key = (float(np.median(steps)), sum(math.isinf(x) for x in steps), lr)
+        if b not in best or key < best[b]:
+            best[b] = key
+    return {b: k[2] for b, k in best.items()}
+
+
 def target_over_seeds(curves: Sequence[Curve], target: float, *, readout: str = "heldout",
                       min_window_examples: Optional[float] = None, rng_seed: int = 0) -> SeedTarget:
-    """Steps per batch and seed, monotonicity, per-seed fits and their spread at one ``target``."""
+    """Steps per batch and seed (at each batch's :func:`common_lr`), monotonicity, per-seed fits and
+    their spread at one ``target``."""
     seeds = sorted({c.seed for c in curves})
+    lr_of = common_lr(curves, target, readout=readout, min_window_examples=min_window_examples)
+    curves = [c for c in curves if c.lr == lr_of[c.batch_size]]
     per_seed = {s: points_for_target([c for c in curves if c.seed == s], target, readout=readout,
                                      min_window_examples=min_window_examples) for s in seeds}
     batches = sorted({c.batch_size for c in curves})
@@ -502,7 +540,10 @@ def analyze_seeds(curves: Sequence[Curve], *, targets: Optional[Sequence[float]]
         targets = common_targets(curves, n_targets, readout=readout, min_window_examples=min_window_examples)
     targets = sorted((float(t) for t in targets), reverse=True)  # loosest first; the last is the primary
     seeds = sorted({c.seed for c in curves})
-    results = [target_over_seeds(curves, t, readout=readout, min_window_examples=min_window_examples) for t in targets]
+    # One LR per batch for every seed and target: its least median steps over seeds at the primary target.
+    lr_of = common_lr(curves, targets[-1], readout=readout, min_window_examples=min_window_examples)
+    chosen = [c for c in curves if c.lr == lr_of.get(c.batch_size)]
+    results = [target_over_seeds(chosen, t, readout=readout, min_window_examples=min_window_examples) for t in targets]
     out = SeedAnalysis(unit=unit, readout=readout, seeds=seeds, targets=results, warnings=list(warnings))
     name = label if label is not None else (lambda b: f"batch {b:,.0f}")
     for st in results:
