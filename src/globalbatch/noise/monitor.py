@@ -13,8 +13,10 @@ McCandlish, Kaplan, Amodei 2018 (arXiv 1812.06162), App. A.1 (the estimator is i
   comm hook that wraps the user's own hook (or DDP's default all-reduce). Not under FSDP2.
 
 ``adam=True`` adds the Adam-preconditioned variant g/(√v̂ + eps). The per-window statistics
-are one small tensor chain (under the StepDriver |G_big|² is its pre-clip norm, read in its one
-host sync); windows are queued and folded into every estimator at once (each estimator's state
+are one small tensor chain on an accelerator or under DP, and host arithmetic on CPU with one
+replica (one ``tolist()`` of the norm buffer: measured in place after a backward, each small
+torch call costs 5–15 µs). Under the StepDriver |G_big|² is its pre-clip norm, read in its one
+host sync. Windows are queued and folded into every estimator at once (each estimator's state
 is a row of one matrix).
 ``every=n`` measures one window in n: between measured windows the parameter hooks are
 removed, so the skipped windows cost a few Python calls.
