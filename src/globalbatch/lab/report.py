@@ -396,6 +396,7 @@ def _steps_rows(data: SweepData, sa: SeedAnalysis) -> list[list[str]]:
     for b in sorted(st.steps):
         cells = [f"{st.steps[b][s]:,.1f}" if st.steps[b][s] is not None else "not reached" for s in sa.seeds]
         lrs = [f"{st.best_lr[b][s]:g}" if st.best_lr[b][s] is not None else "–" for s in sa.seeds]
+        lrs = lrs[:1] if len(set(lrs)) == 1 else lrs  # one LR per batch for every seed (critical_seeds.common_lr)
         t = rec.time_to_target.get(b) if rec is not None else None
         p = rec.probability_fastest.get(b) if rec is not None else None
         edge = sa.lr_edges.get(b)
@@ -405,7 +406,7 @@ def _steps_rows(data: SweepData, sa: SeedAnalysis) -> list[list[str]]:
     return rows
 
 
-STEPS_HEADER = ["batch", "steps to target per seed", "best lr per seed", "time to target s, median [range]",
+STEPS_HEADER = ["batch", "steps to target per seed", "lr (one per batch: least median steps)", "time to target s, median [range]",
                 "P(fastest)", ""]
 
 
