@@ -69,7 +69,8 @@ def main(argv=None) -> int:
     cfg = dataclasses.replace(cfg, **changes)
     out = args.out or f"runs/critical_stability_{args.task}"
     print(f"task {cfg.task}: batches {cfg.batches}, lrs {cfg.lrs} at batch {min(cfg.batches)} ({cfg.lr_rule_resolved()} "
-          f"rule), {cfg.budget:,} units per trial, warmup {cfg.warmup_units():,}, seeds {cfg.seed_list()}"
+          f"rule), {cfg.budget:,} units per trial, warmup {cfg.warmup_units():,}"
+          + (f" and ≥ {cfg.warmup_min_steps} steps" if cfg.warmup_min_steps else "") + f", seeds {cfg.seed_list()}"
           + (f" — CHANGED: {'; '.join(reduced)}" if reduced else ""))
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
     t0 = time.time()

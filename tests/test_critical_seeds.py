@@ -231,3 +231,36 @@ def test_one_lr_per_batch_for_every_seed_not_each_seeds_lucky_best():
     alone = target_over_seeds([c for c in curves if c.seed == 0], target)
     assert alone.best_lr[4000.0][0] == 2e-3
     assert abs(alone.b_crit_per_seed[0] / vals[0] - 1) > 0.2
+
+
+def test_an_lr_that_leaves_seeds_behind_is_not_chosen():
+    """An LR 0.8× faster on three seeds that never reaches the target on the other two must not win:
+    it would keep only the lucky seeds in the fits."""
+    seeds = [0, 1, 2, 3, 4]
+    curves = [synth_curve(b, s, factor=1.0, eval_sd=0.0) for b in BATCHES for s in seeds]
+    curves += [synth_curve(4000.0, s, lr=2e-3, factor=0.8 if s < 3 else 50.0, eval_sd=0.0) for s in seeds]
+    target = 2.6
+    st = target_over_seeds(curves, target)
+    assert common_lr(curves, target)[4000.0] == 1e-3
+    assert all(st.best_lr[4000.0][s] == 1e-3 for s in seeds) and all(st.monotone.values())
+
+
+def test_the_primary_targets_lr_is_kept_at_every_target_and_targets_follow_it():
+    """LR A is faster early, LR B faster at the tight targets: the analysis runs every target at B
+    (the batch's one LR), and every batch × seed reaches every target at its LR."""
+    seeds = [0, 1, 2]
+    curves = [synth_curve(b, s, factor=1.0, eval_sd=0.0) for b in BATCHES for s in seeds]
+    # A: 0.7× the steps early, but it stalls at a loss of 2.8 (a high LR's noise floor).
+    for b in BATCHES:
+        for s in seeds:
+            c = synth_curve(b, s, lr=4e-3, factor=0.7, eval_sd=0.0)
+            c.eval_loss[:] = np.maximum(c.eval_loss, 2.8)
+            c.loss[:] = np.maximum(c.loss, 2.8)
+            curves.append(c)
+    a = analyze_seeds(curves, n_targets=4)
+    assert a.targets[-1].target < 2.8 and a.targets[0].target > 2.8  # the range spans where A stalls
+    for st in a.targets:
+        assert all(st.best_lr[b][s] == 1e-3 for b in BATCHES for s in seeds), st.target
+        assert all(st.steps[b][s] is not None for b in BATCHES for s in seeds)
+    # Re-chosen at each target instead, A would win the loose targets:
+    assert common_lr(curves, a.targets[0].target)[BATCHES[0]] == 4e-3

@@ -343,18 +343,34 @@ def _adam_ready(model, x, y, steps=3):
     return opt
 
 
+@pytest.fixture
+def host_calls(monkeypatch):
+    """Counts calls of the host path, so the equivalence tests know which path ran."""
+    calls = []
+    orig = NoiseScaleMonitor._host_vector
+
+    def counted(self, *a, **k):
+        calls.append(1)
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(NoiseScaleMonitor, "_host_vector", counted)
+    return calls
+
+
 @pytest.mark.parametrize("case", ["ragged", "mean_loss", "adam", "ema"])
-def test_host_path_equals_tensor_path(mlp_problem, case):
+def test_host_path_equals_tensor_path(mlp_problem, case, host_calls):
     """On CPU with one replica the window statistics are computed with host arithmetic; the device
     tensor chain (every other device, and DP) must give the same estimates to rounding."""
     x, y, model, _, _ = mlp_problem
     got = []
     for host in (True, False):
+        host_calls.clear()
         m = copy.deepcopy(model)
         opt = _adam_ready(m, x, y) if case == "adam" else None
         mon = _run_plain_loop(m, x, y, windows=7, sizes=[16, 40, 8, 24], seed=4, host_path=host,
                               mean_loss=case == "mean_loss", optimizer=opt, adam=case == "adam",
                               half_life=None if case == "ema" else math.inf)
+        assert len(host_calls) == (7 if host else 0)
         got.append(mon.estimates())
     assert got[0].keys() == got[1].keys() and got[0]
     for key, a in got[0].items():
@@ -362,6 +378,30 @@ def test_host_path_equals_tensor_path(mlp_problem, case):
         assert a.windows == b.windows == 7
         assert a.tr_sigma == pytest.approx(b.tr_sigma, rel=1e-12), key
         assert a.g_sq == pytest.approx(b.g_sq, rel=1e-12), key
+
+
+@pytest.mark.parametrize("every, adam", [(1, False), (2, False), (1, True)])
+def test_host_path_equals_tensor_path_under_the_step_driver(mlp_problem, host_calls, every, adam):
+    """Through the StepDriver (|G_big|² from its on_step_end, a NaN window it skips, every=n) both paths
+    give the same estimates and counts."""
+    x, y, model, _, _ = mlp_problem
+    got = []
+    for host in (True, False):
+        host_calls.clear()
+        m = copy.deepcopy(model)
+        opt = _adam_ready(m, x, y) if adam else None
+        mon = NoiseScaleMonitor(m, optimizer=opt, config=NoiseConfig(half_life=math.inf, every=every, adam=adam))
+        mon._host_path = host
+        _driver_run(m, x, y, 9, callbacks=[mon], sizes=(8, 3, 8, 5), nan_window=4)
+        assert (len(host_calls) > 0) == host
+        got.append(mon.estimates())
+    a, b = got
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].windows == b[key].windows > 0, key
+        assert a[key].skipped_windows == b[key].skipped_windows == 1, key  # the NaN window 4 (measured at every=1, 2)
+        assert a[key].tr_sigma == pytest.approx(b[key].tr_sigma, rel=1e-9), key
+        assert a[key].g_sq == pytest.approx(b[key].g_sq, rel=1e-9), key
 
 
 def test_host_path_equals_tensor_path_with_uneven_micro_batches_and_loss_scale():

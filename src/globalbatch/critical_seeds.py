@@ -204,9 +204,9 @@ def _median_steps_fit(st: SeedTarget, seeds: Sequence[int]) -> Optional[Hyperbol
 
 def common_lr(curves: Sequence[Curve], target: float, *, readout: str = "heldout",
               min_window_examples: Optional[float] = None) -> dict[float, float]:
-    """Batch → the one LR used for every seed at ``target``: least median steps-to-target over the
-    seeds (a seed that never reaches the target counts as infinitely slow; ties: fewer seeds
-    unreached, then the smaller LR)."""
+    """Batch → the one LR used for every seed at ``target``: the fewest seeds that never reach the
+    target first (an LR that leaves seeds behind would keep only the lucky ones in the fits), then
+    the least median steps-to-target over the seeds, then the smaller LR."""
     seeds = sorted({c.seed for c in curves})
     cells: dict[tuple[float, float], dict[int, Curve]] = {}
     for c in curves:
@@ -218,7 +218,7 @@ def common_lr(curves: Sequence[Curve], target: float, *, readout: str = "heldout
             c = by_seed.get(s)
             r = steps_to_target(c, target, readout=readout, min_window_examples=min_window_examples) if c else None
             steps.append(r[0] if r is not None else math.inf)
-        key = (float(np.median(steps)), sum(math.isinf(x) for x in steps), lr)
+        key = (sum(math.isinf(x) for x in steps), float(np.median(steps)), lr)
         if b not in best or key < best[b]:
             best[b] = key
     return {b: k[2] for b, k in best.items()}
@@ -536,13 +536,25 @@ def analyze_seeds(curves: Sequence[Curve], *, targets: Optional[Sequence[float]]
     curves = list(curves)
     if not curves:
         raise ValueError("curves: empty; nothing to analyze")
+    given = targets is not None
     if targets is None:
         targets = common_targets(curves, n_targets, readout=readout, min_window_examples=min_window_examples)
     targets = sorted((float(t) for t in targets), reverse=True)  # loosest first; the last is the primary
     seeds = sorted({c.seed for c in curves})
     # One LR per batch for every seed and target: its least median steps over seeds at the primary target.
-    lr_of = common_lr(curves, targets[-1], readout=readout, min_window_examples=min_window_examples)
-    chosen = [c for c in curves if c.lr == lr_of.get(c.batch_size)]
+    # The targets then come from those curves, so that every batch × seed reaches each of them at its
+    # LR; the LR is chosen again at the new primary target until nothing changes (2–3 passes).
+    lr_of: dict[float, float] = {}
+    for _ in range(4):
+        new = common_lr(curves, targets[-1], readout=readout, min_window_examples=min_window_examples)
+        if new == lr_of:
+            break
+        lr_of = new
+        chosen = [c for c in curves if c.lr == lr_of.get(c.batch_size)]
+        if given:
+            break
+        targets = sorted(common_targets(chosen, n_targets, readout=readout, min_window_examples=min_window_examples),
+                         reverse=True)
     results = [target_over_seeds(chosen, t, readout=readout, min_window_examples=min_window_examples) for t in targets]
     out = SeedAnalysis(unit=unit, readout=readout, seeds=seeds, targets=results, warnings=list(warnings))
     name = label if label is not None else (lambda b: f"batch {b:,.0f}")

@@ -88,17 +88,32 @@ def _colors(n: int):
     return [cmap(x) for x in np.linspace(0.05, 0.9, max(n, 1))]
 
 
+def _chosen_lr(sa: Optional[SeedAnalysis]) -> dict[float, float]:
+    """The seed analysis' one LR per batch (at its primary target), where it has one."""
+    if sa is None:
+        return {}
+    out = {}
+    for b, by_seed in sa.primary.best_lr.items():
+        lrs = {lr for lr in by_seed.values() if lr is not None}
+        if len(lrs) == 1:
+            out[b] = lrs.pop()
+    return out
+
+
 def _best_lr_by_batch(analysis: Analysis) -> dict[float, float]:
     t = analysis.targets[0]
     return {p.batch_size: p.lr for p in t.points}
 
 
-def plot_loss_vs_data(data: SweepData, analysis: Analysis, path: Path) -> str:
+def plot_loss_vs_data(data: SweepData, analysis: Analysis, path: Path,
+                      chosen_lr: Optional[dict[float, float]] = None) -> str:
+    """``chosen_lr``: batch (units per step) → the LR drawn bold (the seed analysis' one LR per
+    batch); default the first seed's best LR at its first target."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 5))
     units = data.batch_units()
     colors = dict(zip(units, _colors(len(units))))
-    best = _best_lr_by_batch(analysis)
+    best = chosen_lr if chosen_lr else _best_lr_by_batch(analysis)
     for name, recs in sorted(data.trials.items(), key=lambda kv: (data.summaries[kv[0]]["batch"], data.summaries[kv[0]]["lr"])):
         s = data.summaries[name]
         b, lr = int(s["batch"]), float(s["lr"])
@@ -118,7 +133,7 @@ def plot_loss_vs_data(data: SweepData, analysis: Analysis, path: Path) -> str:
     ax.set_xscale("log")
     ax.set_xlabel(f"{data.unit}s consumed")
     ax.set_ylabel("training loss (EMA) · validation ○")
-    ax.set_title("Loss against consumed data (bold: best LR per batch; dashed: targets)")
+    ax.set_title("Loss against consumed data (bold: the LR of each batch; dashed: targets)")
     _legend(ax, fontsize=8)
     ax.grid(alpha=0.3)
     return _save(fig, path)
@@ -472,12 +487,13 @@ def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, 
              else "<p class='rec'>No recommendation over seeds: a batch missed the primary target or has no throughput.</p>")
             + f"<h2>Critical batch over seeds ({'held-out' if sa.readout == 'heldout' else 'training'} loss)</h2>"
             "<p>Steps to each target from the monotone fit of the held-out loss (a fixed random held-out draw, log-spaced "
-            "evaluations), best LR per batch and seed; fits per seed (non-monotone cells flagged and left out), the median "
+            "evaluations), at one LR per batch for every seed and target (least median steps over seeds at the primary "
+            "target); fits per seed (non-monotone cells flagged and left out), the median "
             "over seeds with the seed range and a bootstrap over seeds, and one joint fit of B_crit(L) = B_ref·(L/L_ref)^k "
             "across targets and seeds.</p>"
             + _table_html(STEPS_HEADER, _steps_rows(data, sa)) + _table_html(SEED_HEADER, _seed_rows(data, sa))
             + "".join(f"<p class='warn'>{html.escape(w)}</p>" for w in sa.warnings if w not in analysis.warnings)
-            + ("".join(f"<p>B_simple at loss {t:.4f} (best-LR trials; depends on the LR): local "
+            + ("".join(f"<p>B_simple at loss {t:.4f} (chosen-LR trials; depends on the LR): local "
                        f"{_fmt(v.get('local'))}, path-averaged {_fmt(v.get('path_averaged'))} {u}s</p>"
                        for t, v in sa.b_simple.items()))
             + "<h2>First seed alone (training-loss read-out, EMA; for comparison)</h2>")
@@ -498,7 +514,9 @@ def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, 
     grid = (f"task <code>{esc(cfg.task)}</code>{overrides}; batches "
             f"{esc(cfg.batches)} samples; lrs {esc(cfg.lrs)} at batch {esc(cfg.base_batch or min(cfg.batches))}, LR rule "
             f"{esc(cfg.lr_rule_resolved())}; budget {esc(f'{cfg.budget:,}')} {u}s per trial; seeds {esc(cfg.seed_list())}; "
-            f"optimizer {esc(cfg.optimizer)}; LR warmup {esc(f'{cfg.warmup_units():,}')} {u}s then {esc(cfg.lr_shape)}; "
+            f"optimizer {esc(cfg.optimizer)}; LR warmup {esc(f'{cfg.warmup_units():,}')} {u}s"
+            + (f" and at least {esc(cfg.warmup_min_steps)} steps of each batch (at most half the budget)"
+               if cfg.warmup_min_steps else "") + f" then {esc(cfg.lr_shape)}; "
             + (f"EMA half-life {analysis.halflife_steps:g} steps" if analysis.halflife_steps is not None
                else f"EMA half-life {analysis.ema_fraction:g} × each trial's steps to the target") + " (lag-corrected)")
     css = ("body{font-family:sans-serif;max-width:1200px;margin:2em auto;color:#222}"
@@ -596,7 +614,8 @@ def write_report(
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
     plots: list[tuple[str, str]] = [
-        ("Loss against consumed data per batch", plot_loss_vs_data(data, analysis, out / "loss_vs_data.png")),
+        ("Loss against consumed data per batch", plot_loss_vs_data(data, analysis, out / "loss_vs_data.png",
+                                                                   chosen_lr=_chosen_lr(seed_analysis))),
         ("Steps against examples with the fitted hyperbola", plot_steps_vs_examples(data, analysis, out / "steps_vs_examples.png")),
         ("Units to target, throughput and wall-clock against batch", plot_batch_tradeoff(data, analysis, out / "batch_tradeoff.png")),
     ]
