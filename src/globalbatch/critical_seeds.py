@@ -8,16 +8,17 @@ is one noisy draw: the data order and the initialisation move steps-to-target by
 per cent (issue 10 measured a 4.5× range of B_crit over five seeds with a training-loss
 read-out). This module reads a sweep run with several seeds:
 
-1. **Common targets** (:func:`common_targets`): losses every batch × seed reaches with a
-   margin (on the monotone fit of its best LR's held-out curve), none of them reached
+1. **Common targets** (:func:`common_targets`, on the curves at each batch's one LR, item 2):
+   losses every batch × seed reaches with a
+   margin (on the monotone fit of its held-out curve at that LR), none of them reached
    before the end of LR warmup; the batch set is the same at every target.
 2. **Per target**: steps- and examples-to-target per batch and seed at the batch's **one LR**
    (:func:`common_lr` at the primary target, held for every target and seed: the LR a
    practitioner would run that batch at). Each seed's own best LR at each target selects that
    seed's luck where the large batches' best LR sits at the edge of stability, and mixes runs
    across targets: on the tinygpt demo grid, 5 seeds, the worst max/min of B_crit across seeds
-   over 5 targets was 1.72 with per-seed best LRs, 1.62 with one LR per target, 1.42 with one
-   LR per batch (docs/sweep.md). Then a monotonicity check per seed (steps must not rise with the batch; examples
+   over 5 targets was 1.72 with per-seed best LRs, 1.62 with one LR per target, 1.40 with one
+   LR per batch and the targets it reaches (docs/sweep.md). Then a monotonicity check per seed (steps must not rise with the batch; examples
    are not checked: flat in the perfect-scaling regime; 3 % slack), the hyperbola fit per seed, their median and range, and a fit of the
    median steps with a bootstrap over seeds. Non-monotone cells are flagged and left out
    of every fit.
@@ -502,7 +503,7 @@ class SeedAnalysis:
     joint_error: Optional[str] = None
     recommendation: Optional[SeedRecommendation] = None
     lr_edges: dict[float, str] = field(default_factory=dict)
-    """Batch → "low"/"high" when its best LR (at the primary target, most seeds) is the edge of the LRs it ran."""
+    """Batch → "low"/"high" when its LR (the one for every seed, chosen at the primary target) is the edge of the LRs it ran."""
     b_simple: dict[float, dict[str, Optional[float]]] = field(default_factory=dict)
     """Target → {"local": median B_simple at the crossing, "path_averaged": median mean B_simple up to it}."""
     warnings: list[str] = field(default_factory=list)
@@ -574,7 +575,7 @@ def analyze_seeds(curves: Sequence[Curve], *, targets: Optional[Sequence[float]]
             st.joint_interval = out.joint.interval(st.target)
     except ValueError as exc:
         out.joint_error = str(exc)
-    # LR edges at the primary target: the best LR of most seeds against the LRs the batch ran.
+    # LR edges at the primary target: the batch's LR (the same for every seed) against the LRs it ran.
     primary = out.primary
     for b in primary.best_lr:
         ran = sorted({c.lr for c in curves if c.batch_size == b})

@@ -3,8 +3,8 @@
 Each batch gets its own LR grid, centred by a scaling rule from a base batch
 (:meth:`SweepConfig.lrs_for`: √batch for Adam-type optimizers, ∝ batch for SGD —
 Malladi et al. 2022 and Goyal et al. 2017). A rule is only a guess: when the best LR of
-a batch — the analysis' own choice (:func:`analysis_edges`: the LR that reaches the primary
-held-out target in the fewest steps, on most seeds), or, when the sweep cannot be analysed
+a batch — the analysis' own choice (:func:`analysis_edges`: the batch's one LR for every
+seed, the least median steps over seeds to the primary held-out target), or, when the sweep cannot be analysed
 yet, the lowest median over seeds of the final held-out loss — is the smallest or the
 largest LR of its grid, the optimum may lie beyond it, and the steps-to-target of that
 batch — hence B_crit — would be biased. The sweep then runs one more LR beyond that edge
