@@ -264,3 +264,11 @@ def test_the_primary_targets_lr_is_kept_at_every_target_and_targets_follow_it():
         assert all(st.steps[b][s] is not None for b in BATCHES for s in seeds)
     # Re-chosen at each target instead, A would win the loose targets:
     assert common_lr(curves, a.targets[0].target)[BATCHES[0]] == 4e-3
+
+
+def test_one_step_trials_give_a_value_error_not_an_index_error():
+    """A sweep so short that a trial made one step (issue found by review: IndexError in the
+    training read-out's targets) is refused with a ValueError, which the CLI turns into a note."""
+    one = [Curve(batch_size=b, lr=1e-3, examples=np.array([b]), loss=np.array([5.5]), seed=0) for b in (128.0, 256.0)]
+    with pytest.raises(ValueError):
+        common_targets(one, readout="train")

@@ -92,7 +92,7 @@ def _smoothed_as_eval(c: Curve, min_window_examples: Optional[float]) -> Curve:
     n = c.loss.size
     half = max(0.5, 0.05 * n, (min_window_examples or 0.0) / c.batch_size)
     sm, lag = ema_smooth(c.loss, half)
-    at = np.unique(np.round(np.geomspace(1, max(n - 1, 1), 60)).astype(int))
+    at = np.unique(np.clip(np.round(np.geomspace(1, max(n - 1, 1), 60)).astype(int), 0, n - 1))  # n = 1: step 0
     steps = np.maximum(at - lag[at], 0.0)
     ex = np.interp(steps, np.arange(0, n + 1, dtype=float), np.concatenate([[0.0], c.examples]))
     keep = ex > 0
