@@ -270,5 +270,5 @@ def test_one_step_trials_give_a_value_error_not_an_index_error():
     """A sweep so short that a trial made one step (issue found by review: IndexError in the
     training read-out's targets) is refused with a ValueError, which the CLI turns into a note."""
     one = [Curve(batch_size=b, lr=1e-3, examples=np.array([b]), loss=np.array([5.5]), seed=0) for b in (128.0, 256.0)]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="no loss reading after its first step; raise the budget"):
         common_targets(one, readout="train")

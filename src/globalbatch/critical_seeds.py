@@ -119,6 +119,9 @@ def common_targets(curves: Sequence[Curve], n_targets: int = 5, *, margin: float
     cells: dict[tuple[float, int], list[Curve]] = {}
     for c in curves:
         if c.eval_loss is not None:
+            if not (np.asarray(c.eval_examples) > 0).any():
+                raise ValueError(f"trial {c.label or c.batch_size!r}: no loss reading after its first step; "
+                                 "raise the budget (--tokens)")
             cells.setdefault((c.batch_size, c.seed), []).append(c)
     if not cells:
         raise ValueError("curves: no held-out evaluations; use readout='train'")
