@@ -233,8 +233,9 @@ def target_over_seeds(curves: Sequence[Curve], target: float, *, readout: str = 
     """Steps per batch and seed (at each batch's :func:`common_lr`), monotonicity, per-seed fits and
     their spread at one ``target``."""
     seeds = sorted({c.seed for c in curves})
-    lr_of = common_lr(curves, target, readout=readout, min_window_examples=min_window_examples)
-    curves = [c for c in curves if c.lr == lr_of[c.batch_size]]
+    if len({(c.batch_size, c.lr) for c in curves}) > len({c.batch_size for c in curves}):  # not yet one LR per batch
+        lr_of = common_lr(curves, target, readout=readout, min_window_examples=min_window_examples)
+        curves = [c for c in curves if c.lr == lr_of[c.batch_size]]
     per_seed = {s: points_for_target([c for c in curves if c.seed == s], target, readout=readout,
                                      min_window_examples=min_window_examples) for s in seeds}
     batches = sorted({c.batch_size for c in curves})
