@@ -51,6 +51,38 @@ def test_stale_lock_of_a_dead_process_is_taken_over_with_a_note(tmp_path, capsys
     assert f"locked by pid {dead}, which is gone; taking it over" in err
 
 
+def test_loser_of_a_close_race_still_names_the_winner(tmp_path):
+    # The winner flocks first and writes its pid a moment later; a loser in between must not
+    # report the empty file (or a dead earlier owner's pid) as "another process".
+    import fcntl
+    import threading
+
+    (tmp_path / ".lock").write_text(f"{_dead_pid()}\n")  # a killed earlier owner's pid is still in the file
+    fd = os.open(tmp_path / ".lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the winner, before it writes its pid
+    late = threading.Timer(0.1, lambda: (os.ftruncate(fd, 0), os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)))
+    late.start()
+    try:
+        with pytest.raises(SettingError) as exc:
+            lock_run_dir(tmp_path).acquire()
+        assert f"a run (pid {os.getpid()}) holds" in str(exc.value)
+    finally:
+        late.join()
+        os.close(fd)
+
+
+def test_a_lock_whose_holder_never_writes_says_another_process(tmp_path):
+    import fcntl
+
+    fd = os.open(tmp_path / ".lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        with pytest.raises(SettingError, match=r"a run \(another process\) holds"):
+            lock_run_dir(tmp_path).acquire()
+    finally:
+        os.close(fd)
+
+
 def test_lock_of_a_live_process_blocks_until_it_exits(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from globalbatch.lab.rundir import lock_run_dir\n"

@@ -82,7 +82,7 @@ class RunDirLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
-                holder = _read_pid(fd)
+                holder = _live_holder(fd)
                 os.close(fd)
                 who = f"pid {holder}" if holder else "another process"
                 raise SettingError(self.field, str(self.out), "a directory no other run is using",
@@ -120,6 +120,23 @@ class RunDirLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+def _live_holder(fd: int, *, wait_s: float = 0.5) -> Optional[int]:
+    """The live pid written in a lock file someone else holds, or None.
+
+    The holder writes its pid just after taking the flock, so a run that loses the race by
+    microseconds may read an empty file or the pid of a killed earlier owner: poll briefly
+    (this is the error path only) before saying "another process".
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        pid = _read_pid(fd)
+        if pid and pid_alive(pid):
+            return pid
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.01)
 
 
 def _read_pid(fd: int) -> Optional[int]:
