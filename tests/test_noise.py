@@ -347,13 +347,14 @@ def _adam_ready(model, x, y, steps=3):
 def host_calls(monkeypatch):
     """Counts calls of the host path, so the equivalence tests know which path ran."""
     calls = []
-    orig = NoiseScaleMonitor._host_vector
+    for name in ("_host_vector", "_raw_vectors"):  # at the window's end, or deferred to the fold
+        orig = getattr(NoiseScaleMonitor, name)
 
-    def counted(self, *a, **k):
-        calls.append(1)
-        return orig(self, *a, **k)
+        def counted(self, *a, _orig=orig, **k):
+            calls.append(1)
+            return _orig(self, *a, **k)
 
-    monkeypatch.setattr(NoiseScaleMonitor, "_host_vector", counted)
+        monkeypatch.setattr(NoiseScaleMonitor, name, counted)
     return calls
 
 
@@ -393,8 +394,8 @@ def test_host_path_equals_tensor_path_under_the_step_driver(mlp_problem, host_ca
         mon = NoiseScaleMonitor(m, optimizer=opt, config=NoiseConfig(half_life=math.inf, every=every, adam=adam))
         mon._host_path = host
         _driver_run(m, x, y, 9, callbacks=[mon], sizes=(8, 3, 8, 5), nan_window=4)
+        got.append(mon.estimates())  # folds the queued windows in
         assert (len(host_calls) > 0) == host
-        got.append(mon.estimates())
     a, b = got
     assert a.keys() == b.keys()
     for key in a:
@@ -402,6 +403,52 @@ def test_host_path_equals_tensor_path_under_the_step_driver(mlp_problem, host_ca
         assert a[key].skipped_windows == b[key].skipped_windows == 1, key  # the NaN window 4 (measured at every=1, 2)
         assert a[key].tr_sigma == pytest.approx(b[key].tr_sigma, rel=1e-9), key
         assert a[key].g_sq == pytest.approx(b[key].g_sq, rel=1e-9), key
+
+
+def test_deferred_host_windows_equal_tensor_path_over_ragged_windows_and_ring_wraps(host_calls):
+    """Under the StepDriver on CPU the window vectors are computed at the fold, from norms left in a ring
+    of rows. Over 700 windows (the ring wraps twice, folds keep the window awaiting its step) of 2–4
+    micro-batches, some of which never reach the second layer (norms per micro-batch differ), with the
+    EMA on: the same estimates as the tensor path."""
+    from globalbatch.step import StepConfig, StepDriver
+
+    torch.manual_seed(0)
+    base = torch.nn.ModuleList([torch.nn.Linear(5, 4), torch.nn.Linear(4, 3)])
+    gen = torch.Generator().manual_seed(2)
+    data = []
+    for w in range(700):
+        data.append([(torch.randn(3 + i, 5, generator=gen), torch.randint(0, 3, (3 + i,), generator=gen))
+                     for i in range(2 + w % 3)])
+    got, calls = [], []
+    for host in (True, False):
+        host_calls.clear()
+        m = copy.deepcopy(base)
+        mon = NoiseScaleMonitor(m, unit="token", config=NoiseConfig(half_life_windows=50))
+        mon._host_path = host
+        driver = StepDriver(m, torch.optim.SGD(m.parameters(), lr=1e-3), StepConfig(micro_batch=6, global_batch=24),
+                            callbacks=[mon])
+        for w, window in enumerate(data):
+            for i, (xb, yb) in enumerate(window):
+                with driver.micro_step(last=i == len(window) - 1):
+                    h = m[0](xb)
+                    out = h[:, :3] if (i + w) % 4 == 1 else m[1](torch.relu(h))
+                    # 2 "tokens" per sample: the token and the sample columns both carry weight
+                    loss = torch.nn.functional.cross_entropy(out, yb, reduction="sum") * 2
+                    driver.backward(loss, 2 * len(yb), samples=len(yb))
+            driver.step()
+            if w == 350:
+                mid = mon.estimates()  # a read-out in the middle folds early; the ring goes on
+        got.append((mid, mon.estimates()))
+        calls.append(len(host_calls))
+    assert calls[0] >= 2 and calls[1] == 0
+    for a, b in zip(*got):
+        assert set(a) == set(b) == {"micro/token", "micro/sample"}
+        for key in a:
+            assert a[key].windows == b[key].windows > 300
+            assert a[key].tr_sigma == pytest.approx(b[key].tr_sigma, rel=1e-9), key
+            assert a[key].g_sq == pytest.approx(b[key].g_sq, rel=1e-9), key
+            assert a[key].b_simple == pytest.approx(b[key].b_simple, rel=1e-9), key
+    assert got[0][1]["micro/token"].b_simple != pytest.approx(got[0][1]["micro/sample"].b_simple, rel=0.01)
 
 
 def test_host_path_equals_tensor_path_with_uneven_micro_batches_and_loss_scale():

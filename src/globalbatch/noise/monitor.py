@@ -143,6 +143,10 @@ def _host_weights(counts: list[Any], mults: list[Any],
     return sum(cs), [[c * i for c, i in zip(cs, inv)], [s * i for s, i in zip(smp, inv)]], float(sum(ms))
 
 
+def _host_numbers(values: list[Any]) -> bool:
+    return all(type(v) is int or type(v) is float for v in values)
+
+
 def _fsdp_unsharded_params(module: torch.nn.Module) -> list[torch.Tensor] | None:
     """The unsharded parameters FSDP2 computes gradients for (one per sharded trainable parameter),
     or None before the first forward created them. FSDP2 keeps these objects across iterations
@@ -170,11 +174,21 @@ def _fsdp_unsharded_params(module: torch.nn.Module) -> list[torch.Tensor] | None
 
 class _NormSlots:
     """A float32 buffer the parameter hooks write |Δ| into, one 0-d view per slot: no tensor is
-    created or freed per norm, and the window reads them all as one slice."""
+    created or freed per norm, and the window reads them all as one slice.
+
+    The buffer is one row of a small ring. The tensor path reads the row at the window's end and
+    writes it again in the next window; the CPU host path calls :meth:`advance` instead, so a
+    finished window's norms stay in their row until a fold reads hundreds of windows at once
+    (no tensor call per window)."""
+
+    ROWS = _FOLD_EVERY_HOST + 3  # rows kept by advance(): the queued windows, one awaiting its step, the next
 
     def __init__(self) -> None:
-        self.buf: torch.Tensor | None = None
+        self.ring: torch.Tensor | None = None  # (rows, slots); 1 row until advance() is first used
+        self.row = 0
+        self.buf: torch.Tensor | None = None   # self.ring[self.row]
         self.views: tuple[torch.Tensor, ...] = ()
+        self._rows: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}  # row → (its tensor, views)
         self.n = 0      # slots written in this window
         self.mark = 0   # slots closed by micro_backward
 
@@ -192,14 +206,35 @@ class _NormSlots:
             v.copy_(torch.linalg.vector_norm(grad))
         self.n = j + 1
 
-    def _grow(self, device: torch.device, need: int, *, float64: bool) -> None:
-        """A bigger buffer (float64 once any float64 gradient was seen, else float32), contents kept."""
-        old = self.buf
+    def _grow(self, device: torch.device, need: int, *, float64: bool, rows: int | None = None) -> None:
+        """A bigger ring (float64 once any float64 gradient was seen, else float32), contents kept."""
+        old = self.ring
         dtype = torch.float64 if float64 or (old is not None and old.dtype == torch.float64) else torch.float32
-        self.buf = torch.zeros(max(64, 2 * (need + 1)), dtype=dtype, device=device)
+        cols = max(64, 2 * (need + 1), old.shape[1] if old is not None else 0)
+        rows = rows or (old.shape[0] if old is not None else 1)
+        self.ring = torch.zeros(rows, cols, dtype=dtype, device=device)
         if old is not None and old.device == device:
-            self.buf[:self.n].copy_(old[:self.n])
-        self.views = self.buf.unbind(0)
+            self.ring[:old.shape[0], :old.shape[1]].copy_(old)
+        self._rows = {}
+        self._select(self.row)
+
+    def _select(self, row: int) -> None:
+        self.row = row
+        hit = self._rows.get(row)
+        if hit is None:  # once per row: then selecting a row is no tensor call
+            buf = self.ring[row]
+            hit = self._rows[row] = (buf, buf.unbind(0))
+        self.buf, self.views = hit
+
+    def advance(self) -> int:
+        """Keep this window's norms in their row (returned); the next window writes the next row."""
+        kept = self.row
+        if self.ring is not None:
+            if len(self.ring) == 1:
+                self._grow(self.ring.device, self.ring.shape[1] - 1, float64=False, rows=self.ROWS)
+            self._select(kept + 1 if kept + 1 < self.ROWS else 0)
+        self.n = self.mark = 0
+        return kept
 
     def close_micro(self) -> int:
         """Norms written since the last call."""
@@ -321,6 +356,9 @@ class NoiseScaleMonitor:
         self._last_measured = False
         self._armed = True
         self._host_path = True                         # CPU, one replica: window statistics on the host
+        # ... and, under the StepDriver without Adam variant or loss scale, computed at the fold
+        self._deferrable = self.dp_world_size == 1 and self.sources == ("micro",) and not self.config.adam
+        self._fast_micro = self._deferrable and self._fsdp is None  # on_micro_backward's short path applies
         self._reset_window()
         if self._micro:
             self._add_param_hooks()
@@ -593,6 +631,17 @@ class NoiseScaleMonitor:
             g0 = getattr(g0, "_local_tensor", g0)
             self._device = g0.device if g0 is not None else torch.device("cpu")
         dev = self._device
+        if self._deferrable and big_from_driver and big_grad_multiplier is None and loss_scale is None \
+                and dev.type == "cpu" and self._host_path and _host_numbers(self._counts) \
+                and (self._mults is self._counts or _host_numbers(self._mults)):
+            # CPU, one replica, under the StepDriver (|G_big|² from its on_step_end): leave the norms in
+            # their ring row and keep the window's lists; the fold computes hundreds of windows' vectors
+            # at once (:meth:`_raw_vectors`). Nothing here touches a tensor.
+            samples_known = self._samples_known and len(self._samples) == k_local
+            raw = (self._slots.advance(), self._per_micro, self._counts, self._mults,
+                   self._samples if samples_known else None)
+            self._queue(None, None, samples_known, False, lr, True, raw=raw)
+            return
         adam = self.config.adam and self._ensure_precond()
         # |G_big|²: under the StepDriver, its pre-clip gradient norm (read in its one host sync) arrives
         # in on_step_end at no cost; otherwise one read of .grad here.
@@ -705,15 +754,48 @@ class NoiseScaleMonitor:
             vec += [sum(w * x for w, x in zip(w_units, sq)) * inv_s2, sum(w * x for w, x in zip(w_samples, sq)) * inv_s2]
         return vec
 
-    def _queue(self, work: Any, vec: torch.Tensor | list[float], samples_known: bool, adam: bool, lr: Any, big_later: bool) -> None:
-        entry = {"work": work, "vec": vec, "samples_known": samples_known, "adam": adam, "lr": lr,
+    def _queue(self, work: Any, vec: torch.Tensor | list[float] | None, samples_known: bool, adam: bool, lr: Any,
+               big_later: bool, raw: tuple[Any, ...] | None = None) -> None:
+        entry = {"work": work, "vec": vec, "raw": raw, "samples_known": samples_known, "adam": adam, "lr": lr,
                  "windows": float(self._elapsed), "dropped": False}
         if big_later:
             entry["big_sq"] = None  # filled by on_step_end; a window the driver never finished stays out
         self._pending.append(entry)
-        if len(self._pending) > (_FOLD_EVERY_HOST if isinstance(vec, list) else _FOLD_EVERY):  # the newest may
-            # still await on_step_end
+        if len(self._pending) > (_FOLD_EVERY if isinstance(vec, torch.Tensor) else _FOLD_EVERY_HOST):  # the newest
+            # may still await on_step_end (a raw entry's ring row stays valid: the ring has room for all)
             self._flush(keep_last=True)
+
+    def _raw_vectors(self, raws: list[tuple[Any, ...]]) -> torch.Tensor:
+        """The window vectors (layout of :meth:`_measure_window`, |G_big|² left 0 for the driver's) of
+        deferred CPU windows: each is (ring row, norms per micro-batch, counts b_i, multipliers m_i,
+        samples s_i or None). Windows of the same shape are computed together."""
+        ring = self._slots.ring
+        out = torch.zeros(len(raws), 8, dtype=torch.float64)
+        groups: dict[Any, list[int]] = {}
+        for j, (_, per, *_rest) in enumerate(raws):
+            k = len(per)
+            groups.setdefault((k, per[0]) if per[0] > 0 and per.count(per[0]) == k else j, []).append(j)
+        for key, js in groups.items():
+            if isinstance(key, tuple):  # k micro-batches of P norms each: one gather for the group
+                k, width = key
+                rows = torch.tensor([raws[j][0] for j in js])
+                sq = ring[rows, :k * width].view(len(js), k, width).double().square_().sum(2)
+            else:                       # norms per micro-batch differ (a parameter without gradient)
+                row, per = raws[key][0], raws[key][1]
+                norms = ring[row, :sum(per)].double()
+                sq = torch.stack([c.square().sum() for c in norms.split(per)])[None]
+            counts = torch.tensor([raws[j][2] for j in js], dtype=torch.float64)
+            inv = torch.tensor([raws[j][3] for j in js], dtype=torch.float64).square_().reciprocal_()
+            smp = torch.tensor([raws[j][4] if raws[j][4] is not None else [0.0] * len(raws[j][2]) for j in js],
+                               dtype=torch.float64)
+            sel = torch.tensor(js)
+            out[sel, 0] = counts.sum(1)
+            out[sel, 1] = smp.sum(1)
+            out[sel, 2] = float(counts.shape[1])
+            out[sel, 3] = 1.0
+            out[sel, 6] = (counts * inv * sq).sum(1)  # Σ b_i|g_i|² (|Δ_i|² = m_i²|g_i|²)
+            out[sel, 7] = (smp * inv * sq).sum(1)     # Σ s_i|g_i|²
+        return out
 
     def _flush(self, keep_last: bool = False) -> None:
         """Fold every queued window into the estimators at once (one op chain, no host sync). A window
@@ -728,7 +810,15 @@ class NoiseScaleMonitor:
             if p["work"] is not None:
                 p["work"].wait()
         vecs = [p["vec"] for p in pend]
-        if all(isinstance(v, list) for v in vecs):                # the CPU host path: one tensor for all
+        raw = [p["raw"] for p in pend if p["raw"] is not None]
+        if raw:                                                   # deferred CPU windows: computed together
+            R = self._raw_vectors(raw)
+            if len(raw) == len(pend):
+                V = R
+            else:
+                rows = iter(R)
+                V = torch.stack([next(rows) if v is None else torch.as_tensor(v, dtype=torch.float64) for v in vecs])
+        elif all(isinstance(v, list) for v in vecs):              # the CPU host path: one tensor for all
             V = torch.tensor(vecs, dtype=torch.float64)
         else:
             V = torch.stack([v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64) for v in vecs])
@@ -801,9 +891,23 @@ class NoiseScaleMonitor:
         ``backward(..., samples=)``, set before the callbacks run), so short and ragged
         micro-batches are weighted by their real size in the per-sample estimate. A monitor
         added in the middle of a window starts at the next one."""
+        counts = self._counts
+        if self._fast_micro and self._measuring and self._in_window and self._installed \
+                and micro_index == len(counts):
+            count = driver.last_micro_count
+            if type(count) is int or type(count) is float:  # the usual case, in a few Python operations
+                # (what micro_backward does for one replica, no Adam variant, a host count)
+                slots = self._slots
+                n = slots.n
+                self._per_micro.append(n - slots.mark)
+                slots.mark = n
+                counts.append(count)
+                self._mults.append(count)
+                self._samples.append(float(driver.last_micro_samples))
+                return
         if not self._in_window:
             self._start_window(usable=micro_index == 0)
-        elif micro_index != len(self._counts):  # attached in the middle of this window: start at the next
+        elif micro_index != len(counts):  # attached in the middle of this window: start at the next
             self._measuring = False
         count = getattr(driver, "last_micro_count", None)
         self.micro_backward(count if isinstance(count, (int, float)) else local_count,
