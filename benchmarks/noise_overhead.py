@@ -4,7 +4,9 @@ One run measures, on the same batches:
 
 0. Small models (one process, 1 thread): MLPs 64-64-32-10 (6.6k parameters), 64-256-256-10 (85k)
    and 64-512-512-10 (301k) at micro 32 × accum 8, the last also with ``every=4`` and at
-   micro 128 × accum 4 — where a fixed cost per micro-batch shows most.
+   micro 128 × accum 4 — where a fixed cost per micro-batch shows most. The "floor" row runs,
+   instead of the monitor, bare hooks that only read each incoming gradient's norm once: what any
+   per-micro-batch estimator must pay, without its bookkeeping.
 1. Accumulation path (one process): step time of StepDriver training with and without
    NoiseScaleMonitor (micro source: one snapshot copy + difference norms per micro-batch).
 2. DDP path (torchrun, 2 gloo ranks, launched from this script): the same with the DDP
@@ -58,6 +60,29 @@ def _windows(task, n_windows: int, per_rank: int, seed: int, rank: int = 0, worl
     return out
 
 
+def _bare_norm_hooks(model) -> None:
+    """The floor of any per-micro-batch estimator: each parameter's incoming gradient norm read once,
+    in a hook, into a preallocated slot — no estimator, no bookkeeping."""
+    buf = torch.zeros(4096)
+    model._floor_slots = (buf.unbind(0), [0])
+    views, at = model._floor_slots
+
+    def hook(grad):
+        torch.linalg.vector_norm(grad, out=views[at[0]])
+        at[0] += 1
+
+    for p in model.parameters():
+        p.register_hook(hook)
+
+
+class _SlotReset:
+    def __init__(self, model):
+        self.at = model._floor_slots[1]
+
+    def on_window_end(self, driver, global_count, local_window_count):
+        self.at[0] = 0
+
+
 def _train_window(driver, loss_sum, model, micros) -> tuple[float, float]:
     """(wall seconds, CPU seconds of this process) of one window. On a machine shared with other
     jobs the process CPU time leaves out the time spent descheduled, so its ratio is less noisy."""
@@ -74,10 +99,15 @@ def ab_timing(loss_sum, make_model, windows, *, warmup: int, monitor_kwargs: dic
     """Median per-step ratio monitored/baseline, interleaved ABBA on the same batches."""
     drivers = []
     accum = len(windows[0])
+    floor = monitor_kwargs.get("floor", False)
     for monitored in (False, True):
         model = make_model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        cbs = [NoiseScaleMonitor(model, optimizer=opt, unit=unit, **monitor_kwargs)] if monitored else []
+        if monitored and floor:
+            _bare_norm_hooks(model)
+            cbs = [_SlotReset(model)]
+        else:
+            cbs = [NoiseScaleMonitor(model, optimizer=opt, unit=unit, **monitor_kwargs)] if monitored else []
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         drivers.append((StepDriver(model, opt, StepConfig(micro_batch=micro, global_batch=micro * accum * world),
                                    callbacks=cbs), model, cbs))
@@ -95,11 +125,12 @@ def ab_timing(loss_sum, make_model, windows, *, warmup: int, monitor_kwargs: dic
     cpu_ratios = [b / a for a, b in zip(cpu[False], cpu[True]) if a > 0]
     q = statistics.quantiles(ratios, n=4)
     mon = drivers[True][2][0]
-    est = mon.estimate()
+    est = mon.estimate() if not floor else None
     return {"base_s": statistics.median(times[False]), "monitored_s": statistics.median(times[True]),
             "ratio_median": statistics.median(ratios), "ratio_of_means": sum(times[True]) / sum(times[False]),
             "cpu_ratio_median": statistics.median(cpu_ratios), "ratio_iqr": [q[0], q[2]],
-            "steps": len(ratios), "b_simple": est.b_simple, "estimate_flags": list(est.flags),
+            "steps": len(ratios), "b_simple": est.b_simple if est else None,
+            "estimate_flags": list(est.flags) if est else [],
             "trained_model": drivers[True][1]}
 
 
@@ -107,10 +138,11 @@ def ab_timing(loss_sum, make_model, windows, *, warmup: int, monitor_kwargs: dic
 # Small models: where a fixed cost per micro-batch shows
 # ---------------------------------------------------------------------------
 
-MLP_CASES = (  # widths, micro, accum, every
+MLP_CASES = (  # widths, micro, accum, every ("floor": bare in-hook norm reads instead of the monitor)
     ((64, 64, 32, 10), 32, 8, 1),
     ((64, 256, 256, 10), 32, 8, 1),
     ((64, 512, 512, 10), 32, 8, 1),
+    ((64, 512, 512, 10), 32, 8, "floor"),
     ((64, 512, 512, 10), 32, 8, 4),
     ((64, 512, 512, 10), 128, 4, 1),
 )
@@ -138,8 +170,9 @@ def mlp_timing(widths, micro: int, accum: int, every: int, *, steps: int, warmup
     for _ in range(steps + warmup):
         idx = torch.randint(0, len(x), (accum, micro), generator=g)
         windows.append([(x[i], y[i]) for i in idx])
+    kwargs = {"floor": True} if every == "floor" else {"config": NoiseConfig(every=every)}
     res = ab_timing(_mlp_loss_sum, lambda: _mlp(widths, seed), windows, warmup=warmup, unit="sample", micro=micro,
-                    monitor_kwargs={"config": NoiseConfig(every=every)})
+                    monitor_kwargs=kwargs)
     res.pop("trained_model")
     res["params"] = sum(p.numel() for p in _mlp(widths, seed).parameters())
     return res
@@ -153,7 +186,8 @@ def run_mlp_table(args) -> list[dict]:
         r = mlp_timing(widths, micro, accum, every, steps=args.mlp_steps, warmup=10, seed=args.seed)
         r.update(model="mlp " + "-".join(map(str, widths)), micro=micro, accum=accum, every=every)
         rows.append(r)
-        print(f"  {r['model']:<18} {r['params']:>8,} params  micro {micro:>3} × accum {accum}  every={every}:  "
+        what = "floor  " if every == "floor" else f"every={every}"
+        print(f"  {r['model']:<18} {r['params']:>8,} params  micro {micro:>3} × accum {accum}  {what}:  "
               f"base {r['base_s'] * 1e3:6.2f} ms/step  ratio {r['ratio_median']:.3f} (IQR {r['ratio_iqr'][0]:.3f}–"
               f"{r['ratio_iqr'][1]:.3f}; ratio of means {r['ratio_of_means']:.3f}; CPU-time ratio "
               f"{r['cpu_ratio_median']:.3f})", flush=True)

@@ -176,21 +176,19 @@ class _NormSlots:
     """A float32 buffer the parameter hooks write |Δ| into, one 0-d view per slot: no tensor is
     created or freed per norm, and the window reads them all as one slice.
 
-    The buffer is one row of a small ring. The tensor path reads the row at the window's end and
-    writes it again in the next window; the CPU host path calls :meth:`advance` instead, so a
-    finished window's norms stay in their row until a fold reads hundreds of windows at once
-    (no tensor call per window)."""
+    The CPU host path keeps finished windows in a ring of rows (:meth:`advance`: one row copy), so
+    that a fold reads hundreds of windows at once instead of a tensor call per window."""
 
-    ROWS = _FOLD_EVERY_HOST + 3  # rows kept by advance(): the queued windows, one awaiting its step, the next
+    ROWS = _FOLD_EVERY_HOST + 3  # the queued windows, one awaiting its step, and room to spare
 
     def __init__(self) -> None:
-        self.ring: torch.Tensor | None = None  # (rows, slots); 1 row until advance() is first used
-        self.row = 0
-        self.buf: torch.Tensor | None = None   # self.ring[self.row]
+        self.buf: torch.Tensor | None = None
         self.views: tuple[torch.Tensor, ...] = ()
-        self._rows: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}  # row → (its tensor, views)
         self.n = 0      # slots written in this window
         self.mark = 0   # slots closed by micro_backward
+        self.ring: torch.Tensor | None = None              # (ROWS, len(buf)): kept windows
+        self._ring_rows: tuple[torch.Tensor, ...] = ()
+        self._next_row = 0
 
     def put(self, grad: torch.Tensor) -> None:
         j = self.n
@@ -206,35 +204,31 @@ class _NormSlots:
             v.copy_(torch.linalg.vector_norm(grad))
         self.n = j + 1
 
-    def _grow(self, device: torch.device, need: int, *, float64: bool, rows: int | None = None) -> None:
-        """A bigger ring (float64 once any float64 gradient was seen, else float32), contents kept."""
-        old = self.ring
+    def _grow(self, device: torch.device, need: int, *, float64: bool) -> None:
+        """A bigger buffer (float64 once any float64 gradient was seen, else float32), contents kept."""
+        old = self.buf
         dtype = torch.float64 if float64 or (old is not None and old.dtype == torch.float64) else torch.float32
-        cols = max(64, 2 * (need + 1), old.shape[1] if old is not None else 0)
-        rows = rows or (old.shape[0] if old is not None else 1)
-        self.ring = torch.zeros(rows, cols, dtype=dtype, device=device)
+        self.buf = torch.zeros(max(64, 2 * (need + 1)), dtype=dtype, device=device)
         if old is not None and old.device == device:
-            self.ring[:old.shape[0], :old.shape[1]].copy_(old)
-        self._rows = {}
-        self._select(self.row)
-
-    def _select(self, row: int) -> None:
-        self.row = row
-        hit = self._rows.get(row)
-        if hit is None:  # once per row: then selecting a row is no tensor call
-            buf = self.ring[row]
-            hit = self._rows[row] = (buf, buf.unbind(0))
-        self.buf, self.views = hit
+            self.buf[:self.n].copy_(old[:self.n])
+        self.views = self.buf.unbind(0)
 
     def advance(self) -> int:
-        """Keep this window's norms in their row (returned); the next window writes the next row."""
-        kept = self.row
-        if self.ring is not None:
-            if len(self.ring) == 1:
-                self._grow(self.ring.device, self.ring.shape[1] - 1, float64=False, rows=self.ROWS)
-            self._select(kept + 1 if kept + 1 < self.ROWS else 0)
+        """Keep this window's norms in a row of the ring (returned); the next window starts empty."""
+        ring, buf = self.ring, self.buf
+        if buf is None:
+            buf = torch.zeros(64)
+        if ring is None or ring.shape[1] != len(buf) or ring.dtype != buf.dtype or ring.device != buf.device:
+            new = torch.zeros(self.ROWS, len(buf), dtype=buf.dtype, device=buf.device)
+            if ring is not None:  # the buffer grew: rows still queued keep their norms
+                cols = min(ring.shape[1], len(buf))
+                new[:, :cols].copy_(ring[:, :cols].to(device=buf.device, dtype=buf.dtype))
+            self.ring, self._ring_rows = new, new.unbind(0)
+        row = self._next_row
+        self._ring_rows[row].copy_(buf)
+        self._next_row = row + 1 if row + 1 < self.ROWS else 0
         self.n = self.mark = 0
-        return kept
+        return row
 
     def close_micro(self) -> int:
         """Norms written since the last call."""
