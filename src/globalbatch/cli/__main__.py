@@ -1,0 +1,5 @@
+"""``python -m globalbatch.cli``."""
+
+from globalbatch.cli import main
+
+main()

@@ -1,0 +1,208 @@
+"""``globalbatch plan``: the batch geometry, its checks and the memory model (no torch needed)."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from globalbatch.cli import app, LrRule
+
+
+@app.command("plan", short_help="State, check and derive the batch geometry of a run (no torch needed).")
+def plan_cmd(
+    config: Optional[str] = typer.Option(None, "--config", help="YAML/TOML (our schema), DeepSpeed JSON or HF TrainingArguments JSON."),
+    global_batch: Optional[int] = typer.Option(None, "--global-batch", help="Sequences per optimizer step, all ranks."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Sequences per forward/backward per rank."),
+    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Micro-batches accumulated per optimizer step."),
+    dp: Optional[int] = typer.Option(None, "--dp", help="Data-parallel world size. With --config: a new world size; the global batch stays fixed and accum is re-derived."),
+    round_down: bool = typer.Option(False, "--round-down", help="When the new --dp does not divide, round the global batch down and say how much is dropped."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence (padded)."),
+    valid_tokens_per_seq: Optional[float] = typer.Option(None, "--valid-tokens-per-seq", help="Mean non-padding tokens per sequence."),
+    padding_fraction: Optional[float] = typer.Option(None, "--padding-fraction", help="Share of token slots that are padding, 0 ≤ x < 1."),
+    total_tokens: Optional[str] = typer.Option(None, "--total-tokens", help="Training budget in tokens, e.g. 100B."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate (tuned at --lr-base-batch if given)."),
+    lr_base_batch: Optional[int] = typer.Option(None, "--lr-base-batch", help="Global batch (sequences) at which --lr was tuned."),
+    lr_rule: Optional[LrRule] = typer.Option(None, "--lr-rule", help="linear | sqrt | none (default sqrt, or --optimizer's rule)."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="A registry name (adamw, sgd, lars, lamb): its LR rule is the default --lr-rule; with --memory also its state bytes (plus sgd-plain, sgd-momentum, adafactor; default adamw)."),
+    warmup_tokens: Optional[str] = typer.Option(None, "--warmup-tokens", help="Warmup in tokens, e.g. 375M (converted to steps)."),
+    warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", help="Warmup in steps (converted to tokens)."),
+    pp_stages: Optional[int] = typer.Option(None, "--pp-stages", help="Pipeline stages p (micro-batches per step m = grad accum)."),
+    virtual_stages: Optional[int] = typer.Option(None, "--virtual-stages", help="Interleaved virtual stages v (default 1)."),
+    max_bubble: Optional[float] = typer.Option(None, "--max-bubble", help="Bubble target (fraction of compute) for the smallest-global-batch hint."),
+    params: Optional[str] = typer.Option(None, "--params", help="Model parameters N, e.g. 7B (all-reduce volume, priors)."),
+    grad_bytes_per_param: Optional[int] = typer.Option(None, "--grad-bytes-per-param", help="Bytes per gradient element (4 fp32, 2 bf16; default 4)."),
+    sync_every_micro_step: bool = typer.Option(False, "--sync-every-micro-step", help="All-reduce on every micro-step (no no_sync)."),
+    compute: Optional[str] = typer.Option(None, "--compute", help="Training FLOPs C for the DeepSeek prior (default 6·N·D)."),
+    loss: Optional[float] = typer.Option(None, "--loss", help="Loss in nats/token for the Kaplan B_crit prior."),
+    memory: Optional[str] = typer.Option(None, "--memory", help="Device memory, e.g. 80GiB: predict the largest micro-batch and show the memory breakdown (needs --params and --activation-bytes-per-sample, or --task)."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="With --memory: fp32 or bf16-mixed (bf16 weights/grads, fp32 master; default fp32)."),
+    sharding: Optional[str] = typer.Option(None, "--sharding", help="With --memory: none, zero1, zero2, zero3 or fsdp, over --dp ranks (default none)."),
+    activation_bytes: Optional[str] = typer.Option(None, "--activation-bytes-per-sample", help="With --memory: activation bytes per sample, e.g. 1.5GiB (else measured with --task)."),
+    checkpoint_divisor: Optional[float] = typer.Option(None, "--checkpoint-divisor", help="With --memory: activation checkpointing divides activations by this (default 1: none)."),
+    task: Optional[str] = typer.Option(None, "--task", help="With --memory: measure params and activations of this task (tinygpt, mnist or package.module:function; needs torch)."),
+    task_arg: list[str] = typer.Option([], "--task-arg", help="With --task: override KEY=VALUE (repeatable), e.g. d_model=64."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys."),
+) -> None:
+    """State the whole batch geometry of a run, check it, and say what follows from it."""
+
+    from .. import plan as P
+    from ..config import make_plan, plan_table
+
+    def count(text: Optional[str], flag: str) -> Optional[float]:
+        return None if text is None else float(P.parse_count(text, flag))
+
+    if optimizer is not None:  # the registry's table imports no torch
+        from .._util import SettingError
+        from ..optim.registry import lr_scaling_rule, optimizer_names
+
+        from ..memory import OPTIMIZER_STATES
+
+        if optimizer not in optimizer_names():
+            if memory is None and optimizer in OPTIMIZER_STATES:
+                raise SettingError("--optimizer", optimizer, f"{', '.join(optimizer_names())} (the registry; "
+                                   f"{optimizer} names optimizer state for --memory only)", flag=True)
+            if memory is None:
+                raise SettingError("--optimizer", optimizer, ", ".join(optimizer_names()), flag=True)
+            if optimizer not in OPTIMIZER_STATES:
+                raise SettingError("--optimizer", optimizer, ", ".join(dict.fromkeys(
+                    [*optimizer_names(), *OPTIMIZER_STATES])), flag=True)
+        if lr_rule is None and optimizer in optimizer_names():
+            lr_rule = lr_scaling_rule(optimizer)
+
+    memory_flags = {"--precision": precision, "--sharding": sharding,
+                    "--activation-bytes-per-sample": activation_bytes, "--checkpoint-divisor": checkpoint_divisor,
+                    "--task": task, "--task-arg": task_arg or None}
+    memory_inputs = None
+    if memory is None:
+        for flag, value in memory_flags.items():
+            if value is not None:
+                raise ValueError(f"{flag} {value if not isinstance(value, list) else ','.join(value)} is not allowed "
+                                 "without --memory; allowed: add --memory DEVICE_BYTES, e.g. --memory 80GiB")
+    else:
+        memory_inputs = _memory_inputs(memory, params=params, dp=dp, optimizer=optimizer, precision=precision,
+                                       sharding=sharding, activation_bytes=activation_bytes,
+                                       checkpoint_divisor=checkpoint_divisor, task=task, task_arg=task_arg)
+    geometry_given = config is not None or any(v is not None for v in (global_batch, micro_batch, grad_accum))
+    if memory_inputs is not None and not geometry_given:
+        _print_memory(memory_inputs, None, as_json)
+        return
+
+    flags = {
+        "global_batch": global_batch, "micro_batch": micro_batch, "grad_accum_steps": grad_accum,
+        "seq_len": seq_len, "valid_tokens_per_seq": valid_tokens_per_seq, "padding_fraction": padding_fraction,
+        "total_tokens": count(total_tokens, "--total-tokens"),
+        "lr": lr, "lr_base_batch": lr_base_batch, "lr_rule": lr_rule,
+        "warmup_tokens": count(warmup_tokens, "--warmup-tokens"),
+        "warmup_steps": warmup_steps, "pp_stages": pp_stages, "virtual_stages": virtual_stages,
+        "max_bubble": max_bubble, "params": count(params, "--params"),
+        "grad_bytes_per_param": grad_bytes_per_param,
+        "compute_flops": count(compute, "--compute"), "loss_nats": loss,
+        "no_sync": False if sync_every_micro_step else None,
+    }
+    report = make_plan(config, flags, dp_world_size=dp, round_down=round_down)
+    warnings = list(report.warnings)
+    memory_section = None
+    if memory_inputs is not None:
+        memory_section = _memory_section(memory_inputs, report.micro_batch)
+        if not memory_section["fits"]:
+            warnings.append(
+                f"micro_batch {memory_section['breakdown']['micro_batch']} needs "
+                f"{memory_section['breakdown']['total_bytes'] / 2**30:,.2f} GiB, more than --memory {memory}; "
+                f"the largest that fits is {memory_section['largest_micro_batch']}")
+    if as_json:
+        out = report.to_dict()
+        if optimizer is not None:
+            out["optimizer"] = optimizer
+        if memory_section is not None:
+            out["memory"] = memory_section
+            out["warnings"] = warnings
+        typer.echo(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        from rich.console import Console
+
+        console = Console(width=max(Console().width, 120))  # the arithmetic column reads best unwrapped
+        console.print(plan_table(report))
+        if memory_section is not None:
+            from ..memory import memory_table
+
+            console.print(memory_table(memory_section))
+        if report.priors:
+            console.print("priors are scaling-law predictions, not measurements: measure with `globalbatch sweep`/`noise`.")
+    for w in warnings:
+        typer.echo(f"warning: {w}", err=True)
+
+
+def _memory_inputs(memory: str, *, params: Optional[str], dp: Optional[int], optimizer: Optional[str],
+                   precision: Optional[str], sharding: Optional[str], activation_bytes: Optional[str],
+                   checkpoint_divisor: Optional[float], task: Optional[str], task_arg: list[str]) -> tuple:
+    """Check every ``plan --memory`` flag (before anything is printed), then measure the task if one is given."""
+    from .._util import SettingError, flag_names, parse_task_args
+    from ..memory import Activations, MemoryConfig
+    from ..plan import parse_bytes, parse_count
+
+    device_bytes = parse_bytes(memory, "--memory")
+    if device_bytes < 1:
+        raise ValueError(f"--memory {memory} is not allowed; allowed: a device memory of at least 1 byte")
+    if task is not None and (params is not None or activation_bytes is not None):
+        given = "--params" if params is not None else "--activation-bytes-per-sample"
+        raise ValueError(f"{given} is not allowed with --task {task}: the task's model gives it; "
+                         "allowed: --task, or --params with --activation-bytes-per-sample")
+    if task is None:
+        if params is None:
+            raise ValueError("--memory needs --params (e.g. 7B) or --task; allowed: add one of them")
+        if activation_bytes is None:
+            raise ValueError("--memory needs --activation-bytes-per-sample (e.g. 1.5GiB) or --task to measure it; "
+                             "allowed: add one of them")
+    if task_arg and task is None:
+        raise ValueError("--task-arg is not allowed without --task; allowed: add --task, e.g. --task tinygpt")
+    per_sample = None
+    if activation_bytes is not None:
+        per_sample = parse_bytes(activation_bytes, "--activation-bytes-per-sample")
+        if per_sample < 1:
+            raise ValueError(f"--activation-bytes-per-sample {activation_bytes} is not allowed; allowed: at least 1 byte")
+    names = {"params": "--params", "optimizer": "--optimizer", "precision": "--precision", "sharding": "--sharding",
+             "dp_world_size": "--dp", "checkpoint_divisor": "--checkpoint-divisor"}
+    common = dict(optimizer=optimizer or "adamw", precision=precision or "fp32", sharding=sharding or "none",
+                  dp_world_size=1 if dp is None else dp,
+                  checkpoint_divisor=1.0 if checkpoint_divisor is None else checkpoint_divisor)
+    with flag_names(names):
+        MemoryConfig(params=1 if params is None else parse_count(params, "--params"), **common)  # check the flags
+    if task is None:
+        cfg = MemoryConfig(params=parse_count(params, "--params"), **common)
+        return device_bytes, cfg, Activations(bytes_per_sample=float(per_sample), source="given")
+    from .._util import load_task_checked
+    from ..probe.activations import task_memory_inputs
+
+    with flag_names({"task": "--task", "task_overrides": "--task-arg"}):
+        try:
+            task_obj = load_task_checked(task, parse_task_args(task_arg))
+        except SettingError:
+            raise
+        except ValueError as exc:
+            raise SettingError("task", task, "tinygpt, mnist or package.module:function", why=str(exc)) from None
+    n, shapes, acts = task_memory_inputs(task_obj, device="cpu")
+    return device_bytes, MemoryConfig(params=n, param_shapes=shapes, **common), acts
+
+
+def _memory_section(inputs: tuple, micro_batch: Optional[int]) -> dict:
+    from ..memory import memory_report
+
+    device_bytes, cfg, acts = inputs
+    return memory_report(cfg, acts, device_bytes, micro_batch=micro_batch)
+
+
+def _print_memory(inputs: tuple, micro_batch: Optional[int], as_json: bool) -> None:
+
+    report = _memory_section(inputs, micro_batch)
+    if as_json:
+        typer.echo(json.dumps({"memory": report}, indent=2, sort_keys=True))
+        return
+    from rich.console import Console
+
+    from ..memory import memory_table
+
+    Console(width=max(Console().width, 120)).print(memory_table(report))
+    if report["largest_micro_batch"] == 0:
+        typer.echo("warning: not even micro-batch 1 fits: the static bytes alone exceed --memory", err=True)
