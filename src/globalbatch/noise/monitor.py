@@ -14,10 +14,13 @@ McCandlish, Kaplan, Amodei 2018 (arXiv 1812.06162), App. A.1 (the estimator is i
 
 ``adam=True`` adds the Adam-preconditioned variant g/(√v̂ + eps). The per-window statistics
 are one small tensor chain on an accelerator or under DP, and host arithmetic on CPU with one
-replica (one ``tolist()`` of the norm buffer: measured in place after a backward, each small
-torch call costs 5–15 µs). Under the StepDriver |G_big|² is its pre-clip norm, read in its one
-host sync. Windows are queued and folded into every estimator at once (each estimator's state
-is a row of one matrix).
+replica (measured in place after a backward, each small torch call costs 5–15 µs): under the
+StepDriver the window only copies its norms into a ring row and the fold computes hundreds of
+windows at once (:func:`globalbatch.noise.window.raw_vectors`); otherwise one ``tolist()`` of the
+norm buffer. Under the StepDriver |G_big|² is its pre-clip norm, read in its one host sync.
+Windows are queued and folded into every estimator at once (each estimator's state is a row of
+one matrix). The norm slots, the FSDP2 parameters and the DDP comm hook live in
+:mod:`globalbatch.noise.sources`; the host arithmetic in :mod:`globalbatch.noise.window`.
 ``every=n`` measures one window in n: between measured windows the parameter hooks are
 removed, so the skipped windows cost a few Python calls.
 """
@@ -25,7 +28,6 @@ removed, so the skipped windows cost a few Python calls.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -39,211 +41,14 @@ from globalbatch.noise.estimator import (
     _as_tensor,
     ema_fold,
 )
+from globalbatch.noise.config import SOURCES, NoiseConfig, _check_every
+from globalbatch.noise.sources import _FOLD_EVERY_HOST, _CommHookDispatch, _fsdp_unsharded_params, _NormSlots, _vector_norm
+from globalbatch.noise.window import _host_numbers, _host_weights, _scalars, raw_vectors
 from globalbatch.parallel import inspect_parallel
 
 __all__ = ["SOURCES", "NoiseConfig", "NoiseScaleMonitor"]
 
-SOURCES = ("micro", "rank")
-_vector_norm = torch._C._linalg.linalg_vector_norm  # torch.linalg.vector_norm, called positionally in the hooks
 _FOLD_EVERY = 32  # measured windows queued (one small vector each) before they are folded in on the device
-_FOLD_EVERY_HOST = 256  # the same for host lists (CPU, one replica): a fold costs ≈ 0.7 ms of small calls
-
-
-def _check_every(every: Any) -> int:
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"every {every!r} is not allowed; allowed: a whole number ≥ 1 (measure one window in n)")
-    return every
-
-
-@dataclass(kw_only=True)
-class NoiseConfig:
-    """What :class:`NoiseScaleMonitor` measures and how it smooths."""
-
-    sources: tuple[str, ...] = SOURCES
-    """Small-batch sources: ``"micro"`` (micro-batches of the accumulation window, pooled over
-    ranks) and/or ``"rank"`` (each DP rank's window gradient before the all-reduce). A source
-    that cannot apply (``"rank"`` on one process) is left out; none left is a ValueError."""
-    half_life: float | None = None
-    """EMA half-life in units of the loss (tokens for a token-mean loss); None: ``half_life_windows``
-    times the first window's global batch. ``math.inf``: the **plain mean over every measured
-    window** — the read-out to use at fixed parameters (lr 0, a frozen checkpoint), where there is
-    no drift to forget and the plain mean is the most precise estimate."""
-    half_life_windows: float = 20.0
-    """Half-life in windows of the first global batch, used when ``half_life`` is None."""
-    every: int = 1
-    """Measure one window in ``every`` (the others cost nearly nothing); changeable at any time
-    through ``monitor.every``. The EMA still forgets per trained unit."""
-    adam: bool = False
-    """Also estimate the *Adam-preconditioned variant*, g/(√v̂ + eps), from the optimizer's
-    ``exp_avg_sq`` (costs one more gradient-sized buffer and one multiply per norm)."""
-    confidence: float = 0.95
-    """Two-sided level of the Fieller interval."""
-    min_windows: int = 3
-    """Fewer windows than this flags an estimate ``"few_windows"``."""
-    max_relative_stderr: float = 0.5
-    """stderr / B_simple above this flags ``"too_noisy"``."""
-    max_interval_ratio: float = 2.0
-    """high / low of the interval above this flags ``"wide_interval"`` (``math.inf``: never)."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.sources, str):
-            self.sources = (self.sources,)
-        bad = [s for s in self.sources if s not in SOURCES]
-        if bad or not self.sources:
-            raise ValueError(f"sources {self.sources!r} is not allowed; allowed: a non-empty subset of {SOURCES}")
-        if self.half_life is not None and not self.half_life > 0:
-            raise ValueError(f"half_life {self.half_life!r} is not allowed; allowed: > 0 units, None or math.inf")
-        if not self.half_life_windows > 0:
-            raise ValueError(f"half_life_windows {self.half_life_windows!r} is not allowed; allowed: > 0")
-        _check_every(self.every)
-        if not 0.0 < self.confidence < 1.0:
-            raise ValueError(f"confidence {self.confidence!r} is not allowed; allowed: 0 < confidence < 1")
-        if isinstance(self.min_windows, bool) or not isinstance(self.min_windows, int) or self.min_windows < 2:
-            raise ValueError(f"min_windows {self.min_windows!r} is not allowed; allowed: an int ≥ 2")
-        if not self.max_relative_stderr > 0:
-            raise ValueError(f"max_relative_stderr {self.max_relative_stderr!r} is not allowed; allowed: > 0")
-        if not self.max_interval_ratio > 1:
-            raise ValueError(f"max_interval_ratio {self.max_interval_ratio!r} is not allowed; allowed: > 1 "
-                             "(or math.inf)")
-
-
-def _sq_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Σ|t|² over tensors in float64 (grouped kernels via ``_foreach_norm``); 0-d tensor."""
-    return torch.stack(torch._foreach_norm(tensors)).double().square_().sum()
-
-
-def _scalars(values: list[Any], device: torch.device) -> torch.Tensor:
-    """Per-micro scalars (host numbers or 0-d tensors) as one float64 vector on ``device``."""
-    if all(isinstance(v, torch.Tensor) for v in values):
-        return torch.stack([v.reshape(()) for v in values]).to(device=device, dtype=torch.float64)
-    if not any(isinstance(v, torch.Tensor) for v in values):
-        return torch.tensor(values, dtype=torch.float64, device=device)
-    return torch.stack([_as_tensor(v, device).reshape(()) for v in values]).to(device)
-
-
-def _host_weights(counts: list[Any], mults: list[Any],
-                  samples: list[float] | None) -> tuple[float, list[list[float]], float] | None:
-    """Σ b_i, the weights [[b_i/m_i²...], [s_i/m_i²...]] and Σ m_i as host floats, when every count and
-    multiplier is a number or a CPU tensor (reading those is no device sync); else None."""
-    def host(v: Any) -> float | None:
-        if isinstance(v, torch.Tensor):
-            return v.item() if v.device.type == "cpu" else None  # a CPU tensor: no device sync
-        return float(v)
-
-    cs, ms = [], []
-    for c, m in zip(counts, mults):
-        cv = host(c)
-        mv = cv if m is c else host(m)
-        if cv is None or mv is None:
-            return None
-        cs.append(cv)
-        ms.append(mv)
-    inv = [1.0 / (m * m) for m in ms]
-    smp = samples if samples is not None else [0.0] * len(cs)
-    return sum(cs), [[c * i for c, i in zip(cs, inv)], [s * i for s, i in zip(smp, inv)]], float(sum(ms))
-
-
-def _host_numbers(values: list[Any]) -> bool:
-    return all(type(v) is int or type(v) is float for v in values)
-
-
-def _fsdp_unsharded_params(module: torch.nn.Module) -> list[torch.Tensor] | None:
-    """The unsharded parameters FSDP2 computes gradients for (one per sharded trainable parameter),
-    or None before the first forward created them. FSDP2 keeps these objects across iterations
-    (it frees and refills their storage), so hooks on them persist. Private FSDP2 state: checked by
-    the 2-rank test against DDP on the same windows."""
-    out = []
-    for m in module.modules():
-        get = getattr(m, "_get_fsdp_state", None)
-        if get is None:
-            continue
-        state = get()
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            group = getattr(state, "_fsdp_param_group", None)
-            groups = [group] if group is not None else []
-        for group in groups:
-            for fp in group.fsdp_params:
-                if not fp.sharded_param.requires_grad:
-                    continue
-                if not hasattr(fp, "_unsharded_param"):
-                    return None
-                out.append(fp._unsharded_param)
-    return out
-
-
-class _NormSlots:
-    """A float32 buffer the parameter hooks write |Δ| into, one 0-d view per slot: no tensor is
-    created or freed per norm, and the window reads them all as one slice.
-
-    The CPU host path keeps finished windows in a ring of rows (:meth:`advance`: one row copy), so
-    that a fold reads hundreds of windows at once instead of a tensor call per window."""
-
-    ROWS = _FOLD_EVERY_HOST + 3  # the queued windows, one awaiting its step, and room to spare
-
-    def __init__(self) -> None:
-        self.buf: torch.Tensor | None = None
-        self.views: tuple[torch.Tensor, ...] = ()
-        self.n = 0      # slots written in this window
-        self.mark = 0   # slots closed by micro_backward
-        self.ring: torch.Tensor | None = None              # (ROWS, len(buf)): kept windows
-        self._ring_rows: tuple[torch.Tensor, ...] = ()
-        self._next_row = 0
-
-    def put(self, grad: torch.Tensor) -> None:
-        j = self.n
-        if j >= len(self.views) or self.buf.device != grad.device or \
-                (grad.dtype == torch.float64 and self.buf.dtype != torch.float64):
-            self._grow(grad.device, j, float64=grad.dtype == torch.float64)
-        v = self.views[j]
-        if grad.dtype == v.dtype:
-            torch.linalg.vector_norm(grad, out=v)
-        elif grad.dtype in (torch.float16, torch.bfloat16):
-            v.copy_(torch.linalg.vector_norm(grad, dtype=torch.float32))  # accumulate half precision in float32
-        else:
-            v.copy_(torch.linalg.vector_norm(grad))
-        self.n = j + 1
-
-    def _grow(self, device: torch.device, need: int, *, float64: bool) -> None:
-        """A bigger buffer (float64 once any float64 gradient was seen, else float32), contents kept."""
-        old = self.buf
-        dtype = torch.float64 if float64 or (old is not None and old.dtype == torch.float64) else torch.float32
-        self.buf = torch.zeros(max(64, 2 * (need + 1)), dtype=dtype, device=device)
-        if old is not None and old.device == device:
-            self.buf[:self.n].copy_(old[:self.n])
-        self.views = self.buf.unbind(0)
-
-    def advance(self) -> int:
-        """Keep this window's norms in a row of the ring (returned); the next window starts empty."""
-        ring, buf = self.ring, self.buf
-        if buf is None:
-            buf = torch.zeros(64)
-        if ring is None or ring.shape[1] != len(buf) or ring.dtype != buf.dtype or ring.device != buf.device:
-            new = torch.zeros(self.ROWS, len(buf), dtype=buf.dtype, device=buf.device)
-            if ring is not None:  # the buffer grew: rows still queued keep their norms
-                cols = min(ring.shape[1], len(buf))
-                new[:, :cols].copy_(ring[:, :cols].to(device=buf.device, dtype=buf.dtype))
-            self.ring, self._ring_rows = new, new.unbind(0)
-        row = self._next_row
-        self._ring_rows[row].copy_(buf)
-        self._next_row = row + 1 if row + 1 < self.ROWS else 0
-        self.n = self.mark = 0
-        return row
-
-    def close_micro(self) -> int:
-        """Norms written since the last call."""
-        n, self.mark = self.n - self.mark, self.n
-        return n
-
-    def drop(self) -> None:
-        """Forget what was written since the last close (a backward that is not measured)."""
-        self.n = self.mark
-
-    def reset(self) -> None:
-        self.n = self.mark = 0
-
-    def written(self) -> torch.Tensor:
-        return self.buf[:self.n] if self.buf is not None else torch.zeros(0)
 
 
 class NoiseScaleMonitor:
@@ -760,36 +565,8 @@ class NoiseScaleMonitor:
             self._flush(keep_last=True)
 
     def _raw_vectors(self, raws: list[tuple[Any, ...]]) -> torch.Tensor:
-        """The window vectors (layout of :meth:`_measure_window`, |G_big|² left 0 for the driver's) of
-        deferred CPU windows: each is (ring row, norms per micro-batch, counts b_i, multipliers m_i,
-        samples s_i or None). Windows of the same shape are computed together."""
-        ring = self._slots.ring
-        out = torch.zeros(len(raws), 8, dtype=torch.float64)
-        groups: dict[Any, list[int]] = {}
-        for j, (_, per, *_rest) in enumerate(raws):
-            k = len(per)
-            groups.setdefault((k, per[0]) if per[0] > 0 and per.count(per[0]) == k else j, []).append(j)
-        for key, js in groups.items():
-            if isinstance(key, tuple):  # k micro-batches of P norms each: one gather for the group
-                k, width = key
-                rows = torch.tensor([raws[j][0] for j in js])
-                sq = ring[rows, :k * width].view(len(js), k, width).double().square_().sum(2)
-            else:                       # norms per micro-batch differ (a parameter without gradient)
-                row, per = raws[key][0], raws[key][1]
-                norms = ring[row, :sum(per)].double()
-                sq = torch.stack([c.square().sum() for c in norms.split(per)])[None]
-            counts = torch.tensor([raws[j][2] for j in js], dtype=torch.float64)
-            inv = torch.tensor([raws[j][3] for j in js], dtype=torch.float64).square_().reciprocal_()
-            smp = torch.tensor([raws[j][4] if raws[j][4] is not None else [0.0] * len(raws[j][2]) for j in js],
-                               dtype=torch.float64)
-            sel = torch.tensor(js)
-            out[sel, 0] = counts.sum(1)
-            out[sel, 1] = smp.sum(1)
-            out[sel, 2] = float(counts.shape[1])
-            out[sel, 3] = 1.0
-            out[sel, 6] = (counts * inv * sq).sum(1)  # Σ b_i|g_i|² (|Δ_i|² = m_i²|g_i|²)
-            out[sel, 7] = (smp * inv * sq).sum(1)     # Σ s_i|g_i|²
-        return out
+        """The deferred CPU windows' vectors, from the norms kept in the slots' ring."""
+        return raw_vectors(self._slots.ring, raws)
 
     def _flush(self, keep_last: bool = False) -> None:
         """Fold every queued window into the estimators at once (one op chain, no host sync). A window
@@ -972,41 +749,3 @@ class NoiseScaleMonitor:
         for k, v in sd.items():
             self._estimator(k).load_state_dict(v)
         self._state = None  # rebuilt (rows copied) at the next fold
-
-
-class _CommHookDispatch:
-    """The one comm hook of a DDP model: every attached monitor measures the bucket, then the user's
-    hook (or DDP's default all-reduce) reduces it. Lives on the DDP module, so any number of monitors
-    share it."""
-
-    def __init__(self, user_hook: Callable[..., Any] | None, user_state: Any) -> None:
-        self.user_hook, self.user_state = user_hook, user_state
-        self.monitors: list[NoiseScaleMonitor] = []
-
-    @staticmethod
-    def attach(ddp: Any, group: Any, monitor: NoiseScaleMonitor, user_hook: Any, user_state: Any) -> None:
-        disp = getattr(ddp, "_globalbatch_noise_hook", None)
-        if disp is None:
-            if getattr(ddp, "_comm_hooks", None):
-                raise ValueError("model: this DDP model already has a comm hook, and DDP allows one; allowed: "
-                                 "pass yours to the monitor (NoiseScaleMonitor(..., comm_hook=hook, comm_state=state)) "
-                                 "instead of registering it, or sources=('micro',) (no comm hook needed)")
-            disp = _CommHookDispatch(user_hook, user_state)
-            ddp.register_comm_hook(group, disp.hook_for(group))
-            ddp._globalbatch_noise_hook = disp
-        elif user_hook is not None and user_hook is not disp.user_hook:
-            raise ValueError("comm_hook is not allowed here: this DDP model's comm hook is already set through "
-                             "another monitor; allowed: comm_hook=None (the monitors share it)")
-        disp.monitors.append(monitor)
-
-    def hook_for(self, group: Any) -> Callable[..., Any]:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        def hook(state, bucket):  # no annotations: DDP checks them (and ours are postponed strings)
-            for m in self.monitors:
-                m._hook_bucket(bucket)
-            if self.user_hook is not None:
-                return self.user_hook(self.user_state, bucket)
-            return default_hooks.allreduce_hook(state, bucket)
-
-        return hook

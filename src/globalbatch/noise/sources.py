@@ -1,0 +1,148 @@
+"""Where the monitor's small-batch norms come from: the norm slots the parameter hooks write, the
+FSDP2 parameters they hook, and the DDP comm hook that measures each rank's bucket."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+_vector_norm = torch._C._linalg.linalg_vector_norm  # torch.linalg.vector_norm, called positionally in the hooks
+_FOLD_EVERY_HOST = 256  # windows queued on the CPU host path before a fold: a fold costs ≈ 2 ms of small calls
+
+
+def _fsdp_unsharded_params(module: torch.nn.Module) -> list[torch.Tensor] | None:
+    """The unsharded parameters FSDP2 computes gradients for (one per sharded trainable parameter),
+    or None before the first forward created them. FSDP2 keeps these objects across iterations
+    (it frees and refills their storage), so hooks on them persist. Private FSDP2 state: checked by
+    the 2-rank test against DDP on the same windows."""
+    out = []
+    for m in module.modules():
+        get = getattr(m, "_get_fsdp_state", None)
+        if get is None:
+            continue
+        state = get()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            for fp in group.fsdp_params:
+                if not fp.sharded_param.requires_grad:
+                    continue
+                if not hasattr(fp, "_unsharded_param"):
+                    return None
+                out.append(fp._unsharded_param)
+    return out
+
+
+class _NormSlots:
+    """A float32 buffer the parameter hooks write |Δ| into, one 0-d view per slot: no tensor is
+    created or freed per norm, and the window reads them all as one slice.
+
+    The CPU host path keeps finished windows in a ring of rows (:meth:`advance`: one row copy), so
+    that a fold reads hundreds of windows at once instead of a tensor call per window."""
+
+    ROWS = _FOLD_EVERY_HOST + 3  # the queued windows, one awaiting its step, and room to spare
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.views: tuple[torch.Tensor, ...] = ()
+        self.n = 0      # slots written in this window
+        self.mark = 0   # slots closed by micro_backward
+        self.ring: torch.Tensor | None = None              # (ROWS, len(buf)): kept windows
+        self._ring_rows: tuple[torch.Tensor, ...] = ()
+        self._next_row = 0
+
+    def put(self, grad: torch.Tensor) -> None:
+        j = self.n
+        if j >= len(self.views) or self.buf.device != grad.device or \
+                (grad.dtype == torch.float64 and self.buf.dtype != torch.float64):
+            self._grow(grad.device, j, float64=grad.dtype == torch.float64)
+        v = self.views[j]
+        if grad.dtype == v.dtype:
+            torch.linalg.vector_norm(grad, out=v)
+        elif grad.dtype in (torch.float16, torch.bfloat16):
+            v.copy_(torch.linalg.vector_norm(grad, dtype=torch.float32))  # accumulate half precision in float32
+        else:
+            v.copy_(torch.linalg.vector_norm(grad))
+        self.n = j + 1
+
+    def _grow(self, device: torch.device, need: int, *, float64: bool) -> None:
+        """A bigger buffer (float64 once any float64 gradient was seen, else float32), contents kept."""
+        old = self.buf
+        dtype = torch.float64 if float64 or (old is not None and old.dtype == torch.float64) else torch.float32
+        self.buf = torch.zeros(max(64, 2 * (need + 1)), dtype=dtype, device=device)
+        if old is not None and old.device == device:
+            self.buf[:self.n].copy_(old[:self.n])
+        self.views = self.buf.unbind(0)
+
+    def advance(self) -> int:
+        """Keep this window's norms in a row of the ring (returned); the next window starts empty."""
+        ring, buf = self.ring, self.buf
+        if buf is None:
+            buf = torch.zeros(64)
+        if ring is None or ring.shape[1] != len(buf) or ring.dtype != buf.dtype or ring.device != buf.device:
+            new = torch.zeros(self.ROWS, len(buf), dtype=buf.dtype, device=buf.device)
+            if ring is not None:  # the buffer grew: rows still queued keep their norms
+                cols = min(ring.shape[1], len(buf))
+                new[:, :cols].copy_(ring[:, :cols].to(device=buf.device, dtype=buf.dtype))
+            self.ring, self._ring_rows = new, new.unbind(0)
+        row = self._next_row
+        self._ring_rows[row].copy_(buf)
+        self._next_row = row + 1 if row + 1 < self.ROWS else 0
+        self.n = self.mark = 0
+        return row
+
+    def close_micro(self) -> int:
+        """Norms written since the last call."""
+        n, self.mark = self.n - self.mark, self.n
+        return n
+
+    def drop(self) -> None:
+        """Forget what was written since the last close (a backward that is not measured)."""
+        self.n = self.mark
+
+    def reset(self) -> None:
+        self.n = self.mark = 0
+
+    def written(self) -> torch.Tensor:
+        return self.buf[:self.n] if self.buf is not None else torch.zeros(0)
+
+
+class _CommHookDispatch:
+    """The one comm hook of a DDP model: every attached monitor measures the bucket, then the user's
+    hook (or DDP's default all-reduce) reduces it. Lives on the DDP module, so any number of monitors
+    share it."""
+
+    def __init__(self, user_hook: Callable[..., Any] | None, user_state: Any) -> None:
+        self.user_hook, self.user_state = user_hook, user_state
+        self.monitors: list[Any] = []  # NoiseScaleMonitor
+
+    @staticmethod
+    def attach(ddp: Any, group: Any, monitor: Any, user_hook: Any, user_state: Any) -> None:
+        disp = getattr(ddp, "_globalbatch_noise_hook", None)
+        if disp is None:
+            if getattr(ddp, "_comm_hooks", None):
+                raise ValueError("model: this DDP model already has a comm hook, and DDP allows one; allowed: "
+                                 "pass yours to the monitor (NoiseScaleMonitor(..., comm_hook=hook, comm_state=state)) "
+                                 "instead of registering it, or sources=('micro',) (no comm hook needed)")
+            disp = _CommHookDispatch(user_hook, user_state)
+            ddp.register_comm_hook(group, disp.hook_for(group))
+            ddp._globalbatch_noise_hook = disp
+        elif user_hook is not None and user_hook is not disp.user_hook:
+            raise ValueError("comm_hook is not allowed here: this DDP model's comm hook is already set through "
+                             "another monitor; allowed: comm_hook=None (the monitors share it)")
+        disp.monitors.append(monitor)
+
+    def hook_for(self, group: Any) -> Callable[..., Any]:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        def hook(state, bucket):  # no annotations: DDP checks them (and ours are postponed strings)
+            for m in self.monitors:
+                m._hook_bucket(bucket)
+            if self.user_hook is not None:
+                return self.user_hook(self.user_state, bucket)
+            return default_hooks.allreduce_hook(state, bucket)
+
+        return hook
