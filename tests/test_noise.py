@@ -350,8 +350,8 @@ def host_calls(monkeypatch):
     for name in ("_host_vector", "_raw_vectors"):  # at the window's end, or deferred to the fold
         orig = getattr(NoiseScaleMonitor, name)
 
-        def counted(self, *a, _orig=orig, **k):
-            calls.append(1)
+        def counted(self, *a, _orig=orig, _name=name, **k):
+            calls.append(_name)
             return _orig(self, *a, **k)
 
         monkeypatch.setattr(NoiseScaleMonitor, name, counted)
@@ -409,26 +409,32 @@ def test_deferred_host_windows_equal_tensor_path_over_ragged_windows_and_ring_wr
     """Under the StepDriver on CPU the window vectors are computed at the fold, from norms left in a ring
     of rows. Over 700 windows (the ring wraps twice, folds keep the window awaiting its step) of 2–4
     micro-batches, some of which never reach the second layer (norms per micro-batch differ), with the
-    EMA on: the same estimates as the tensor path."""
+    EMA on: the same estimates as the tensor path. Then, with windows still queued, 20 micro-batches
+    per window (80 norms: the norm buffer grows past 64) and float64 gradients (the buffer and the
+    ring turn float64): the queued windows keep their norms."""
     from globalbatch.step import StepConfig, StepDriver
 
     torch.manual_seed(0)
     base = torch.nn.ModuleList([torch.nn.Linear(5, 4), torch.nn.Linear(4, 3)])
     gen = torch.Generator().manual_seed(2)
     data = []
-    for w in range(700):
-        data.append([(torch.randn(3 + i, 5, generator=gen), torch.randint(0, 3, (3 + i,), generator=gen))
-                     for i in range(2 + w % 3)])
-    got, calls = [], []
+    for w in range(760):
+        k = 20 if 700 <= w < 730 else 2 + w % 3
+        data.append([(torch.randn(3 + i % 4, 5, generator=gen), torch.randint(0, 3, (3 + i % 4,), generator=gen))
+                     for i in range(k)])
+    got, calls, ring = [], [], None
     for host in (True, False):
         host_calls.clear()
         m = copy.deepcopy(base)
         mon = NoiseScaleMonitor(m, unit="token", config=NoiseConfig(half_life_windows=50))
         mon._host_path = host
-        driver = StepDriver(m, torch.optim.SGD(m.parameters(), lr=1e-3), StepConfig(micro_batch=6, global_batch=24),
+        driver = StepDriver(m, torch.optim.SGD(m.parameters(), lr=1e-3), StepConfig(micro_batch=6, global_batch=120),
                             callbacks=[mon])
         for w, window in enumerate(data):
+            if w == 740:
+                m.double()
             for i, (xb, yb) in enumerate(window):
+                xb = xb.double() if w >= 740 else xb
                 with driver.micro_step(last=i == len(window) - 1):
                     h = m[0](xb)
                     out = h[:, :3] if (i + w) % 4 == 1 else m[1](torch.relu(h))
@@ -439,8 +445,10 @@ def test_deferred_host_windows_equal_tensor_path_over_ragged_windows_and_ring_wr
             if w == 350:
                 mid = mon.estimates()  # a read-out in the middle folds early; the ring goes on
         got.append((mid, mon.estimates()))
-        calls.append(len(host_calls))
-    assert calls[0] >= 2 and calls[1] == 0
+        calls.append(list(host_calls))
+        ring = mon._slots.ring if host else ring
+    assert calls[0].count("_raw_vectors") >= 2 and "_host_vector" not in calls[0] and calls[1] == []
+    assert ring.dtype == torch.float64 and ring.shape[1] >= 80  # grew and turned float64 with windows queued
     for a, b in zip(*got):
         assert set(a) == set(b) == {"micro/token", "micro/sample"}
         for key in a:
@@ -449,6 +457,44 @@ def test_deferred_host_windows_equal_tensor_path_over_ragged_windows_and_ring_wr
             assert a[key].g_sq == pytest.approx(b[key].g_sq, rel=1e-9), key
             assert a[key].b_simple == pytest.approx(b[key].b_simple, rel=1e-9), key
     assert got[0][1]["micro/token"].b_simple != pytest.approx(got[0][1]["micro/sample"].b_simple, rel=0.01)
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_empty_micro_batches_are_no_small_batches(mlp_problem, host):
+    """A micro-batch without loss-bearing units (all padding: count 0) adds nothing to .grad; it used to
+    divide by zero (host path) or turn the window NaN. It is left out of the window's small batches, and
+    a window left with one small batch is not measured (no error): the estimates equal a run without
+    them, on the deferred host path and on the tensor path."""
+    from globalbatch.step import StepConfig, StepDriver
+
+    x, y, model, _, _ = mlp_problem
+    gen = torch.Generator().manual_seed(8)
+    plan = [[8, 8, 8], [8, 0, 8, 8], [8, 8, 0], [8, 0], [0, 8, 8, 8], [8, 8, 8]]  # 0: an empty micro-batch
+    draws = [[torch.randint(0, len(x), (max(b, 1),), generator=gen) for b in window] for window in plan]
+    got = []
+    for with_empty in (True, False):
+        m = copy.deepcopy(model)
+        mon = NoiseScaleMonitor(m, unit="sample", config=NoiseConfig(half_life=math.inf))
+        mon._host_path = host
+        driver = StepDriver(m, torch.optim.SGD(m.parameters(), lr=0.0), StepConfig(micro_batch=8, global_batch=32),
+                            callbacks=[mon])
+        for window, idxs in zip(plan, draws):
+            micros = [(b, idx) for b, idx in zip(window, idxs) if b or with_empty]
+            if not with_empty and len(micros) < 2:
+                continue  # the reference leaves that window out altogether
+            for i, (b, idx) in enumerate(micros):
+                with driver.micro_step(last=i == len(micros) - 1):
+                    loss, count = nc.loss_sum(m, x[idx], y[idx])
+                    if b == 0:
+                        loss, count = loss * 0.0, 0  # every target masked: nothing to learn from
+                    driver.backward(loss, count, samples=b)
+            driver.step()
+        got.append(mon.estimate())
+    a, b = got
+    assert a.windows == b.windows == 5 and a.skipped_windows == b.skipped_windows == 0
+    assert math.isfinite(a.b_simple)
+    assert a.tr_sigma == pytest.approx(b.tr_sigma, rel=1e-9)
+    assert a.g_sq == pytest.approx(b.g_sq, rel=1e-9)
 
 
 def test_host_path_equals_tensor_path_with_uneven_micro_batches_and_loss_scale():

@@ -286,6 +286,7 @@ class NoiseScaleMonitor:
     def _reset_window(self) -> None:
         self._slots.reset(), self._slots_adam.reset()
         self._per_micro: list[int] = []                # how many norms each micro-batch added
+        self._empty_micros = 0                         # micro-batches without loss-bearing units (left out)
         self._counts: list[Any] = []
         self._mults: list[Any] = []
         self._samples: list[float] = []
@@ -362,13 +363,19 @@ class NoiseScaleMonitor:
                              f"micro-batch {self._synced_micro}: run all but the last under model.no_sync()")
         if self._hook_rank:
             self._synced_micro = len(self._counts)
-        if self._micro:
-            self._per_micro.append(self._slots.close_micro())  # norms the hooks wrote in this backward
-            self._slots_adam.close_micro()
         if isinstance(count, torch.Tensor) and count.device.type == "cpu":
             count = count.item()  # a CPU tensor (the driver's host counts): no device sync
         if isinstance(grad_multiplier, torch.Tensor) and grad_multiplier.device.type == "cpu":
             grad_multiplier = grad_multiplier.item()
+        if self.dp_world_size == 1 and not isinstance(count, torch.Tensor) and count == 0:
+            # No loss-bearing units (all padding): it added nothing and is no small batch. (Under DP
+            # every rank must fold the same windows, so there it turns the window non-finite: skipped.)
+            self._slots.drop(), self._slots_adam.drop()
+            self._empty_micros += 1
+            return
+        if self._micro:
+            self._per_micro.append(self._slots.close_micro())  # norms the hooks wrote in this backward
+            self._slots_adam.close_micro()
         self._counts.append(count)
         self._mults.append(count if grad_multiplier is None else grad_multiplier)
         if samples is None:
@@ -410,6 +417,7 @@ class NoiseScaleMonitor:
         try:
             if measured:
                 self._measure_window(loss_scale, lr, big_grad_multiplier, big_from_driver=_big_from_driver)
+                measured = self._last_measured  # False: empty micro-batches left nothing to measure
         finally:
             self._reset_window()
             if measured:
@@ -423,6 +431,9 @@ class NoiseScaleMonitor:
         """The window's sufficient statistics as one float64 vector (a short op chain), queued."""
         k_local = len(self._counts)
         if k_local * self.dp_world_size < 2:
+            if self._empty_micros and k_local + self._empty_micros >= 2:  # one replica (see micro_backward)
+                self._last_measured = False  # empty micro-batches left fewer than two small batches: not measured
+                return
             raise ValueError(f"grad_accum_steps {k_local} with dp_world_size {self.dp_world_size} is not allowed; "
                              f"allowed: ≥ 2 small batches per window (the noise scale {NEEDS_TWO_BATCH_SIZES})")
         if self._device is None:
@@ -430,8 +441,10 @@ class NoiseScaleMonitor:
             g0 = getattr(g0, "_local_tensor", g0)
             self._device = g0.device if g0 is not None else torch.device("cpu")
         dev = self._device
+        buf = self._slots.buf
         if self._deferrable and big_from_driver and big_grad_multiplier is None and loss_scale is None \
-                and dev.type == "cpu" and self._host_path and _host_numbers(self._counts) \
+                and dev.type == "cpu" and buf is not None and buf.device.type == "cpu" and self._host_path \
+                and _host_numbers(self._counts) \
                 and (self._mults is self._counts or _host_numbers(self._mults)):
             # CPU, one replica, under the StepDriver (|G_big|² from its on_step_end): leave the norms in
             # their ring row and keep the window's lists; the fold computes hundreds of windows' vectors
@@ -663,10 +676,10 @@ class NoiseScaleMonitor:
         micro-batches are weighted by their real size in the per-sample estimate. A monitor
         added in the middle of a window starts at the next one."""
         counts = self._counts
-        if self._fast_micro and self._measuring and self._in_window and self._installed \
-                and micro_index == len(counts):
+        seen = len(counts) + self._empty_micros  # micro-batches of this window so far
+        if self._fast_micro and self._measuring and self._in_window and self._installed and micro_index == seen:
             count = driver.last_micro_count
-            if type(count) is int or type(count) is float:  # the usual case, in a few Python operations
+            if (type(count) is int or type(count) is float) and count:  # the usual case, in a few Python operations
                 # (what micro_backward does for one replica, no Adam variant, a host count)
                 slots = self._slots
                 n = slots.n
@@ -678,7 +691,7 @@ class NoiseScaleMonitor:
                 return
         if not self._in_window:
             self._start_window(usable=micro_index == 0)
-        elif micro_index != len(counts):  # attached in the middle of this window: start at the next
+        elif micro_index != seen:  # attached in the middle of this window: start at the next
             self._measuring = False
         count = getattr(driver, "last_micro_count", None)
         self.micro_backward(count if isinstance(count, (int, float)) else local_count,

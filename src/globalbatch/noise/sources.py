@@ -72,7 +72,8 @@ class _NormSlots:
         """A bigger buffer (float64 once any float64 gradient was seen, else float32), contents kept."""
         old = self.buf
         dtype = torch.float64 if float64 or (old is not None and old.dtype == torch.float64) else torch.float32
-        self.buf = torch.zeros(max(64, 2 * (need + 1)), dtype=dtype, device=device)
+        size = max(64, 2 * (need + 1), len(old) if old is not None else 0)  # never smaller: queued ring rows fit
+        self.buf = torch.zeros(size, dtype=dtype, device=device)
         if old is not None and old.device == device:
             self.buf[:self.n].copy_(old[:self.n])
         self.views = self.buf.unbind(0)
@@ -84,9 +85,8 @@ class _NormSlots:
             buf = torch.zeros(64)
         if ring is None or ring.shape[1] != len(buf) or ring.dtype != buf.dtype or ring.device != buf.device:
             new = torch.zeros(self.ROWS, len(buf), dtype=buf.dtype, device=buf.device)
-            if ring is not None:  # the buffer grew: rows still queued keep their norms
-                cols = min(ring.shape[1], len(buf))
-                new[:, :cols].copy_(ring[:, :cols].to(device=buf.device, dtype=buf.dtype))
+            if ring is not None:  # the buffer grew (it never shrinks) or turned float64: queued rows keep their norms
+                new[:, :ring.shape[1]].copy_(ring.to(device=buf.device, dtype=buf.dtype))
             self.ring, self._ring_rows = new, new.unbind(0)
         row = self._next_row
         self._ring_rows[row].copy_(buf)
