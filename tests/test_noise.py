@@ -405,15 +405,20 @@ def test_host_path_equals_tensor_path_under_the_step_driver(mlp_problem, host_ca
         assert a[key].g_sq == pytest.approx(b[key].g_sq, rel=1e-9), key
 
 
-def test_deferred_host_windows_equal_tensor_path_over_ragged_windows_and_ring_wraps(host_calls):
+@pytest.mark.parametrize("ring_elements", [None, 64])  # 64: the smallest ring (8 rows), a fold every 5 windows
+def test_deferred_host_windows_equal_tensor_path_over_ragged_windows_and_ring_wraps(host_calls, monkeypatch,
+                                                                                     ring_elements):
     """Under the StepDriver on CPU the window vectors are computed at the fold, from norms left in a ring
     of rows. Over 700 windows (the ring wraps twice, folds keep the window awaiting its step) of 2–4
     micro-batches, some of which never reach the second layer (norms per micro-batch differ), with the
     EMA on: the same estimates as the tensor path. Then, with windows still queued, 20 micro-batches
     per window (80 norms: the norm buffer grows past 64) and float64 gradients (the buffer and the
     ring turn float64): the queued windows keep their norms."""
+    from globalbatch.noise.sources import _NormSlots
     from globalbatch.step import StepConfig, StepDriver
 
+    if ring_elements is not None:
+        monkeypatch.setattr(_NormSlots, "RING_ELEMENTS", ring_elements)
     torch.manual_seed(0)
     base = torch.nn.ModuleList([torch.nn.Linear(5, 4), torch.nn.Linear(4, 3)])
     gen = torch.Generator().manual_seed(2)
@@ -449,6 +454,7 @@ def test_deferred_host_windows_equal_tensor_path_over_ragged_windows_and_ring_wr
         ring = mon._slots.ring if host else ring
     assert calls[0].count("_raw_vectors") >= 2 and "_host_vector" not in calls[0] and calls[1] == []
     assert ring.dtype == torch.float64 and ring.shape[1] >= 80  # grew and turned float64 with windows queued
+    assert len(ring) == (8 if ring_elements else _NormSlots.ROWS)
     for a, b in zip(*got):
         assert set(a) == set(b) == {"micro/token", "micro/sample"}
         for key in a:

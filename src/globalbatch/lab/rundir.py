@@ -122,14 +122,17 @@ class RunDirLock:
         self.release()
 
 
-def _live_holder(fd: int, *, wait_s: float = 0.5) -> Optional[int]:
+_HOLDER_WAIT_S = 0.5  # how long a run that lost the lock waits for the winner's pid (the error path only)
+
+
+def _live_holder(fd: int, *, wait_s: Optional[float] = None) -> Optional[int]:
     """The live pid written in a lock file someone else holds, or None.
 
     The holder writes its pid just after taking the flock, so a run that loses the race by
     microseconds may read an empty file or the pid of a killed earlier owner: poll briefly
     (this is the error path only) before saying "another process".
     """
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + (_HOLDER_WAIT_S if wait_s is None else wait_s)
     while True:
         pid = _read_pid(fd)
         if pid and pid_alive(pid):

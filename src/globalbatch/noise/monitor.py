@@ -573,8 +573,10 @@ class NoiseScaleMonitor:
         if big_later:
             entry["big_sq"] = None  # filled by on_step_end; a window the driver never finished stays out
         self._pending.append(entry)
-        if len(self._pending) > (_FOLD_EVERY if isinstance(vec, torch.Tensor) else _FOLD_EVERY_HOST):  # the newest
-            # may still await on_step_end (a raw entry's ring row stays valid: the ring has room for all)
+        limit = _FOLD_EVERY if isinstance(vec, torch.Tensor) else \
+            _FOLD_EVERY_HOST if raw is None else min(_FOLD_EVERY_HOST, self._slots.capacity)
+        if len(self._pending) > limit:  # the newest may still await on_step_end (a raw entry's ring row stays
+            # valid: the ring has a row for each queued window, one awaiting its step and the next)
             self._flush(keep_last=True)
 
     def _raw_vectors(self, raws: list[tuple[Any, ...]]) -> torch.Tensor:

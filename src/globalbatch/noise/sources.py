@@ -44,6 +44,7 @@ class _NormSlots:
     that a fold reads hundreds of windows at once instead of a tensor call per window."""
 
     ROWS = _FOLD_EVERY_HOST + 3  # the queued windows, one awaiting its step, and room to spare
+    RING_ELEMENTS = 1 << 22  # fewer rows when a window has many norms: ≈ 16 MB of float32 at the ring's build
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
@@ -84,15 +85,22 @@ class _NormSlots:
         if buf is None:
             buf = torch.zeros(64)
         if ring is None or ring.shape[1] != len(buf) or ring.dtype != buf.dtype or ring.device != buf.device:
-            new = torch.zeros(self.ROWS, len(buf), dtype=buf.dtype, device=buf.device)
+            # the rows are fixed at the first build (queued windows keep their row numbers)
+            rows = ring.shape[0] if ring is not None else max(8, min(self.ROWS, self.RING_ELEMENTS // len(buf)))
+            new = torch.zeros(rows, len(buf), dtype=buf.dtype, device=buf.device)
             if ring is not None:  # the buffer grew (it never shrinks) or turned float64: queued rows keep their norms
                 new[:, :ring.shape[1]].copy_(ring.to(device=buf.device, dtype=buf.dtype))
             self.ring, self._ring_rows = new, new.unbind(0)
         row = self._next_row
         self._ring_rows[row].copy_(buf)
-        self._next_row = row + 1 if row + 1 < self.ROWS else 0
+        self._next_row = row + 1 if row + 1 < len(self._ring_rows) else 0
         self.n = self.mark = 0
         return row
+
+    @property
+    def capacity(self) -> int:
+        """Windows that may wait in the ring: its rows less one awaiting its step and the next."""
+        return (len(self._ring_rows) if self.ring is not None else self.ROWS) - 3
 
     def close_micro(self) -> int:
         """Norms written since the last call."""
