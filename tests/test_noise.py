@@ -1108,3 +1108,17 @@ def test_cli_tensorboard_writes_scalars(tmp_path, capsys):
     acc.Reload()
     tags = acc.Tags()["scalars"]
     assert "noise/micro/b_simple_tokens" in tags and "train/lr" in tags
+
+
+def test_host_weights_leave_count_zero_micro_batches_out():
+    """The host arithmetic never divides by a zero multiplier: a count-0 micro-batch weighs 0 (it is no
+    small batch); a multiplier 0 with targets cannot be rescaled and makes the window NaN (skipped)."""
+    import math as _math
+
+    from globalbatch.noise.window import _host_weights
+
+    units, (w_units, w_samples), mult_sum = _host_weights([8, 0, 4], [8.0, 0.0, 4.0], [2.0, 1.0, 1.0])
+    assert units == 12 and mult_sum == 12.0
+    assert w_units == [8 / 64, 0.0, 4 / 16] and w_samples == [2 / 64, 0.0, 1 / 16]
+    _, (w_units, _), _ = _host_weights([8, 3], [8.0, 0.0], None)
+    assert _math.isnan(w_units[1])

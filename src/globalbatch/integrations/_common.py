@@ -98,5 +98,9 @@ def noise_metrics(monitor: Any) -> dict[str, float]:
     except ValueError:  # no window measured yet
         return {}
     d = est.as_dict("noise/")
-    return {k: d[k] for k in ("noise/b_simple_tokens", "noise/b_simple_stderr_tokens", "noise/b_simple_low_tokens",
-                              "noise/b_simple_high_tokens", "noise/windows", "noise/ok") if k in d}
+    out = {k: d[k] for k in ("noise/b_simple_tokens", "noise/b_simple_stderr_tokens", "noise/b_simple_low_tokens",
+                             "noise/b_simple_high_tokens", "noise/windows", "noise/ok") if k in d}
+    # windows the estimate could not use (fewer than two small batches with targets over all ranks, a
+    # non-finite norm, a step the driver skipped): the flag beside B_simple
+    out["noise/skipped_windows"] = float(est.skipped_windows)
+    return out

@@ -367,9 +367,10 @@ class NoiseScaleMonitor:
             count = count.item()  # a CPU tensor (the driver's host counts): no device sync
         if isinstance(grad_multiplier, torch.Tensor) and grad_multiplier.device.type == "cpu":
             grad_multiplier = grad_multiplier.item()
-        if self.dp_world_size == 1 and not isinstance(count, torch.Tensor) and count == 0:
-            # No loss-bearing units (all padding): it added nothing and is no small batch. (Under DP
-            # every rank must fold the same windows, so there it turns the window non-finite: skipped.)
+        if not isinstance(count, torch.Tensor) and count == 0:
+            # No loss-bearing units (every target masked, or padding): it added nothing and is no small batch.
+            # Under DP each rank leaves its own out and the window's k is summed over ranks by the all-reduce,
+            # so every rank folds the same window (a device count: the same, on the device, at the window end).
             self._slots.drop(), self._slots_adam.drop()
             self._empty_micros += 1
             return
@@ -431,11 +432,15 @@ class NoiseScaleMonitor:
         """The window's sufficient statistics as one float64 vector (a short op chain), queued."""
         k_local = len(self._counts)
         if k_local * self.dp_world_size < 2:
-            if self._empty_micros and k_local + self._empty_micros >= 2:  # one replica (see micro_backward)
+            if not (self._empty_micros and (k_local + self._empty_micros) * self.dp_world_size >= 2):
+                raise ValueError(f"grad_accum_steps {k_local} with dp_world_size {self.dp_world_size} is not "
+                                 f"allowed; allowed: ≥ 2 small batches per window (the noise scale "
+                                 f"{NEEDS_TWO_BATCH_SIZES})")
+            if self.dp_world_size == 1:
                 self._last_measured = False  # empty micro-batches left fewer than two small batches: not measured
                 return
-            raise ValueError(f"grad_accum_steps {k_local} with dp_world_size {self.dp_world_size} is not allowed; "
-                             f"allowed: ≥ 2 small batches per window (the noise scale {NEEDS_TWO_BATCH_SIZES})")
+            # Under DP the other ranks' small batches count too (k is summed by the all-reduce): this rank sends
+            # its vector, all zeros when its whole window was empty; < 2 over all ranks is skipped at the fold.
         if self._device is None:
             g0 = next((p.grad for p in self._params if p.grad is not None), None)
             g0 = getattr(g0, "_local_tensor", g0)
@@ -489,11 +494,13 @@ class NoiseScaleMonitor:
             counts = _scalars(self._counts, dev)
             mults = counts if all(m is c for m, c in zip(self._mults, self._counts)) else _scalars(self._mults, dev)
             smp = torch.tensor(self._samples if samples_known else [0.0] * k_local, dtype=torch.float64, device=dev)
-            # b_i/m_i² and s_i/m_i² turn |Δ_i|² = m_i²|g_i|² into b_i|g_i|² and s_i|g_i|²
-            w = torch.stack([counts, smp]) / mults.square()
+            # b_i/m_i² and s_i/m_i² turn |Δ_i|² = m_i²|g_i|² into b_i|g_i|² and s_i|g_i|²; a micro-batch with
+            # count 0 (known only on the device here) is no small batch: weight 0, not counted in k
+            nonempty = counts > 0
+            w = torch.where(nonempty, torch.stack([counts, smp]) / mults.square(), 0.0)
             mult_sum_t = mults.sum()
-            head = torch.cat([counts.sum().reshape(1), torch.tensor([local_samples, float(k_local), 1.0],
-                                                                    dtype=torch.float64, device=dev)])
+            head = torch.stack([counts.sum(), (smp * nonempty).sum(), nonempty.sum().to(torch.float64),
+                                torch.ones((), dtype=torch.float64, device=dev)])
         # Layout (summed over ranks): 0 units, 1 samples, 2 k, 3 replicas (1 per rank), 4 |G_big|² × replicas,
         # 5 its Adam variant × replicas, then per configured variant: [Σ b_i|g_i|², Σ s_i|g_i|²].
         big_sq = torch.stack(big if self.config.adam else big * 2).square()  # [|G_big|², its Adam variant]
@@ -507,7 +514,9 @@ class NoiseScaleMonitor:
             elif source == "micro":
                 norms = (self._slots_adam if is_adam else self._slots).written()
                 per = self._per_micro
-                if all(n == per[0] for n in per):                           # the usual case: same parameters
+                if not per:                                                 # DP: this rank's window was empty
+                    per_micro = torch.zeros(0, dtype=torch.float64, device=dev)
+                elif all(n == per[0] for n in per):                         # the usual case: same parameters
                     per_micro = torch.linalg.vector_norm(norms.view(k_local, per[0]), dim=1, dtype=torch.float64)
                 else:
                     per_micro = torch.stack([torch.linalg.vector_norm(c, dtype=torch.float64) for c in norms.split(per)])
@@ -517,7 +526,10 @@ class NoiseScaleMonitor:
                 if not hooked:
                     raise RuntimeError("source 'rank': the DDP comm hook did not run in this window "
                                        "(was the last micro-batch run outside no_sync()?)")
-                raw = torch.stack(hooked).square().sum() / mult_sum_t ** 2
+                # A rank whose window had no loss-bearing unit (M_r = 0) is no small batch of this source,
+                # and k here is the replicas: the window is left out of the rank source (NaN: skipped, all ranks).
+                m_r = _as_tensor(mult_sum_t, dev).reshape(())
+                raw = torch.where(m_r != 0, torch.stack(hooked).square().sum() / m_r ** 2, math.nan)
                 parts.append(raw * head[0:2])
         vec = torch.cat(parts)
         if loss_scale is not None:  # the small norms carry S²; counts and the (unscaled) big norm do not
@@ -632,7 +644,8 @@ class NoiseScaleMonitor:
             vals = vals * bad[:, None, None]
         weighted, n_small, units, big_sq = vals.unbind(1)
         big_sq = big_sq / V[:, 3:4]
-        tr = (weighted - units * big_sq) / (n_small - 1)
+        # fewer than two small batches over all ranks (count-0 micro-batches left out under DP): skipped
+        tr = torch.where(n_small >= 2, (weighted - units * big_sq) / (n_small - 1), math.nan)
         tg = torch.stack([tr, big_sq - tr / units], 2)
         state = self._rows(names)
         windows = torch.tensor([p["windows"] for p in pend], dtype=torch.float64, device=dev)[:, None]

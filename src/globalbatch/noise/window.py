@@ -8,6 +8,7 @@ added to ``.grad``).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -41,7 +42,9 @@ def _host_weights(counts: list[Any], mults: list[Any],
             return None
         cs.append(cv)
         ms.append(mv)
-    inv = [1.0 / (m * m) for m in ms]
+    # b_i = 0: no small batch (weight 0; the monitor leaves such micro-batches out before this); m_i = 0 with
+    # b_i > 0 cannot be rescaled: NaN, the window is skipped
+    inv = [(1.0 / (m * m) if m else (0.0 if c == 0 else math.nan)) for c, m in zip(cs, ms)]
     smp = samples if samples is not None else [0.0] * len(cs)
     return sum(cs), [[c * i for c, i in zip(cs, inv)], [s * i for s, i in zip(smp, inv)]], float(sum(ms))
 
@@ -69,7 +72,8 @@ def raw_vectors(ring: torch.Tensor, raws: list[tuple[Any, ...]]) -> torch.Tensor
             norms = ring[row, :sum(per)].double()
             sq = torch.stack([c.square().sum() for c in norms.split(per)])[None]
         counts = torch.tensor([raws[j][2] for j in js], dtype=torch.float64)
-        inv = torch.tensor([raws[j][3] for j in js], dtype=torch.float64).square_().reciprocal_()
+        mult = torch.tensor([raws[j][3] for j in js], dtype=torch.float64)
+        inv = torch.where(mult != 0, mult.square().reciprocal(), 0.0)  # count-0 micro-batches are never queued
         smp = torch.tensor([raws[j][4] if raws[j][4] is not None else [0.0] * len(raws[j][2]) for j in js],
                            dtype=torch.float64)
         sel = torch.tensor(js)
