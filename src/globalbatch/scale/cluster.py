@@ -1,0 +1,474 @@
+"""The step time of a training step on a cluster: compute, exposed communication, pipeline bubble.
+
+* Compute: ``FLOPs/token × tokens / (GPUs × peak × MFU(micro-batch))`` — FLOPs per token 6N
+  (Kaplan et al. 2020, arXiv 2001.08361, §2.1) unless given; the MFU curve measured by
+  ``globalbatch probe`` (``--throughput probe.json``) or a labelled default.
+* Data-parallel gradient all-reduce, α–β, as NCCL's tuning model (``src/graph/tuning.cc``,
+  Simple protocol): ring ``2(n−1)/n·S/busbw`` plus ``base + (2(n−1) − 2(N−1))·α_intra +
+  2(N−1)·α_net`` (Thakur et al. 2005 for the ring's α–β form; nccl-tests ``doc/PERFORMANCE.md``
+  for the bus bandwidth), tree ``2S/(0.9·busbw)`` plus ``2((n/N − 1)·α_tree,intra +
+  log2(N)·α_tree,net)``; the faster one is taken, as NCCL selects per size. Reduce-scatter and
+  all-gather (ZeRO / FSDP): ring, ``(n−1)/n·S/busbw``. Inside a node the NVLink bus bandwidth,
+  across nodes the network's.
+* Overlap: the gradient communication hides behind the last micro-batch's backward (≈ 2/3 of its
+  compute) times ``overlap`` (0…1), never below the last bucket's transfer (PyTorch DDP's 25 MB
+  buckets).
+* Pipeline bubble (GPipe/1F1B; Narayanan et al. 2021, arXiv 2104.04473 §2.2): ``(p − 1)/(v·m)`` of
+  the ideal compute with m micro-batches per replica and step, v interleaved chunks.
+* TP is given: its communication is inside the MFU the curve states (not modelled separately).
+* Memory bounds the micro-batch with the project's memory model (:mod:`globalbatch.plan.memory`).
+
+Pure arithmetic; no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from globalbatch._util import SettingError
+try:
+    from globalbatch.plan.memory import Activations, MemoryConfig, largest_micro_batch
+except ImportError:  # pragma: no cover - the layout before plan/ became a package
+    from globalbatch.memory import Activations, MemoryConfig, largest_micro_batch  # type: ignore[no-redef]
+
+__all__ = ["Cluster", "PRESETS", "load_cluster", "cluster_from_mapping", "ThroughputCurve", "default_mfu_curve",
+           "mfu_curve_from_probe", "ModelSpec", "allreduce_time", "ring_collective_time", "tree_allreduce_time", "dp_comm_time",
+           "StepTime", "step_time", "largest_micro", "NCCL_BASE_LAT_S", "DDP_BUCKET_BYTES"]
+
+NCCL_BASE_LAT_S = 8.4e-6
+"""NCCL tuning.cc ``baseLat`` of Ring/Simple (µs → s)."""
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+"""PyTorch DDP's default ``bucket_cap_mb`` (25 MB): the last bucket is reduced after the backward ends."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cluster:
+    """One kind of GPU in nodes joined by a network. Bandwidths are NCCL *bus* bandwidths per GPU (bytes/s)."""
+
+    name: str
+    gpus_per_node: int
+    """GPUs joined by NVLink (or shared memory) in one node."""
+    peak_flops_per_s: float
+    """Dense BF16 (or the precision trained in) peak FLOP/s of one GPU."""
+    memory_bytes: float
+    """Device memory of one GPU."""
+    intra_busbw_bytes_per_s: float
+    """All-reduce bus bandwidth inside a node (NVLink)."""
+    inter_busbw_bytes_per_s: float
+    """All-reduce bus bandwidth across nodes (the node's NICs; rail-optimised rings)."""
+    base_latency_s: float = NCCL_BASE_LAT_S
+    """Fixed latency of one collective (NCCL Ring/Simple baseLat 8.4 µs)."""
+    intra_hop_latency_s: float = 3.4e-6
+    """Latency per ring step inside a node (NCCL hwLat NVLink Ring/Simple 3.4 µs)."""
+    inter_hop_latency_s: float = 9.6e-6
+    """Latency per ring step across nodes (NCCL hwLat NET Ring/Simple 9.6 µs)."""
+    tree_intra_latency_s: float = 28e-6
+    """Tree latency per intra-node level (NCCL hwLat NVLink Tree/Simple 28 µs: a 256 kB chunk)."""
+    tree_inter_latency_s: float = 50e-6
+    """Tree latency per network level (NCCL hwLat NET Tree/Simple 50 µs)."""
+    gpu_hour_price: Optional[float] = None
+    """Price of one GPU-hour (any currency), when cost should be shown in money."""
+    source: str = ""
+    """Where the numbers come from."""
+
+    def __post_init__(self) -> None:
+        check_cluster(self)
+
+
+_CLUSTER_ALLOWED = {
+    "gpus_per_node": "a whole number ≥ 1",
+    "peak_flops_per_s": "FLOP/s > 0, e.g. 989e12",
+    "memory_bytes": "bytes > 0, e.g. 80e9",
+    "intra_busbw_bytes_per_s": "bytes/s > 0, e.g. 370e9",
+    "inter_busbw_bytes_per_s": "bytes/s > 0, e.g. 46e9",
+    "base_latency_s": "seconds ≥ 0",
+    "intra_hop_latency_s": "seconds ≥ 0",
+    "inter_hop_latency_s": "seconds ≥ 0",
+    "tree_intra_latency_s": "seconds ≥ 0",
+    "tree_inter_latency_s": "seconds ≥ 0",
+    "gpu_hour_price": "a price ≥ 0 or null",
+}
+
+
+def _num_ok(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_cluster(c: Cluster) -> None:
+    """Raise SettingError naming the first bad key."""
+    if not isinstance(c.name, str) or not c.name:
+        raise SettingError("name", c.name, "a non-empty name")
+    g = c.gpus_per_node
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+        raise SettingError("gpus_per_node", g, _CLUSTER_ALLOWED["gpus_per_node"])
+    for key in ("peak_flops_per_s", "memory_bytes", "intra_busbw_bytes_per_s", "inter_busbw_bytes_per_s"):
+        v = getattr(c, key)
+        if not (_num_ok(v) and v > 0):
+            raise SettingError(key, v, _CLUSTER_ALLOWED[key])
+    for key in ("base_latency_s", "intra_hop_latency_s", "inter_hop_latency_s", "tree_intra_latency_s",
+                "tree_inter_latency_s"):
+        v = getattr(c, key)
+        if not (_num_ok(v) and v >= 0):
+            raise SettingError(key, v, _CLUSTER_ALLOWED[key])
+    if c.gpu_hour_price is not None and not (_num_ok(c.gpu_hour_price) and c.gpu_hour_price >= 0):
+        raise SettingError("gpu_hour_price", c.gpu_hour_price, _CLUSTER_ALLOWED["gpu_hour_price"])
+
+
+_H100_SRC = ("NVIDIA H100 datasheet (SXM: 989 TFLOPS dense BF16, 80 GB HBM3, NVLink 900 GB/s); NCCL all-reduce "
+             "bus bandwidth ≈ 370 GB/s on 8 NVLink GPUs (without NVLink SHARP); InfiniBand NDR 400 Gb/s per GPU, "
+             "≈ 46 GB/s per NIC measured with nccl-tests, 8 NICs per node (DGX SuperPOD rail-optimised): ring bus "
+             "bandwidth across nodes min(NVLink, 8 × 46 GB/s); latencies from NCCL src/graph/tuning.cc (Simple)")
+PRESETS: dict[str, Cluster] = {
+    "h100-ib": Cluster(name="h100-ib", gpus_per_node=8, peak_flops_per_s=989e12, memory_bytes=80e9,
+                       intra_busbw_bytes_per_s=370e9, inter_busbw_bytes_per_s=min(370e9, 8 * 46e9), source=_H100_SRC),
+    "a100-ib": Cluster(name="a100-ib", gpus_per_node=8, peak_flops_per_s=312e12, memory_bytes=80e9,
+                       intra_busbw_bytes_per_s=230e9, inter_busbw_bytes_per_s=min(230e9, 8 * 23e9),
+                       source="NVIDIA A100 datasheet (SXM 80 GB: 312 TFLOPS dense BF16, 2.0 TB/s, NVLink 600 GB/s); "
+                              "NCCL caps A100 bus bandwidth at 235 GB/s (tuning.cc compCap80); HDR InfiniBand "
+                              "200 Gb/s per GPU ≈ 23 GB/s per NIC, 8 NICs per node; latencies from NCCL tuning.cc"),
+    "h200-ib": Cluster(name="h200-ib", gpus_per_node=8, peak_flops_per_s=989e12, memory_bytes=141e9,
+                       intra_busbw_bytes_per_s=370e9, inter_busbw_bytes_per_s=min(370e9, 8 * 46e9),
+                       source="NVIDIA H200 datasheet: the H100's compute (989 TFLOPS dense BF16) with 141 GB HBM3e at "
+                              "4.8 TB/s; same NVLink and NDR network as h100-ib"),
+}
+"""Cluster presets (vendor figures; NCCL's own model values where no measurement is stated)."""
+
+
+def cluster_from_mapping(data: Any, source: str) -> Cluster:
+    """A Cluster from a mapping (a YAML file's content), validated key by key."""
+    if not isinstance(data, dict):
+        raise SettingError("cluster", source, "a YAML mapping of cluster keys (name, gpus_per_node, ...)")
+    known = {f.name for f in fields(Cluster)}
+    for key in data:
+        if key not in known:
+            raise SettingError(str(key), data[key], "one of " + ", ".join(sorted(known)),
+                               why=f"unknown key in {source}")
+    base: dict[str, Any] = {}
+    required = ("gpus_per_node", "peak_flops_per_s", "memory_bytes", "intra_busbw_bytes_per_s",
+                "inter_busbw_bytes_per_s")
+    for key in required:
+        if key not in data:
+            raise SettingError(key, None, _CLUSTER_ALLOWED[key], why=f"missing in {source}")
+    for key, v in data.items():
+        if key in _CLUSTER_ALLOWED and key != "gpu_hour_price" and key != "gpus_per_node":
+            if isinstance(v, str):
+                try:
+                    v = float(v)
+                except ValueError:
+                    raise SettingError(key, v, _CLUSTER_ALLOWED[key]) from None
+        base[key] = v
+    base.setdefault("name", Path(source).stem if source else "cluster")
+    base.setdefault("source", f"file {source}")
+    return Cluster(**base)
+
+
+def load_cluster(spec: str) -> Cluster:
+    """A preset name or a YAML file (``yaml.safe_load``, every key checked); errors name the key."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    p = Path(spec)
+    if not (spec.endswith((".yaml", ".yml")) and p.is_file()):
+        raise SettingError("cluster", spec, "a preset (" + ", ".join(PRESETS) + ") or an existing FILE.yaml")
+    import yaml
+
+    try:
+        text = p.read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise SettingError("cluster", spec, "a readable YAML file", why=" ".join(str(exc).split())[:160]) from None
+    return cluster_from_mapping(data, spec)
+
+
+# ---------------------------------------------------------------------------
+# MFU as a function of the micro-batch
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ThroughputCurve:
+    """MFU against tokens per micro-batch (per GPU), interpolated in log tokens and held flat beyond the ends."""
+
+    tokens: tuple[float, ...]
+    mfu: tuple[float, ...]
+    source: str
+    peak_flops_per_s: Optional[float] = None
+    """The peak the MFU was measured against (a probe's), when known."""
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.mfu) or not self.tokens:
+            raise SettingError("throughput", self.source, "at least one (tokens, MFU) point")
+        for t, m in zip(self.tokens, self.mfu):
+            if not (_num_ok(t) and t > 0 and _num_ok(m) and 0 < m <= 1):
+                raise SettingError("throughput", self.source, "points with tokens > 0 and 0 < MFU ≤ 1",
+                                   why=f"point ({t}, {m})")
+
+    def at(self, tokens_per_micro: np.ndarray | float) -> np.ndarray:
+        x = np.log(np.asarray(tokens_per_micro, dtype=float))
+        xs = np.log(np.asarray(self.tokens, dtype=float))
+        order = np.argsort(xs)
+        return np.interp(x, xs[order], np.asarray(self.mfu, dtype=float)[order])
+
+
+def default_mfu_curve(mfu_max: float = 0.45, half_tokens: float = 1024.0) -> ThroughputCurve:
+    """A labelled default, not a measurement: ``MFU = mfu_max·t/(t + half_tokens)`` at t tokens per micro-batch
+    (saturating; 45 % is near the 38–43 % BF16 MFU Llama 3 405B reports, arXiv 2407.21783 Table 4)."""
+    ts = np.geomspace(64, 2 ** 20, 15)
+    return ThroughputCurve(tokens=tuple(float(t) for t in ts), mfu=tuple(float(mfu_max * t / (t + half_tokens)) for t in ts),
+                           source=f"default: MFU = {mfu_max:g}·t/(t + {half_tokens:g}) (labelled assumption, not measured)")
+
+
+def mfu_curve_from_probe(path: str) -> ThroughputCurve:
+    """The MFU per micro-batch of a ``globalbatch probe --json`` output (its trials with a timing and an MFU)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise SettingError("throughput", path, "a readable probe --json file", why=" ".join(str(exc).split())[:120]) from None
+    trials = data.get("trials") if isinstance(data, dict) else None
+    if not isinstance(trials, list):
+        raise SettingError("throughput", path, "a probe --json file (with 'trials')")
+    pts: dict[float, float] = {}
+    for t in trials:
+        if not isinstance(t, dict) or t.get("oom"):
+            continue
+        tok, mfu = t.get("tokens_per_step"), t.get("mfu")
+        if _num_ok(tok) and _num_ok(mfu) and tok > 0 and 0 < mfu <= 1:
+            pts[float(tok)] = float(mfu)
+    if not pts:
+        raise SettingError("throughput", path, "a probe output with timed trials and an MFU (a known peak)")
+    ks = sorted(pts)
+    peak = data.get("peak_flops_per_s")
+    return ThroughputCurve(tokens=tuple(ks), mfu=tuple(pts[k] for k in ks), source=f"probe {path}",
+                           peak_flops_per_s=float(peak) if _num_ok(peak) and peak > 0 else None)
+
+
+# ---------------------------------------------------------------------------
+# The model being trained
+# ---------------------------------------------------------------------------
+
+SHARDINGS = ("none", "zero1", "zero2", "zero3", "fsdp")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """What the step time and the memory depend on."""
+
+    params: float
+    """Trainable parameters N."""
+    seq_len: int
+    """Token slots per sequence."""
+    tokens_per_sequence: Optional[float] = None
+    """Loss-bearing tokens per sequence (the convergence fit's unit); default ``seq_len``."""
+    flops_per_token: Optional[float] = None
+    """Training FLOPs per token; default 6N (Kaplan et al. 2020 §2.1)."""
+    grad_bytes_per_param: float = 2.0
+    """Bytes of one gradient element on the wire (2: bf16)."""
+    precision: str = "bf16-mixed"
+    """The memory model's precision (fp32 or bf16-mixed)."""
+    optimizer: str = "adamw"
+    sharding: str = "none"
+    """none (DDP all-reduce), zero1, zero2, zero3 or fsdp (reduce-scatter + all-gather)."""
+    reshard_after_forward: bool = True
+    """zero3/fsdp: gather the weights again in the backward (two all-gathers per step)."""
+    activation_bytes_per_token: Optional[float] = None
+    """Activation bytes per token of the whole model at TP 1 (None: only the static memory is checked)."""
+    virtual_stages: int = 1
+    """Interleaved chunks per pipeline stage (v)."""
+
+    def __post_init__(self) -> None:
+        if not (_num_ok(self.params) and self.params >= 1):
+            raise SettingError("params", self.params, "a number of parameters ≥ 1")
+        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
+            raise SettingError("seq_len", self.seq_len, "a whole number ≥ 1")
+        if self.tokens_per_sequence is not None and not (_num_ok(self.tokens_per_sequence)
+                                                         and 0 < self.tokens_per_sequence <= self.seq_len):
+            raise SettingError("tokens_per_sequence", self.tokens_per_sequence, f"a number in (0, {self.seq_len}]")
+        if self.flops_per_token is not None and not (_num_ok(self.flops_per_token) and self.flops_per_token > 0):
+            raise SettingError("flops_per_token", self.flops_per_token, "FLOPs > 0")
+        if self.sharding not in SHARDINGS:
+            raise SettingError("sharding", self.sharding, ", ".join(SHARDINGS))
+        if self.activation_bytes_per_token is not None and not (_num_ok(self.activation_bytes_per_token)
+                                                                and self.activation_bytes_per_token > 0):
+            raise SettingError("activation_bytes_per_token", self.activation_bytes_per_token, "bytes > 0")
+        if isinstance(self.virtual_stages, bool) or not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise SettingError("virtual_stages", self.virtual_stages, "a whole number ≥ 1")
+
+    @property
+    def tokens_per_seq(self) -> float:
+        return float(self.tokens_per_sequence if self.tokens_per_sequence is not None else self.seq_len)
+
+    @property
+    def train_flops_per_token(self) -> float:
+        return float(self.flops_per_token if self.flops_per_token is not None else 6.0 * self.params)
+
+
+# ---------------------------------------------------------------------------
+# Collectives (α–β, NCCL's model)
+# ---------------------------------------------------------------------------
+
+
+def _busbw(c: Cluster, nodes: int) -> float:
+    return c.intra_busbw_bytes_per_s if nodes <= 1 else min(c.intra_busbw_bytes_per_s, c.inter_busbw_bytes_per_s)
+
+
+def ring_collective_time(size_bytes: float, ranks: int, nodes: int, c: Cluster, *, kind: str = "allreduce") -> float:
+    """Ring all-reduce (``kind="allreduce"``: 2(n−1) steps) or reduce-scatter / all-gather (n−1 steps) of
+    ``size_bytes`` over ``ranks`` GPUs on ``nodes`` nodes."""
+    n, N = int(ranks), max(int(nodes), 1)
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    f = 2 if kind == "allreduce" else 1
+    steps, inter = f * (n - 1), f * (N - 1)
+    lat = c.base_latency_s + (steps - inter) * c.intra_hop_latency_s + inter * c.inter_hop_latency_s
+    return lat + f * (n - 1) / n * size_bytes / _busbw(c, N)
+
+
+def tree_allreduce_time(size_bytes: float, ranks: int, nodes: int, c: Cluster) -> float:
+    """NCCL's double binary tree: ``2((n/N − 1)·α_intra + log2(N)·α_net)`` + ``2S/(0.9·busbw)``."""
+    n, N = int(ranks), max(int(nodes), 1)
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    per_node = max(n // N, 1)
+    lat = 2 * ((per_node - 1) * c.tree_intra_latency_s + math.log2(N) * c.tree_inter_latency_s)
+    return lat + 2 * size_bytes / (0.9 * _busbw(c, N))
+
+
+def allreduce_time(size_bytes: float, ranks: int, nodes: int, c: Cluster) -> tuple[float, str]:
+    """The faster of ring and tree (NCCL picks per size), with its name."""
+    ring = ring_collective_time(size_bytes, ranks, nodes, c)
+    tree = tree_allreduce_time(size_bytes, ranks, nodes, c)
+    return (ring, "ring") if ring <= tree else (tree, "tree")
+
+
+def dp_comm_time(model: ModelSpec, c: Cluster, *, dp: int, tp: int, pp: int) -> tuple[float, str]:
+    """Seconds of data-parallel gradient communication per optimizer step (one sync per step: no_sync during
+    accumulation), and how it was done. TP ranks sit inside a node and the DP group next to them (Megatron's
+    order), so a DP group spans ``ceil(dp / (gpus_per_node / tp))`` nodes."""
+    if dp <= 1:
+        return 0.0, "none"
+    shard = model.params / (tp * pp) * model.grad_bytes_per_param
+    per_node = max(c.gpus_per_node // tp, 1)
+    nodes = math.ceil(dp / per_node)
+    if model.sharding == "none":
+        t, how = allreduce_time(shard, dp, nodes, c)
+        return t, f"all-reduce ({how})"
+    rs = ring_collective_time(shard, dp, nodes, c, kind="reducescatter")
+    ag = ring_collective_time(shard, dp, nodes, c, kind="allgather")
+    n_ag = 2 if model.sharding in ("zero3", "fsdp") and model.reshard_after_forward else 1
+    return rs + n_ag * ag, f"reduce-scatter + {n_ag} all-gather (ring)"
+
+
+# ---------------------------------------------------------------------------
+# One step
+# ---------------------------------------------------------------------------
+
+
+def largest_micro(model: ModelSpec, c: Cluster, *, dp: int, tp: int, pp: int) -> int:
+    """The largest micro-batch (sequences) that fits one GPU (project memory model); 0: none fits; a large
+    number when no activation size is given and the static bytes fit."""
+    cfg = MemoryConfig(params=max(int(round(model.params / (tp * pp))), 1), optimizer=model.optimizer,
+                       precision=model.precision, sharding=model.sharding, dp_world_size=max(dp, 1))
+    if model.activation_bytes_per_token is None:
+        acts = Activations(bytes_per_sample=1.0, source="not given")
+        m = largest_micro_batch(cfg, acts, c.memory_bytes)
+        return 0 if m == 0 else 1 << 30
+    acts = Activations(bytes_per_sample=model.activation_bytes_per_token * model.seq_len / tp, source="given")
+    return largest_micro_batch(cfg, acts, c.memory_bytes)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepTime:
+    """One optimizer step of one geometry."""
+
+    gpus: int
+    global_batch: int
+    """Sequences per step."""
+    micro_batch: int
+    grad_accum_steps: int
+    dp: int
+    tp: int
+    pp: int
+    compute_s: float
+    comm_exposed_s: float
+    bubble_s: float
+    comm_total_s: float
+    comm_how: str
+    mfu_kernel: float
+    """MFU of the micro-batch's kernels (the curve)."""
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_exposed_s + self.bubble_s
+
+    def mfu(self) -> float:
+        """Achieved MFU: the kernel MFU × compute share of the step."""
+        return self.mfu_kernel * self.compute_s / self.total_s if self.total_s > 0 else 0.0
+
+    def geometry(self) -> str:
+        return (f"{self.global_batch:,} seq = {self.micro_batch} micro × {self.grad_accum_steps} accum × "
+                f"DP {self.dp} (TP {self.tp}, PP {self.pp})")
+
+    def to_dict(self) -> dict:
+        return {"gpus": self.gpus, "global_batch": self.global_batch, "micro_batch": self.micro_batch,
+                "grad_accum_steps": self.grad_accum_steps, "dp": self.dp, "tp": self.tp, "pp": self.pp,
+                "compute_s": self.compute_s, "comm_exposed_s": self.comm_exposed_s, "bubble_s": self.bubble_s,
+                "comm_total_s": self.comm_total_s, "comm": self.comm_how, "step_s": self.total_s,
+                "mfu": self.mfu(), "mfu_kernel": self.mfu_kernel}
+
+
+def step_time(model: ModelSpec, c: Cluster, curve: ThroughputCurve, *, micro_batch: int, grad_accum_steps: int,
+              dp: int, tp: int = 1, pp: int = 1, overlap: float = 1.0, peak_flops_per_s: Optional[float] = None) -> StepTime:
+    """The step time of one geometry (``global = micro × accum × dp`` sequences on ``dp·tp·pp`` GPUs)."""
+    gpus = dp * tp * pp
+    gb = micro_batch * grad_accum_steps * dp
+    peak = peak_flops_per_s if peak_flops_per_s is not None else c.peak_flops_per_s
+    mfu_k = float(curve.at(micro_batch * model.seq_len))
+    flops = model.train_flops_per_token * gb * model.seq_len
+    compute = flops / (gpus * peak * mfu_k)
+    bubble = compute * (pp - 1) / (model.virtual_stages * grad_accum_steps) if pp > 1 else 0.0
+    comm, how = dp_comm_time(model, c, dp=dp, tp=tp, pp=pp)
+    exposed = _exposed(comm, compute, grad_accum_steps, model, overlap)
+    return StepTime(gpus=gpus, global_batch=gb, micro_batch=micro_batch, grad_accum_steps=grad_accum_steps, dp=dp,
+                    tp=tp, pp=pp, compute_s=compute, comm_exposed_s=exposed, bubble_s=bubble, comm_total_s=comm,
+                    comm_how=how, mfu_kernel=mfu_k)
+
+
+def _exposed(comm: float, compute: float, accum: int, model: ModelSpec, overlap: float) -> float:
+    """Communication left after the overlap window: the last micro-batch's backward (2/3 of its compute; its whole
+    compute for zero3/fsdp, whose all-gathers prefetch in the forward too), never less than the last bucket."""
+    if comm <= 0:
+        return 0.0
+    per_micro = compute / accum
+    window = per_micro * (1.0 if model.sharding in ("zero3", "fsdp") else 2.0 / 3.0) * overlap
+    shard_bytes = model.params * model.grad_bytes_per_param
+    last_bucket = comm * min(1.0, DDP_BUCKET_BYTES / shard_bytes) if overlap > 0 else comm
+    return max(comm - window, last_bucket)
+
+
+def step_times_grid(model: ModelSpec, c: Cluster, curve: ThroughputCurve, *, dp: int, tp: int, pp: int,
+                    micro: np.ndarray, accum: np.ndarray, overlap: float, comm: tuple[float, str],
+                    peak_flops_per_s: Optional[float] = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Vectorised :func:`step_time` over arrays of (micro, accum) at one (dp, tp, pp): compute, bubble, exposed, mfu_k."""
+    gpus = dp * tp * pp
+    peak = peak_flops_per_s if peak_flops_per_s is not None else c.peak_flops_per_s
+    mfu_k = curve.at(micro * model.seq_len)
+    gb = micro * accum * dp
+    compute = model.train_flops_per_token * gb * model.seq_len / (gpus * peak * mfu_k)
+    bubble = compute * (pp - 1) / (model.virtual_stages * accum) if pp > 1 else np.zeros_like(compute)
+    t_comm = comm[0]
+    if t_comm <= 0:
+        exposed = np.zeros_like(compute)
+    else:
+        per_micro = compute / accum
+        window = per_micro * (1.0 if model.sharding in ("zero3", "fsdp") else 2.0 / 3.0) * overlap
+        shard_bytes = model.params * model.grad_bytes_per_param
+        last = t_comm * min(1.0, DDP_BUCKET_BYTES / shard_bytes) if overlap > 0 else t_comm
+        exposed = np.maximum(t_comm - window, last)
+    return compute, bubble, exposed, mfu_k
+
