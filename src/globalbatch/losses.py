@@ -10,16 +10,25 @@ sequence — the error behind the Trainer's mis-normalized accumulation (docs/in
 
 :func:`causal_lm_loss_sum` works on logits of any model, so the count and the loss always
 come from the same targets.
+
+Other heads: a :class:`LossHead` pairs a summed loss with a count taken from the batch alone (the
+Hugging Face Trainer integration counts a whole window before its first forward). Built in:
+:func:`causal_lm_head` (the default), :func:`token_head` (labels already aligned with the logits:
+seq2seq decoders such as BART/T5, masked LM, token classification) and
+:func:`sequence_classification_head` (one label per row; ``ignore_index`` rows carry no loss).
+Any other loss: ``LossHead(loss_sum=..., count=...)`` with the same contract.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "causal_lm_targets", "causal_lm_loss_sum", "count_causal_lm_targets"]
+__all__ = ["IGNORE_INDEX", "causal_lm_targets", "causal_lm_loss_sum", "count_causal_lm_targets", "LossHead",
+           "causal_lm_head", "token_head", "sequence_classification_head", "logits_of"]
 
 IGNORE_INDEX = -100
 """PyTorch's and Hugging Face's default label for "no loss here" (padding, prompts)."""
@@ -72,3 +81,103 @@ def causal_lm_loss_sum(logits_btv: torch.Tensor, labels_bt: torch.Tensor, *, shi
     loss_sum = F.cross_entropy(logits_btv.reshape(-1, logits_btv.shape[-1]), targets.reshape(-1),
                                ignore_index=ignore_index, reduction="sum")
     return loss_sum, (targets != ignore_index).sum()
+
+
+def logits_of(outputs: Any) -> torch.Tensor:
+    """The logits of a model's outputs: ``outputs["logits"]`` (a Hugging Face ``ModelOutput`` or a dict),
+    ``outputs.logits``, the first element of a tuple, or the tensor itself."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, Mapping) and "logits" in outputs:
+        return outputs["logits"]
+    if hasattr(outputs, "logits"):
+        return outputs.logits
+    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
+        return outputs[0]
+    raise ValueError(f"outputs of type {type(outputs).__name__} are not allowed; allowed: logits, a dict or "
+                     "ModelOutput with 'logits', or a tuple whose first element is the logits")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LossHead:
+    """A loss the integrations normalize exactly over a global batch: its sum and its count.
+
+    Both callables must agree: ``count(batch)`` is the count ``loss_sum`` returns, taken from the
+    batch alone (no forward), as a 0-d tensor or a number."""
+
+    loss_sum: Callable[[Any, Mapping[str, Any]], tuple[torch.Tensor, Any]]
+    """``(model outputs, batch) -> (summed loss over the loss-bearing units, their count)``."""
+    count: Callable[[Mapping[str, Any]], Any]
+    """``batch -> count`` of loss-bearing units (targets, or labelled rows)."""
+    name: str = "custom"
+    """For messages and logs."""
+    label_keys: tuple[str, ...] = ("labels",)
+    """Batch keys the model must not receive (the head reads them); the rest go to the model."""
+    decoder_inputs_from_labels: bool = False
+    """Seq2seq: when the batch has no ``decoder_input_ids``, build them from the labels with the model's
+    ``prepare_decoder_input_ids_from_labels`` (Hugging Face BART, T5, ...), as its own loss path would."""
+
+
+def _labels(batch: Mapping[str, Any], key: str = "labels") -> torch.Tensor:
+    if key not in batch:
+        raise ValueError(f"batch keys {sorted(batch)} are not allowed; allowed: a batch with {key!r}")
+    return batch[key]
+
+
+def causal_lm_head(*, ignore_index: int = IGNORE_INDEX, shift: bool = True,
+                   upcast: Optional[torch.dtype] = torch.float32) -> LossHead:
+    """Causal LM: the logit at ``t`` scored against ``labels[t + 1]`` (``shift=False``: labels aligned).
+    A batch's ``shift_labels`` (a padding-free collator's already-aligned targets) win over ``labels``."""
+
+    def targets(batch: Mapping[str, Any]) -> tuple[torch.Tensor, bool]:
+        if "shift_labels" in batch:
+            return batch["shift_labels"], False
+        return _labels(batch), shift
+
+    def loss_sum(outputs: Any, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        labels, sh = targets(batch)
+        return causal_lm_loss_sum(logits_of(outputs), labels, shift=sh, ignore_index=ignore_index, upcast=upcast)
+
+    def count(batch: Mapping[str, Any]) -> torch.Tensor:
+        labels, sh = targets(batch)
+        return count_causal_lm_targets(labels, shift=sh, ignore_index=ignore_index)
+
+    return LossHead(loss_sum=loss_sum, count=count, name="causal_lm", label_keys=("labels", "shift_labels"))
+
+
+def token_head(*, ignore_index: int = IGNORE_INDEX, seq2seq: bool = False,
+               upcast: Optional[torch.dtype] = torch.float32) -> LossHead:
+    """One label per logit position, not shifted: a seq2seq decoder (``seq2seq=True``: decoder inputs
+    built from the labels when the batch has none), masked LM, token classification."""
+
+    def loss_sum(outputs: Any, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        return causal_lm_loss_sum(logits_of(outputs), _labels(batch), shift=False, ignore_index=ignore_index,
+                                  upcast=upcast)
+
+    def count(batch: Mapping[str, Any]) -> torch.Tensor:
+        return count_causal_lm_targets(_labels(batch), shift=False, ignore_index=ignore_index)
+
+    return LossHead(loss_sum=loss_sum, count=count, name="seq2seq" if seq2seq else "token",
+                    decoder_inputs_from_labels=seq2seq)
+
+
+def sequence_classification_head(*, ignore_index: int = IGNORE_INDEX,
+                                 upcast: Optional[torch.dtype] = torch.float32) -> LossHead:
+    """One class label per row: logits ``(batch, classes)``, labels ``(batch,)``; rows labelled
+    ``ignore_index`` carry no loss. The count is the labelled rows."""
+
+    def loss_sum(outputs: Any, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, labels = logits_of(outputs), _labels(batch)
+        if logits.dim() != 2 or labels.dim() != 1 or logits.shape[0] != labels.shape[0]:
+            raise ValueError(f"logits shape {tuple(logits.shape)} and labels shape {tuple(labels.shape)} are not "
+                             "allowed; allowed: logits (batch, classes) with labels (batch,)")
+        if upcast is not None and logits.dtype.is_floating_point and logits.dtype.itemsize < upcast.itemsize:
+            logits = logits.to(upcast)
+        labels = labels.to(logits.device)
+        loss = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+        return loss, (labels != ignore_index).sum()
+
+    def count(batch: Mapping[str, Any]) -> torch.Tensor:
+        return (_labels(batch) != ignore_index).sum()
+
+    return LossHead(loss_sum=loss_sum, count=count, name="sequence_classification")

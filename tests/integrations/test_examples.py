@@ -54,8 +54,20 @@ def test_lightning_example(capsys):
     assert len(logs) == 3 and all("noise/b_simple_tokens=" in line for line in logs), out
 
 
+@pytest.mark.slow  # ~8 s: two tiny models, one float64 step each with both Trainers, then 3 AdamW steps
+def test_hf_loss_heads_example(capsys):
+    assert _example("hf_loss_heads").main(["--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    for task in ("classification", "seq2seq"):
+        err = {m.group(1): float(m.group(2)) for m in re.finditer(
+            rf"{task}: one step vs one big batch \(float64, max-element relative\): (.+?): (\S+)", out)}
+        # the stock Trainer sums the micro-batch means (these models accept loss kwargs but ignore them)
+        assert err["GlobalBatchTrainer"] < 1e-10 and err["Trainer (default)"] > 1e-3, out
+        assert len([line for line in out.splitlines() if line.startswith(f"{task} log: ")]) == 3, out
+
+
 def test_examples_refuse_bad_flags_with_exit_code_2(capsys):
-    for name in ("hf_trainer", "lightning_module"):
+    for name in ("hf_trainer", "lightning_module", "hf_loss_heads"):
         with pytest.raises(SystemExit) as exc:
             _example(name).main(["--global-batch", "10"])
         assert exc.value.code == 2

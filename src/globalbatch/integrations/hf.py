@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from globalbatch.integrations import require
 from globalbatch.integrations._common import WindowMeter, check_plan, derive_grad_accum_steps, noise_metrics, plan_line
-from globalbatch.losses import IGNORE_INDEX, causal_lm_loss_sum, count_causal_lm_targets
+from globalbatch.losses import IGNORE_INDEX, LossHead, causal_lm_head
 
 transformers = require("transformers", "hf")
 from transformers import Trainer, TrainerCallback  # noqa: E402
@@ -115,19 +115,29 @@ class GlobalBatchTrainerMixin:
             Trainer is built, or a ValueError with the numbers is raised. None: keep the args.
         noise: measure B_simple and log it (``noise/b_simple_tokens``…).
         noise_config: a :class:`globalbatch.noise.NoiseConfig`.
-        ignore_index: label value without a loss (default -100).
-        shift_labels: True (causal LM: logits at t predict labels[t+1], as HF's causal models do);
-            False for models whose labels are already aligned with the logits.
+        loss_head: a :class:`globalbatch.losses.LossHead`: the summed loss from the model's outputs and
+            the batch, and its count from the batch alone (taken for the whole window before its first
+            forward). Built in: ``causal_lm_head()`` (the default), ``token_head(seq2seq=True)`` (seq2seq:
+            labels not shifted, decoder inputs built from them), ``token_head()`` (masked LM, token
+            classification), ``sequence_classification_head()``. The head's label keys are not passed
+            to the model (its own loss is not used).
+        ignore_index: label value without a loss (default -100), for the default head.
+        shift_labels: for the default head: True (causal LM: logits at t predict labels[t+1], as HF's
+            causal models do); False for models whose labels are already aligned with the logits.
 
-    The model must return ``logits`` of shape (batch, time, vocab); the loss is computed here from
-    them (the model's own loss is not used). Supported: one process, or DDP over CPU/GPU ranks;
-    DeepSpeed, FSDP and ``DataParallel`` (``n_gpu > 1``) raise at construction.
+    The loss is computed here from the outputs (the model's own loss is not used). Supported: one
+    process, or DDP over CPU/GPU ranks; DeepSpeed, FSDP and ``DataParallel`` (``n_gpu > 1``) raise at
+    construction.
     """
 
     loss_is_scaled_for_ga = True
 
     def __init__(self, *args: Any, global_batch: Optional[int] = None, noise: bool = True, noise_config: Any = None,
-                 ignore_index: int = IGNORE_INDEX, shift_labels: bool = True, **kwargs: Any) -> None:
+                 ignore_index: int = IGNORE_INDEX, shift_labels: bool = True, loss_head: Optional[LossHead] = None,
+                 **kwargs: Any) -> None:
+        if loss_head is not None and not isinstance(loss_head, LossHead):
+            raise ValueError(f"loss_head {type(loss_head).__name__} is not allowed; allowed: a "
+                             "globalbatch.losses.LossHead (e.g. sequence_classification_head()) or None")
         targs = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
         if global_batch is not None:
             if targs is None:
@@ -151,6 +161,8 @@ class GlobalBatchTrainerMixin:
         self.gb_callback: GlobalBatchCallback = cb
         self.gb_ignore_index = int(ignore_index)
         self.gb_shift_labels = bool(shift_labels)
+        self.gb_loss_head: LossHead = loss_head if loss_head is not None else causal_lm_head(
+            ignore_index=self.gb_ignore_index, shift=self.gb_shift_labels)
         self._gb_window: Optional[torch.Tensor] = None  # [valid tokens, sequences, padded tokens], all ranks
         self._gb_micro_count: Optional[torch.Tensor] = None
         self._gb_measure = True
@@ -158,9 +170,9 @@ class GlobalBatchTrainerMixin:
     # -- the window's count (once per optimizer step, one all-reduce) -------------------------------------
 
     def _gb_count(self, batch: dict) -> torch.Tensor:
-        if "shift_labels" in batch:  # a padding-free collator already aligned the targets
-            return count_causal_lm_targets(batch["shift_labels"], shift=False, ignore_index=self.gb_ignore_index)
-        return count_causal_lm_targets(batch["labels"], shift=self.gb_shift_labels, ignore_index=self.gb_ignore_index)
+        """The head's count of loss-bearing units (the default head: targets after the shift; a padding-free
+        collator's ``shift_labels`` are already aligned)."""
+        return torch.as_tensor(self.gb_loss_head.count(batch))
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Prefetch the window (as the Trainer does) and count its targets after the shift, over all ranks."""
@@ -172,12 +184,13 @@ class GlobalBatchTrainerMixin:
                 break
         if not batch_samples:
             return batch_samples, None
-        if "labels" not in batch_samples[0] and "shift_labels" not in batch_samples[0]:
-            raise ValueError(f"batch keys {sorted(batch_samples[0])} are not allowed; allowed: a batch with 'labels' "
-                             "(GlobalBatchTrainer computes a token loss)")
+        if not any(k in batch_samples[0] for k in self.gb_loss_head.label_keys):
+            raise ValueError(f"batch keys {sorted(batch_samples[0])} are not allowed; allowed: a batch with "
+                             f"{' or '.join(map(repr, self.gb_loss_head.label_keys))} (GlobalBatchTrainer computes "
+                             f"the {self.gb_loss_head.name} loss from them)")
         stats = torch.zeros(3, dtype=torch.float64, device=device)
         for b in batch_samples:
-            ids = b.get("input_ids", b.get("labels"))
+            ids = next((b[k] for k in ("input_ids", "labels", *self.gb_loss_head.label_keys) if k in b))
             stats += torch.stack([self._gb_count(b).to(device, torch.float64),
                                   torch.tensor(float(ids.shape[0]), dtype=torch.float64, device=device),
                                   torch.tensor(float(ids.numel()), dtype=torch.float64, device=device)])
@@ -192,19 +205,18 @@ class GlobalBatchTrainerMixin:
     # -- the loss ---------------------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Summed token loss × dp_world_size / global count (training); the token-mean loss otherwise."""
-        inputs = dict(inputs)
-        labels = inputs.pop("labels", None)
-        shift = inputs.pop("shift_labels", None)
-        outputs = model(**inputs)
-        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-        if shift is not None:
-            loss_sum, count = causal_lm_loss_sum(logits, shift, shift=False, ignore_index=self.gb_ignore_index)
-        elif labels is not None:
-            loss_sum, count = causal_lm_loss_sum(logits, labels, shift=self.gb_shift_labels,
-                                                 ignore_index=self.gb_ignore_index)
-        else:
-            raise ValueError(f"inputs keys {sorted(inputs)} are not allowed; allowed: inputs with 'labels'")
+        """The head's summed loss × dp_world_size / global count (training); its mean loss otherwise."""
+        head = self.gb_loss_head
+        if not any(k in inputs for k in head.label_keys):
+            raise ValueError(f"inputs keys {sorted(inputs)} are not allowed; allowed: inputs with "
+                             f"{' or '.join(map(repr, head.label_keys))}")
+        model_inputs = {k: v for k, v in inputs.items() if k not in head.label_keys}
+        if head.decoder_inputs_from_labels and "decoder_input_ids" not in model_inputs:
+            base = self.accelerator.unwrap_model(model)
+            model_inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=inputs["labels"])
+        outputs = model(**model_inputs)
+        loss_sum, count = head.loss_sum(outputs, inputs)
+        count = torch.as_tensor(count, device=loss_sum.device)
         if model.training and num_items_in_batch is not None:
             self._gb_micro_count = count
             world = self.accelerator.num_processes

@@ -117,9 +117,20 @@ class ExactAccumulationMixin:
 
     def configure_global_batch(self, *, micro_batch: int, grad_accum_steps: Optional[int] = None,
                                global_batch: Optional[int] = None, max_grad_norm: Optional[float] = None,
-                               dp_world_size: Optional[int] = None) -> None:
+                               dp_world_size: Optional[int] = None, loss_head: Any = None) -> None:
         """Set the geometry: give ``grad_accum_steps`` (per rank), or pin ``global_batch`` (then the
-        accumulation is re-derived for the world size at fit start, or a ValueError with the numbers)."""
+        accumulation is re-derived for the world size at fit start, or a ValueError with the numbers).
+
+        ``loss_head``: a :class:`globalbatch.losses.LossHead` (``sequence_classification_head()``,
+        ``token_head(seq2seq=True)``, ``causal_lm_head()``, or your own); with it, the default
+        :meth:`loss_sum` calls ``self(**batch without the head's label keys)`` and scores the outputs
+        with the head. Without it, define ``loss_sum(batch)`` yourself."""
+        from globalbatch.losses import LossHead
+
+        if loss_head is not None and not isinstance(loss_head, LossHead):
+            raise ValueError(f"loss_head {type(loss_head).__name__} is not allowed; allowed: a "
+                             "globalbatch.losses.LossHead or None")
+        self.gb_loss_head = loss_head
         if (grad_accum_steps is None) == (global_batch is None):
             raise ValueError(f"grad_accum_steps {grad_accum_steps!r} and global_batch {global_batch!r}: allowed: "
                              "exactly one of them")
@@ -133,8 +144,23 @@ class ExactAccumulationMixin:
         self.gb_last_result: Optional[StepResult] = None
         self._gb_padded = 0.0
 
-    def loss_sum(self, batch: Any) -> tuple[torch.Tensor, Any]:  # pragma: no cover - user code
-        raise NotImplementedError("loss_sum(batch) must return (summed loss, count of loss-bearing units)")
+    def loss_sum(self, batch: Any) -> tuple[torch.Tensor, Any]:
+        """``(summed loss, count of loss-bearing units)`` of a micro-batch: override it, or configure a
+        ``loss_head`` (then the module's ``forward`` gets the batch without the labels)."""
+        head = getattr(self, "gb_loss_head", None)
+        if head is None:
+            raise NotImplementedError("loss_sum(batch) must return (summed loss, count of loss-bearing units); "
+                                      "define it, or pass configure_global_batch(loss_head=...)")
+        inputs = {k: v for k, v in batch.items() if k not in head.label_keys}
+        if head.decoder_inputs_from_labels and "decoder_input_ids" not in inputs:
+            base = getattr(self, "model", None)
+            prepare = getattr(base, "prepare_decoder_input_ids_from_labels", None)
+            if prepare is None:
+                raise ValueError("batch without decoder_input_ids is not allowed with a seq2seq head here: the "
+                                 "module has no self.model.prepare_decoder_input_ids_from_labels; allowed: put "
+                                 "decoder_input_ids in the batch")
+            inputs["decoder_input_ids"] = prepare(labels=batch["labels"])
+        return head.loss_sum(self(**inputs), batch)
 
     def batch_samples(self, batch: Any) -> int:
         """Sequences in a batch: ``batch['input_ids']`` rows for a dict, else ``len(batch[0])``."""
