@@ -235,6 +235,7 @@ def test_search_best_equals_brute_force_over_geometries():
                       intra_busbw_bytes_per_s=1e11, inter_busbw_bytes_per_s=1e10)
     curve = default_mfu_curve()
     cfg = ScaleConfig(target_loss=2.6, max_gpus=16, tp_options=(1, 2), pp_options=(1, 2), max_global_batch=256)
+    assert ScaleConfig(target_loss=2.6).tp_options == (1,)
     res = scale(conv, model, cluster, curve, cfg)
     for row in res.rows:
         g = row.gpus

@@ -32,10 +32,7 @@ from typing import Any, Optional
 import numpy as np
 
 from globalbatch._util import SettingError
-try:
-    from globalbatch.plan.memory import Activations, MemoryConfig, largest_micro_batch
-except ImportError:  # pragma: no cover - the layout before plan/ became a package
-    from globalbatch.memory import Activations, MemoryConfig, largest_micro_batch  # type: ignore[no-redef]
+from globalbatch.plan.memory import Activations, MemoryConfig, largest_micro_batch
 
 __all__ = ["Cluster", "PRESETS", "load_cluster", "cluster_from_mapping", "ThroughputCurve", "default_mfu_curve",
            "mfu_curve_from_probe", "ModelSpec", "allreduce_time", "ring_collective_time", "tree_allreduce_time", "dp_comm_time",
@@ -280,6 +277,8 @@ class ModelSpec:
     """Activation bytes per token of the whole model at TP 1 (None: only the static memory is checked)."""
     virtual_stages: int = 1
     """Interleaved chunks per pipeline stage (v)."""
+    layers: Optional[int] = None
+    """Transformer layers: PP ≤ layers (None: not checked)."""
 
     def __post_init__(self) -> None:
         if not (_num_ok(self.params) and self.params >= 1):
@@ -298,6 +297,8 @@ class ModelSpec:
             raise SettingError("activation_bytes_per_token", self.activation_bytes_per_token, "bytes > 0")
         if isinstance(self.virtual_stages, bool) or not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise SettingError("virtual_stages", self.virtual_stages, "a whole number ≥ 1")
+        if self.layers is not None and (isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1):
+            raise SettingError("layers", self.layers, "a whole number ≥ 1")
 
     @property
     def tokens_per_seq(self) -> float:

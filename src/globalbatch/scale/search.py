@@ -58,10 +58,11 @@ class ScaleConfig:
     """Only answers reaching the target within this many seconds."""
     budget_gpu_hours: Optional[float] = None
     """Only answers within this many GPU-hours."""
-    tp_options: tuple[int, ...] = (1, 2, 4, 8)
-    """Tensor-parallel degrees tried (each ≤ GPUs per node)."""
-    pp_options: tuple[int, ...] = (1, 2, 4, 8, 16)
-    """Pipeline-parallel degrees tried."""
+    tp_options: tuple[int, ...] = (1,)
+    """Tensor-parallel degrees tried (each ≤ GPUs per node). TP's own communication is not modelled (it is inside
+    the MFU curve), so give the degrees the MFU curve was measured at."""
+    pp_options: tuple[int, ...] = (1,)
+    """Pipeline-parallel degrees tried (each ≤ the model's layers when known); p2p sends are not modelled."""
     overlap: float = 1.0
     """Share of the last backward the gradient communication can hide behind (0…1)."""
     max_stages: int = 3
@@ -240,7 +241,7 @@ def _best_by_batch(model: ModelSpec, cluster: Cluster, curve: ThroughputCurve, c
         if tp > cluster.gpus_per_node or gpus % tp:
             continue
         for pp in cfg.pp_options:
-            if gpus % (tp * pp):
+            if gpus % (tp * pp) or (model.layers is not None and pp > model.layers):
                 continue
             dp = gpus // (tp * pp)
             m_max = largest_micro(model, cluster, dp=dp, tp=tp, pp=pp)
@@ -314,9 +315,12 @@ def scale(conv: ConvergenceModel, model: ModelSpec, cluster: Cluster, curve: Thr
     best = _pick(rows, cfg.objective)
     notes = []
     if conv.extrapolated(loss):
-        notes.append(f"target {loss:g} is outside the fitted losses "
-                     + (f"{conv.loss_range[0]:.4g}–{conv.loss_range[1]:.4g}" if conv.loss_range else "(a prior)")
-                     + ": extrapolated; the intervals widen with the fit's standard errors")
+        if conv.loss_range is not None:
+            notes.append(f"target {loss:g} is outside the fitted losses {conv.loss_range[0]:.4g}–{conv.loss_range[1]:.4g}:"
+                         " extrapolated; the intervals widen with the fit's standard errors")
+        else:
+            notes.append(f"target {loss:g} comes from a {conv.kind} ({conv.source}) with no stated uncertainty: "
+                         f"every number is an extrapolation ({conv.conditions})")
     if best is None:
         notes.append("no GPU count meets the deadline / GPU-hour budget")
     ramp = None
