@@ -1,6 +1,6 @@
 """Memory model vs probe: the predicted largest micro-batch of tinygpt at 3 model sizes against the probe's.
 
-For each size: (1) the memory model (globalbatch.memory) predicts the largest micro-batch under
+For each size: (1) the memory model (globalbatch.plan.memory) predicts the largest micro-batch under
 --memory-limit from the parameter count (AdamW, fp32: 16 bytes/param) and activations measured from
 two forward+backward peaks (micro-batch 8 and 16); (2) the probe (real AdamW steps) measures it.
 Prints a markdown table: predicted, measured, error, and the formula's static bytes against the
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from globalbatch.memory import MemoryConfig, breakdown, largest_micro_batch
+from globalbatch.plan.memory import MemoryConfig, breakdown, largest_micro_batch
 from globalbatch.plan import parse_bytes
 from globalbatch.lab.probe_run import probe_task
 from globalbatch.probe.activations import task_memory_inputs

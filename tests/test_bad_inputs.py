@@ -161,6 +161,8 @@ def _c(id_, argv, field, *files):
     return pytest.param(list(argv), field, files, id=id_)
 
 
+ADAPTIVE = ["adaptive", "--out", "o", "--seeds", "0,1"]
+
 CASES = [
     # plan: numbers
     _c("plan-total-1e400", PLAN + ["--total-tokens", "1e400"], "--total-tokens"),
@@ -383,6 +385,16 @@ CASES = [
     _c("branch-out-broken-manifest", BRANCH, "--out", "out_broken_manifest"),
     _c("branch-out-sweep-dir", BRANCH, "--out", "out_grid_for_branch"),
     _c("branch-out-locked", BRANCH, "--out", "locked"),
+    # adaptive (--seeds 0,1 is valid: each case below fails on another flag, after --seeds parsed)
+    _c("adaptive-seeds-ok-tokens-zero", ADAPTIVE + ["--tokens", "0"], "--tokens"),
+    _c("adaptive-seeds-ok-batches-zero", ADAPTIVE + ["--batches", "0,4"], "--batches"),
+    _c("adaptive-seeds-ok-lr-zero", ADAPTIVE + ["--lr", "0"], "--lr"),
+    _c("adaptive-seeds-ok-device-foo", ADAPTIVE + ["--device", "foo"], "--device"),
+    _c("adaptive-seeds-ok-task-arg", ADAPTIVE + ["--task-arg", "n_layer"], "--task-arg"),
+    _c("adaptive-seeds-dup", ["adaptive", "--out", "o", "--seeds", "0,0"], "--seeds"),
+    _c("adaptive-seeds-word", ["adaptive", "--out", "o", "--seeds", "0,x"], "--seeds"),
+    _c("adaptive-seeds-negative", ["adaptive", "--out", "o", "--seeds", "-1"], "--seeds"),
+    _c("adaptive-out-file", ["adaptive", "--seeds", "0,1", "--out", "afile"], "--out", "afile"),
     # demo
     _c("demo-workers-zero", ["demo", "--workers", "0"], "--workers"),
     _c("demo-device-foo", ["demo", "--device", "foo"], "--device"),
@@ -441,4 +453,4 @@ def test_bad_input_is_one_line_exit_2_nothing_written(argv, field, files, tmp_pa
 def test_there_are_at_least_150_cases_and_every_command_is_covered():
     assert len(CASES) >= 150
     commands = {c.values[0][0] for c in CASES}
-    assert {"plan", "probe", "sweep", "report", "noise", "branch", "demo"} <= commands
+    assert {"plan", "probe", "sweep", "report", "noise", "branch", "demo", "adaptive"} <= commands

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from globalbatch.cli import _commands, flag_names_of, main
+from globalbatch.cli import main
+from globalbatch.cli.app import _commands, flag_names_of
 
 TINY = ["--task-arg", "n_layer=1", "--task-arg", "d_model=16", "--task-arg", "n_head=1", "--task-arg", "seq_len=16",
         "--task-arg", "max_corpus_bytes=20000"]
@@ -90,7 +91,7 @@ def test_noise_json(tmp_path):
 def test_plan_config_errors_carry_their_field(kw, field):
     """The library raises SettingError(field); the CLI finds the flag in its typer parameters, not in the text."""
     from globalbatch._util import SettingError
-    from globalbatch.config import PlanConfig
+    from globalbatch.plan.config import PlanConfig
 
     with pytest.raises(SettingError) as exc:
         PlanConfig(micro_batch=2, grad_accum_steps=1, dp_world_size=1, **kw)

@@ -1,4 +1,4 @@
-"""globalbatch.config: file loaders (ours, DeepSpeed, HF) and the plan report."""
+"""globalbatch.plan.config: file loaders (ours, DeepSpeed, HF) and the plan report."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from globalbatch.config import PlanConfig, build_plan, make_plan, read_config_file, resolve_plan_config
+from globalbatch.plan.config import PlanConfig, read_config_file, resolve_plan_config
+from globalbatch.plan.report import build_plan, make_plan
 
 
 def load_config(path, dp_world_size=None, **flags):

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from globalbatch.critical import Curve
-from globalbatch.critical_seeds import (analyze_seeds, common_lr, common_targets, fit_joint, is_monotone,
+from globalbatch.critical.seeds import (analyze_seeds, common_lr, common_targets, fit_joint, is_monotone,
                                         recommend_over_seeds, seed_analysis_json, target_over_seeds)
-from globalbatch.readout import heldout_crossing, monotone_fit
+from globalbatch.critical.readout import heldout_crossing, monotone_fit
 
 BATCHES = [250.0, 500.0, 1000.0, 2000.0, 4000.0]
 BUDGET = 400_000.0

@@ -86,7 +86,7 @@ def test_measured_cpu_matmul_peak_is_plausible():
 
 
 def test_formula_modules_import_no_torch():
-    code = "import sys, globalbatch.flops, globalbatch.memory, globalbatch.plan; print('torch' in sys.modules)"
+    code = "import sys, globalbatch.flops, globalbatch.plan.memory, globalbatch.plan; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

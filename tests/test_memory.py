@@ -1,4 +1,4 @@
-"""Tests of globalbatch.memory (the memory model), its measured activations, and ``plan --memory``."""
+"""Tests of globalbatch.plan.memory (the memory model), its measured activations, and ``plan --memory``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from globalbatch.cli import main
-from globalbatch.memory import (
+from globalbatch.plan.memory import (
     Activations,
     MemoryConfig,
     activations_from_points,

@@ -228,7 +228,7 @@ def test_parse_bytes(text, value):
 
 
 def test_plan_imports_no_torch():
-    code = "import sys, globalbatch.plan, globalbatch.config; sys.exit(1 if 'torch' in sys.modules else 0)"
+    code = "import sys, globalbatch.plan, globalbatch.plan.config; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -18,7 +18,9 @@ from conftest import children_of
 
 from globalbatch.lab.rundir import pid_alive
 
-from globalbatch._util import atomic_write_json, parse_list, parse_task_args, read_jsonl
+from globalbatch import validate as V
+from globalbatch._util import atomic_write_json, read_jsonl
+from globalbatch.errors import SettingError
 from globalbatch.lab.sweep import SweepConfig, analyze_sweep, load_sweep, run_sweep, run_trial
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,17 +65,21 @@ def test_config_errors_name_field_and_value():
 
 
 def test_parse_helpers():
-    assert parse_list("16,32, 1K", "--batches", int) == [16, 32, 1000]
-    assert parse_list("3e-4,1e-3", "--lrs") == [3e-4, 1e-3]
-    with pytest.raises(ValueError, match="--lrs 'fast' is not allowed"):
-        parse_list("1e-3,fast", "--lrs")
-    with pytest.raises(ValueError, match="^--batches -16 is not allowed; allowed: whole numbers ≥ 1"):
-        parse_list("8,-16", "--batches", int)
-    with pytest.raises(ValueError, match="^--batches 0 is not allowed"):
-        parse_list("0", "--batches", int)
-    assert parse_task_args(["d_model=64", "corpus_dir=/x"]) == {"d_model": 64, "corpus_dir": "/x"}
-    with pytest.raises(ValueError, match="KEY=VALUE"):
-        parse_task_args(["d_model"])
+    assert V.count_list("16,32, 1K", "batches") == [16, 32, 1000]
+    assert V.number_list("3e-4,1e-3", "lrs") == [3e-4, 1e-3]
+    with pytest.raises(SettingError, match="^lrs 'fast' is not allowed"):
+        V.number_list("1e-3,fast", "lrs")
+    with pytest.raises(SettingError, match="^batches -16 is not allowed; allowed: whole numbers ≥ 1"):
+        V.count_list("8,-16", "batches")
+    with pytest.raises(SettingError, match="^batches 0 is not allowed"):
+        V.count_list("0", "batches")
+    assert V.seed_list("0,1, 2") == [0, 1, 2]
+    for bad in ("0,0", "-1", "x", ""):
+        with pytest.raises(SettingError, match="^seeds .* is not allowed; allowed: distinct whole numbers ≥ 0"):
+            V.seed_list(bad)
+    assert V.key_values(["d_model=64", "corpus_dir=/x"]) == {"d_model": 64, "corpus_dir": "/x"}
+    with pytest.raises(SettingError, match="KEY=VALUE"):
+        V.key_values(["d_model"])
 
 
 def test_read_jsonl_drops_a_torn_last_line_and_atomic_write_leaves_no_tmp(tmp_path):

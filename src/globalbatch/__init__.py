@@ -61,13 +61,15 @@ _EXPORTS: dict[str, str] = {
     "NoiseScaleMonitor": "globalbatch.noise",
     "NoiseConfig": "globalbatch.noise",
     "probe_micro_batch": "globalbatch.probe",
-    "probe": "globalbatch.probe",
+    "probe_model": "globalbatch.probe",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = ["__version__", *_EXPORTS]  # ``gb.probe`` (the package, callable: deprecated) is not listed
 
 
 def __getattr__(name: str) -> Any:
+    if name == "probe":  # the package (callable, deprecated) whatever was imported first: never a changing name
+        return importlib.import_module("globalbatch.probe")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'globalbatch' has no attribute {name!r}")
@@ -77,4 +79,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | {"probe"})

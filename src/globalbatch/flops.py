@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from globalbatch._util import SettingError
+from globalbatch.plan.arithmetic import dense_flops_per_token
 
 __all__ = ["PEAK_FLOPS", "transformer_flops_per_token", "dense_flops_per_token", "table_peak_flops", "measure_matmul_peak",
            "peak_flops_per_s", "count_flops", "FlopsCounter", "SequenceFlops", "mfu", "PeakFlops"]
@@ -52,14 +53,6 @@ def transformer_flops_per_token(*, params_non_embedding: float, n_layer: int, se
                 or not math.isfinite(value):
             raise SettingError(name, value, "a number > 0")
     return 6.0 * params_non_embedding + 12.0 * n_layer * d_model * seq_len
-
-
-def dense_flops_per_token(params: float) -> float:
-    """``6·N``: training FLOPs per token of the weight matmuls alone (PaLM App. B without attention);
-    ``plan``'s fallback when the layers and width are not known."""
-    if isinstance(params, bool) or not isinstance(params, (int, float)) or not params > 0 or not math.isfinite(params):
-        raise SettingError("params", params, "a number of parameters > 0")
-    return 6.0 * params
 
 
 def table_peak_flops(device_name: str, dtype: str) -> Optional[float]:

@@ -17,10 +17,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
-from globalbatch._util import SettingError, _Raw
+from globalbatch.errors import Raw as _Raw, SettingError
+from globalbatch.units import parse_count
 
 __all__ = ["MAX_COUNT", "MAX_BATCH", "count", "whole", "positive", "number", "fraction", "choice", "out_dir",
-           "existing_dir", "device", "number_list", "count_list", "make_out_dir", "created_out_dir"]
+           "existing_dir", "number_list", "count_list", "key_values", "seed_list", "make_out_dir", "created_out_dir"]
 
 MAX_COUNT = 10**18
 """Upper bound of any token, sample or step count (a quintillion: far above any training run)."""
@@ -41,8 +42,6 @@ def count(value: Any, field: str, *, minimum: int = 1, maximum: int = MAX_COUNT,
     if _is_int(value):
         n = value
     else:
-        from globalbatch.plan import parse_count
-
         try:
             n = parse_count(value, field)
         except ValueError:
@@ -148,6 +147,37 @@ def count_list(text: Any, field: str, *, maximum: int = MAX_BATCH, allowed: Opti
     return out
 
 
+def key_values(pairs: Iterable[str] | None, field: str = "task_overrides") -> dict[str, Any]:
+    """``["d_model=64", "corpus_dir=/x"]`` → ``{"d_model": 64, "corpus_dir": "/x"}`` (JSON values where they parse)."""
+    import json
+
+    out: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise SettingError(field, pair, "KEY=VALUE, e.g. d_model=64")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def seed_list(text: Any, field: str = "seeds") -> list[int]:
+    """``"0,1,2"`` → ``[0, 1, 2]``: distinct whole numbers ≥ 0."""
+    allowed = "distinct whole numbers ≥ 0, comma-separated, e.g. 0,1,2"
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    out = []
+    for item in items:
+        try:
+            out.append(count(item, field, minimum=0, maximum=2**32 - 1))
+        except SettingError:
+            raise SettingError(field, str(text), allowed) from None
+    if not out or len(set(out)) != len(out):
+        raise SettingError(field, str(text), allowed)
+    return out
+
+
 # ---------------------------------------------------------------------------
 # Paths
 # ---------------------------------------------------------------------------
@@ -241,26 +271,6 @@ def existing_dir(path: Any, field: str, *, allowed: str = "an existing directory
 
 def _short(text: str, n: int = 60) -> str:
     return text if len(text) <= n else text[:n] + f"… ({len(text)} characters)"
-
-
-# ---------------------------------------------------------------------------
-# Devices
-# ---------------------------------------------------------------------------
-
-def device(text: Any, field: str = "device", *, precision: Any = None, precision_field: str = "precision",
-           default_cuda: bool = False) -> str:
-    """A device that exists here (``lab.device.resolve_device``), with its precision; returns its name.
-
-    ``text=None`` with ``default_cuda`` means cuda when available, else cpu.
-    """
-    import torch
-
-    from globalbatch.lab.device import check_device
-
-    if text is None and default_cuda:
-        text = "cuda" if torch.cuda.is_available() else "cpu"
-    check_device(text, "fp32" if precision is None else precision, field=field, precision_field=precision_field)
-    return str(text)
 
 
 _Typed = _Raw

@@ -14,132 +14,14 @@ line names the flag instead, found in the command's own typer parameters
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any, Literal, Optional, get_args, get_origin
 
 import typer
 
-from globalbatch.optim.registry import optimizer_names  # noqa: E402 (torch-free table)
+from globalbatch.cli.app import app, setting_line
 
-_OPTIMIZERS = ", ".join(optimizer_names())
-"""The registry's names as --help shows them."""
-
-# Fixed choices as Literal types: typer shows them in --help (``--objective <time|cost>``) and refuses
-# any other value before the command runs (one line, see _usage_error_line).
-OptimizerName = Literal.__getitem__(tuple(optimizer_names()))  # the registry's names, whatever they are
-PrecisionName = Literal["fp32", "bf16", "fp16"]
-Backend = Literal["local", "ray"]
-Objective = Literal["time", "cost"]
-Metric = Literal["val", "train"]
-Test = Literal["paired", "welch"]
-LrRule = Literal["linear", "sqrt", "none"]
-AdaptiveLrRule = Literal["sqrt", "linear", "adascale", "none"]
-
-app = typer.Typer(
-    name="globalbatch",
-    help="Plan, check and measure the global batch size of PyTorch training.",
-    add_completion=False,
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-)
-
-
-class CliError(ValueError):
-    """A user error reported as one line with exit code 2."""
-
-
-def _echo_json(obj: Any) -> None:
-    """``--json``: one JSON document on stdout, stable snake_case keys."""
-    from .._util import json_default
-
-    typer.echo(json.dumps(obj, indent=2, sort_keys=True, default=json_default))
-
-
-def _fail(message: str) -> "typer.Exit":
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code=2)
-
-
-# ---------------------------------------------------------------------------
-# The one field → flag mapping, taken from the commands' own typer definitions
-# ---------------------------------------------------------------------------
-
-_FIELD_PARAMS: dict[str, dict[str, str]] = {
-    "plan": {"grad_accum_steps": "grad_accum", "dp_world_size": "dp", "new_dp_world_size": "dp",
-             "compute_flops": "compute", "loss_nats": "loss", "config": "config"},
-    "probe": {"dp_world_size": "dp", "tolerance": "throughput_tolerance", "task_overrides": "task_arg",
-              "memory_limit_bytes": "memory_limit"},
-    "sweep": {"budget": "tokens", "task_overrides": "task_arg", "max_val_samples": "val_samples"},
-    "report": {"halflife_steps": "half_life_steps", "tolerance": "time_tolerance"},
-    "noise": {"grad_accum_steps": "grad_accum", "task_overrides": "task_arg"},
-    "branch": {"branch_at": "warmup_tokens", "window": "window_tokens", "task_overrides": "task_arg",
-               "tolerance": "loss_tolerance"},
-    "adaptive": {"budget": "tokens", "task_overrides": "task_arg", "base_batch": "lr_base_batch",
-                 "min_interval_steps": "min_interval"},
-}
-"""Library field → the command's typer parameter, only where the library names a setting differently."""
-
-
-def _commands() -> dict:
-    global _COMMANDS
-    if _COMMANDS is None:
-        _COMMANDS = dict(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
-    return _COMMANDS
-
-
-_COMMANDS: Optional[dict] = None
-
-
-def flag_names_of(command_name: str) -> dict[str, str]:
-    """``{library field: flag}`` for one command: every typer parameter under its own name (``task_arg`` →
-    ``--task-arg``, the ``RUN_DIR`` argument) and the library's names of :data:`_FIELD_PARAMS`."""
-    cmd = _commands()[command_name]
-    by_param = {}
-    for p in cmd.params:  # typer's click objects: options have --flags, arguments a METAVAR name
-        if getattr(p, "param_type_name", "") == "option":
-            by_param[p.name] = next((o for o in p.opts if o.startswith("--")), p.opts[0])
-        else:
-            by_param[p.name] = str(p.name).upper()
-    out = dict(by_param)
-    for field, param in _FIELD_PARAMS.get(command_name, {}).items():
-        if param in by_param:
-            out[field] = by_param[param]
-    return out
-
-
-def _setting_line(exc: Exception, command_name: Optional[str]) -> str:
-    """A SettingError's line naming the flag the user typed (the field as is when no flag spells it)."""
-    field = getattr(exc, "field", "")
-    if command_name and not field.startswith("-"):
-        try:
-            flag = flag_names_of(command_name).get(field)
-        except KeyError:
-            flag = None
-        if flag is not None:
-            return exc.text(flag)  # type: ignore[attr-defined]
-    return str(exc)
-
-
-# ---------------------------------------------------------------------------
-# Commands. Keep each one thin: parse, call the library, print.
-# ---------------------------------------------------------------------------
-
-def _version(value: bool) -> None:
-    if value:
-        from .. import __version__
-
-        typer.echo(f"globalbatch {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
-) -> None:
-    """Plan, check and measure the global batch size of PyTorch training."""
-
+__all__ = ["app", "main"]
 
 # The commands live in one module per family and register themselves on ``app`` when imported, in
 # the order --help lists them: plan, probe, noise, then the critical-batch experiments.
@@ -201,7 +83,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         from .._util import SettingError
 
         sub = args[0] if args and not args[0].startswith("-") else None
-        text = _setting_line(exc, sub) if isinstance(exc, SettingError) else str(exc)
+        text = setting_line(exc, sub) if isinstance(exc, SettingError) else str(exc)
         typer.echo("error: " + " ".join(text.split()), err=True)  # one line, whatever the message holds
         sys.exit(2)
     except Exception as exc:

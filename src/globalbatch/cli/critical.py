@@ -7,22 +7,9 @@ from typing import Optional
 
 import typer
 
-from globalbatch.cli import (AdaptiveLrRule, app, Backend, flag_names_of, Metric, Objective, OptimizerName, PrecisionName,
-                             Test, _echo_json, _OPTIMIZERS)
-
-
-def _parse_seeds(text: str) -> list[int]:
-    """``"0,1,2"`` → ``[0, 1, 2]``; one error line naming --seeds otherwise."""
-    from .._util import SettingError
-
-    items = [t.strip() for t in str(text).split(",") if t.strip()]
-    try:
-        vals = [int(t) for t in items]
-    except ValueError:
-        vals = []
-    if not vals or any(v < 0 for v in vals) or len(set(vals)) != len(vals):
-        raise SettingError("seeds", text, "distinct whole numbers ≥ 0, comma-separated, e.g. 0,1,2")
-    return vals
+from globalbatch.lab.device import checked_device
+from globalbatch.cli.app import (AdaptiveLrRule, app, Backend, flag_names_of, Metric, Objective, OptimizerName, PrecisionName,
+                             Test, echo_json, OPTIMIZERS_HELP)
 
 
 def _parse_units(text: str, flag: str) -> int:
@@ -91,7 +78,7 @@ def sweep_cmd(
     eval_every: Optional[str] = typer.Option(None, "--eval-every", help="Units between held-out evaluations (default: --eval-points log-spaced ones)."),
     eval_points: int = typer.Option(32, "--eval-points", help="Log-spaced held-out evaluations per trial (≥ 30 for a sound read-out)."),
     val_samples: int = typer.Option(512, "--val-samples", help="Held-out samples per evaluation (a fixed random draw, the same for every trial)."),
-    optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + _OPTIMIZERS + "."),
+    optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + OPTIMIZERS_HELP + "."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
     noise: bool = typer.Option(False, "--noise", help="Also log the gradient noise scale B_simple at every evaluation (the report plots it)."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or mps (checked before anything is written)."),
@@ -104,16 +91,16 @@ def sweep_cmd(
     from types import SimpleNamespace
 
     from .. import validate as V
-    from .._util import flag_names, parse_task_args
+    from .._util import flag_names
     from ..lab.report import seed_analysis_or_note, seed_json
     from ..lab.sweep import SweepConfig, analyze_sweep, run_sweep
 
     with flag_names(flag_names_of("sweep")):
         V.out_dir(out, "out")
-        cfg = SweepConfig(task=task, task_overrides=parse_task_args(task_arg),
+        cfg = SweepConfig(task=task, task_overrides=V.key_values(task_arg, "task_arg"),
                           batches=V.count_list(batches, "batches"), lrs=V.number_list(lrs, "lrs"),
                           budget=V.count(tokens, "budget", what="a whole number of units"), seed=seed,
-                          seeds=None if seeds is None else _parse_seeds(seeds),
+                          seeds=None if seeds is None else V.seed_list(seeds),
                           warmup=None if warmup is None else _parse_units(warmup, "--warmup"),
                           warmup_min_steps=warmup_min_steps, lr_rule=lr_rule, base_batch=base_batch, lr_edge_extend=lr_edge_extend,
                           eval_points=eval_points, max_val_samples=val_samples,
@@ -128,7 +115,7 @@ def sweep_cmd(
     if note is not None:
         analysis.warnings.append(note)
     if as_json:
-        _echo_json({"out_dir": result.out_dir, "ran": result.ran, "skipped": result.skipped,
+        echo_json({"out_dir": result.out_dir, "ran": result.ran, "skipped": result.skipped,
                     "wall_time_s": result.wall_time_s, "workers": result.workers,
                     "threads_per_worker": result.threads_per_worker, "analysis": analysis.to_dict(),
                     "seeds": None if sa is None else seed_json(data, sa),
@@ -173,7 +160,7 @@ def report_cmd(
                     "first_seed_recommendation": None if res.analysis.recommendation is None
                     else res.analysis.recommendation.text()})
         doc["warnings"] = list(doc["warnings"]) + [w for w in res.analysis.warnings if w not in doc["warnings"]]
-        _echo_json(doc)
+        echo_json(doc)
         return
     _print_report(res)
     typer.echo(f"wrote {res.html} and {len(res.plots)} plot(s)")
@@ -192,7 +179,7 @@ def branch_cmd(
     alpha: float = typer.Option(0.05, "--alpha", help="Level of the one-sided t-test per k."),
     metric: Metric = typer.Option("val", "--metric", help="val (validation loss at the end of the window) or train (last quarter's training loss)."),
     test: Test = typer.Option("paired", "--test", help="paired (per-seed differences) or welch."),
-    optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer (" + _OPTIMIZERS + "); LR × √k for Adam-type, × k for SGD-type."),
+    optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer (" + OPTIMIZERS_HELP + "); LR × √k for Adam-type, × k for SGD-type."),
     out: str = typer.Option("runs/branch", "--out", help="Output directory; rerunning reuses finished branches (a larger --seeds adds only the new seeds' branches)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the model init and the base run's data order."),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per forward/backward (default min(batch, 16))."),
@@ -204,7 +191,7 @@ def branch_cmd(
 ) -> None:
     """Merrill et al. 2025 branch test: the largest k whose k× batch branches are not worse than k = 1."""
     from .. import validate as V
-    from .._util import flag_names, parse_task_args
+    from .._util import flag_names
     from ..lab.branch import BranchConfig, run_branch_test
 
     with flag_names(flag_names_of("branch")):
@@ -212,7 +199,7 @@ def branch_cmd(
         V.whole(base_batch, "base_batch", maximum=V.MAX_BATCH)
         k_list = V.count_list(ks, "ks", allowed="whole numbers ≥ 1 including 1, e.g. 1,2,4,8")
         V.whole(base_batch * max(k_list), "base_batch", maximum=V.MAX_BATCH)
-        cfg = BranchConfig(task=task, task_overrides=parse_task_args(task_arg), base_batch=base_batch,
+        cfg = BranchConfig(task=task, task_overrides=V.key_values(task_arg, "task_arg"), base_batch=base_batch,
                            ks=k_list, lr=V.positive(lr, "lr"), optimizer=optimizer,
                            branch_at=V.count_list(warmup_tokens, "branch_at", maximum=V.MAX_COUNT,
                                                   allowed="unit counts ≥ 1, e.g. 200K or 100K,200K"),
@@ -221,7 +208,7 @@ def branch_cmd(
                            device=device, precision=precision)
         result = run_branch_test(cfg, out, threads=threads, progress=not as_json)
     if as_json:
-        _echo_json(result.to_dict())
+        echo_json(result.to_dict())
         return
     typer.echo(result.text())
     typer.echo(f"wrote {out}/result.json")
@@ -246,7 +233,7 @@ def adaptive_cmd(
     tokens: str = typer.Option("300K", "--tokens", help="Budget per run in the task's unit (tokens), e.g. 300K."),
     seeds: str = typer.Option("1,2,3", "--seeds", help="Seeds (model init and data order), comma-separated; >= 3 for intervals."),
     micro_batch: int = typer.Option(4, "--micro-batch", help="Samples per forward/backward, every arm."),
-    optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + _OPTIMIZERS + " (pick --lr-rule to match: sqrt for Adam-type, linear for SGD)."),
+    optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + OPTIMIZERS_HELP + " (pick --lr-rule to match: sqrt for Adam-type, linear for SGD)."),
     target: list[float] = typer.Option([], "--target", help="Held-out loss target (repeatable); default two: every fixed batch's final loss reaches it (worst + 0.01), and half of them do (median + 0.01)."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable)."),
     out: str = typer.Option("runs/adaptive", "--out", help="Output directory; rerunning resumes it (finished runs are kept; --seeds may grow)."),
@@ -260,7 +247,7 @@ def adaptive_cmd(
     import math
 
     from .. import validate as V
-    from .._util import SettingError, flag_names, parse_list, parse_task_args
+    from .._util import SettingError, flag_names
     from ..lab.adaptive_report import format_analysis, write_adaptive_report
     from ..lab.adaptive_run import AdaptiveConfig, run_adaptive
     from ..lab.sweep import demo_config
@@ -268,16 +255,16 @@ def adaptive_cmd(
 
     with flag_names(flag_names_of("adaptive")):
         V.out_dir(out, "out")
-        overrides = parse_task_args(task_arg)
+        overrides = V.key_values(task_arg, "task_arg")
         if task == "tinygpt":
             overrides = {**demo_config().task_overrides, **overrides}
         cfg = AdaptiveConfig(task=task, task_overrides=overrides, policy=policy,
-                             batches=parse_list(batches, "--batches", int), lr=lr, base_batch=lr_base_batch,
+                             batches=V.count_list(batches, "batches"), lr=lr, base_batch=lr_base_batch,
                              initial_batch=initial_batch,
                              lr_rule=lr_rule, c=c, throughput_from=throughput_from, max_batch=max_batch, powers_of_two=not any_batch,
                              decide_every=decide_every, min_interval_steps=min_interval, patience=patience,
                              budget=parse_count(tokens, "--tokens"),
-                             seeds=parse_list(seeds, "--seeds", int, allowed="whole numbers ≥ 0, e.g. 1,2,3"),
+                             seeds=V.seed_list(seeds),
                              micro_batch=micro_batch, optimizer=optimizer, device=device, precision=precision)
         for t in target:
             if not (t > 0 and math.isfinite(t)):
@@ -287,7 +274,7 @@ def adaptive_cmd(
                err=True)
     analyses, files = write_adaptive_report(out, targets=target or None)
     if as_json:
-        _echo_json({"analyses": [a.as_dict() for a in analyses], "files": files})
+        echo_json({"analyses": [a.as_dict() for a in analyses], "files": files})
         return
     for analysis in analyses:
         typer.echo(format_analysis(analysis))
@@ -317,7 +304,7 @@ def demo_cmd(
     t0 = time.time()
     with flag_names(flag_names_of("demo")):
         cfg = dataclasses.replace(demo_config(), device=device, precision=precision)
-        V.device(device, "device", precision=precision)  # before the banner: a bad flag is one line
+        checked_device(device, "device", precision=precision)  # before the banner: a bad flag is one line
         if workers is not None:
             V.whole(workers, "workers")
         V.out_dir(out, "out")
@@ -333,7 +320,7 @@ def demo_cmd(
         result = run_sweep(cfg, out, workers=workers, progress=not as_json)
     res = write_report(out)
     if as_json:
-        _echo_json({"out_dir": result.out_dir, "wall_time_s": result.wall_time_s, "report": str(res.html),
+        echo_json({"out_dir": result.out_dir, "wall_time_s": result.wall_time_s, "report": str(res.html),
                     "analysis": res.analysis.to_dict(), "warnings": list(res.analysis.warnings),
                     "seeds": None if res.seed_analysis is None else seed_json(res.data, res.seed_analysis),
                     "recommendation": None if res.analysis.recommendation is None else res.analysis.recommendation.text()})

@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 
-from globalbatch.cli import app, flag_names_of, OptimizerName, PrecisionName, _echo_json, _OPTIMIZERS
+from globalbatch.lab.device import checked_device
+from globalbatch.cli.app import app, flag_names_of, OptimizerName, PrecisionName, echo_json, OPTIMIZERS_HELP
 
 
 @app.command("probe", short_help="Find the largest micro-batch that fits and the fastest one.")
@@ -29,18 +30,18 @@ def probe_cmd(
     import logging
 
     from .. import validate as V
-    from .._util import load_task_checked, parse_task_args
+    from ..lab.tasks import load_task_checked
     from ..plan import parse_bytes
     from ..lab.probe_run import probe_task
     from ..probe import NothingFits, check_probe_settings, format_bytes, geometry_text, limit_text, probe_table
 
-    overrides = parse_task_args(task_arg)
+    overrides = V.key_values(task_arg, "task_arg")
     limit = None if memory_limit is None else parse_bytes(memory_limit, "--memory-limit")
     if limit is not None and limit < 1:
         raise ValueError(f"--memory-limit {memory_limit} is not allowed; allowed: a budget of at least 1 byte")
     check_probe_settings(global_batch=global_batch, dp_world_size=dp, max_micro_batch=max_micro_batch,
                          steps_per_trial=steps_per_trial, tolerance=tolerance, names=flag_names_of("probe"))
-    V.device(device, "device", precision=precision, default_cuda=True)
+    checked_device(device, "device", precision=precision, default_cuda=True)
     load_task_checked(task, overrides)  # a bad --task/--task-arg: one line before any trial
     if not as_json:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -90,7 +91,7 @@ def noise_cmd(
     grad_accum: int = typer.Option(4, "--grad-accum", help="Micro-batches per step; on one process ≥ 2 (they are the small batches)."),
     steps: int = typer.Option(50, "--steps", help="Optimizer steps (windows) to train and measure."),
     lr: float = typer.Option(1e-3, "--lr", help="Constant learning rate (B_simple depends on it; it is logged)."),
-    optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + _OPTIMIZERS + " (the same recipe as sweep)."),
+    optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + OPTIMIZERS_HELP + " (the same recipe as sweep)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the model init and the data order."),
     log_every: int = typer.Option(5, "--log-every", help="Steps between estimates (rows of the curve)."),
     half_life_windows: float = typer.Option(10.0, "--half-life-windows", help="EMA half-life in windows of the global batch (forgetting is per unit)."),
@@ -112,7 +113,7 @@ def noise_cmd(
     from rich.text import Text
 
     from .. import validate as V
-    from .._util import flag_names, parse_task_args
+    from .._util import flag_names
     from ..lab.noise_run import NoiseRunConfig, check_noise_settings, format_estimate, format_interval, measure_noise
 
     names = flag_names_of("noise")
@@ -122,12 +123,12 @@ def noise_cmd(
     V.positive(lr, "lr")
     V.positive(half_life_windows, "half_life_windows")
     V.out_dir(out, "out")
-    V.device(device, "device", precision=precision, default_cuda=True)
+    checked_device(device, "device", precision=precision, default_cuda=True)
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
-    cfg = NoiseRunConfig(task=task, task_overrides=parse_task_args(task_arg), micro_batch=micro_batch,
+    cfg = NoiseRunConfig(task=task, task_overrides=V.key_values(task_arg, "task_arg"), micro_batch=micro_batch,
                          grad_accum_steps=grad_accum, steps=steps, lr=lr, optimizer=optimizer, seed=seed,
                          log_every=log_every, half_life_windows=half_life_windows, adam_variant=adam_variant,
                          device=device, precision=precision)
@@ -155,7 +156,7 @@ def noise_cmd(
     if not result.rows:
         return  # not rank 0
     if as_json:
-        _echo_json({"unit": result.unit, "dp_world_size": result.dp_world_size, "csv": result.csv_path,
+        echo_json({"unit": result.unit, "dp_world_size": result.dp_world_size, "csv": result.csv_path,
                     "rows": result.rows, "final": {k: dataclasses.asdict(e) for k, e in result.final.items()}})
         return
     table = Table(title=f"B_simple curve ({result.unit}-mean loss; interval {next(iter(result.final.values())).confidence:.0%} Fieller)")

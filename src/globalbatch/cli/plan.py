@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from globalbatch.cli import app, LrRule
+from globalbatch.cli.app import app, LrRule
 
 
 @app.command("plan", short_help="State, check and derive the batch geometry of a run (no torch needed).")
@@ -48,7 +48,7 @@ def plan_cmd(
     """State the whole batch geometry of a run, check it, and say what follows from it."""
 
     from .. import plan as P
-    from ..config import make_plan, plan_table
+    from ..plan.report import make_plan, plan_table
 
     def count(text: Optional[str], flag: str) -> Optional[float]:
         return None if text is None else float(P.parse_count(text, flag))
@@ -57,7 +57,7 @@ def plan_cmd(
         from .._util import SettingError
         from ..optim.registry import lr_scaling_rule, optimizer_names
 
-        from ..memory import OPTIMIZER_STATES
+        from ..plan.memory import OPTIMIZER_STATES
 
         if optimizer not in optimizer_names():
             if memory is None and optimizer in OPTIMIZER_STATES:
@@ -125,7 +125,7 @@ def plan_cmd(
         console = Console(width=max(Console().width, 120))  # the arithmetic column reads best unwrapped
         console.print(plan_table(report))
         if memory_section is not None:
-            from ..memory import memory_table
+            from ..plan.memory import memory_table
 
             console.print(memory_table(memory_section))
         if report.priors:
@@ -138,8 +138,8 @@ def _memory_inputs(memory: str, *, params: Optional[str], dp: Optional[int], opt
                    precision: Optional[str], sharding: Optional[str], activation_bytes: Optional[str],
                    checkpoint_divisor: Optional[float], task: Optional[str], task_arg: list[str]) -> tuple:
     """Check every ``plan --memory`` flag (before anything is printed), then measure the task if one is given."""
-    from .._util import SettingError, flag_names, parse_task_args
-    from ..memory import Activations, MemoryConfig
+    from .._util import SettingError, flag_names
+    from ..plan.memory import Activations, MemoryConfig
     from ..plan import parse_bytes, parse_count
 
     device_bytes = parse_bytes(memory, "--memory")
@@ -172,12 +172,13 @@ def _memory_inputs(memory: str, *, params: Optional[str], dp: Optional[int], opt
     if task is None:
         cfg = MemoryConfig(params=parse_count(params, "--params"), **common)
         return device_bytes, cfg, Activations(bytes_per_sample=float(per_sample), source="given")
-    from .._util import load_task_checked
+    from .. import validate as V
+    from ..lab.tasks import load_task_checked
     from ..probe.activations import task_memory_inputs
 
     with flag_names({"task": "--task", "task_overrides": "--task-arg"}):
         try:
-            task_obj = load_task_checked(task, parse_task_args(task_arg))
+            task_obj = load_task_checked(task, V.key_values(task_arg, "task_arg"))
         except SettingError:
             raise
         except ValueError as exc:
@@ -187,7 +188,7 @@ def _memory_inputs(memory: str, *, params: Optional[str], dp: Optional[int], opt
 
 
 def _memory_section(inputs: tuple, micro_batch: Optional[int]) -> dict:
-    from ..memory import memory_report
+    from ..plan.memory import memory_report
 
     device_bytes, cfg, acts = inputs
     return memory_report(cfg, acts, device_bytes, micro_batch=micro_batch)
@@ -201,7 +202,7 @@ def _print_memory(inputs: tuple, micro_batch: Optional[int], as_json: bool) -> N
         return
     from rich.console import Console
 
-    from ..memory import memory_table
+    from ..plan.memory import memory_table
 
     Console(width=max(Console().width, 120)).print(memory_table(report))
     if report["largest_micro_batch"] == 0:

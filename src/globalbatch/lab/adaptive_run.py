@@ -372,7 +372,7 @@ def run_adaptive(cfg: AdaptiveConfig, out: str | os.PathLike, *, threads: Option
     measured throughput). Resumable; the manifest must match (``seeds`` may change)."""
     import torch
 
-    from globalbatch._util import load_task_checked
+    from globalbatch.lab.tasks import load_task_checked
     from globalbatch.lab.device import check_device
 
     if threads is not None and (isinstance(threads, bool) or int(threads) != threads or threads < 1):

@@ -51,7 +51,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from globalbatch._util import SettingError, atomic_write_json, load_task_checked, read_json_checked
+from globalbatch._util import SettingError, atomic_write_json, read_json_checked
+from globalbatch.lab.tasks import load_task_checked
 from globalbatch.lab.device import PRECISIONS, check_device
 from globalbatch.lab.loop import default_micro_batch
 from globalbatch.lab.rundir import check_manifest, lock_run_dir

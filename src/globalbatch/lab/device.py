@@ -21,7 +21,7 @@ from typing import Any
 
 from globalbatch._util import SettingError
 
-__all__ = ["DEVICE_HELP", "PRECISIONS", "resolve_device", "check_device", "Precision", "device_for_worker"]
+__all__ = ["DEVICE_HELP", "PRECISIONS", "resolve_device", "check_device", "Precision", "device_for_worker", "checked_device"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICE_HELP = "cpu, cuda, cuda:N or mps"
@@ -113,3 +113,17 @@ class Precision:
         if self.name != "fp16":
             return None
         return torch.amp.GradScaler(torch.device(device).type)
+
+
+def checked_device(text: Any, field: str = "device", *, precision: Any = None, precision_field: str = "precision",
+           default_cuda: bool = False) -> str:
+    """A device that exists here (:func:`resolve_device`), with its precision; returns its name.
+
+    ``text=None`` with ``default_cuda`` means cuda when available, else cpu.
+    """
+    import torch
+
+    if text is None and default_cuda:
+        text = "cuda" if torch.cuda.is_available() else "cpu"
+    check_device(text, "fp32" if precision is None else precision, field=field, precision_field=precision_field)
+    return str(text)

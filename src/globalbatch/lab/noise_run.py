@@ -163,7 +163,7 @@ def measure_noise(config: NoiseRunConfig, *, out_dir: str | None = None, tensorb
 
     from globalbatch.lab.device import resolve_device
     from globalbatch.lab.loop import Experiment
-    from globalbatch._util import load_task_checked
+    from globalbatch.lab.tasks import load_task_checked
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_noise_settings(grad_accum_steps=config.grad_accum_steps, world_size=world)

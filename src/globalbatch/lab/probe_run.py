@@ -72,7 +72,7 @@ def probe_task(
     count_tokens = (lambda batch: None) if unit == "sample" else task.tokens_in
     predicted, predicted_note = None, ""
     if memory_limit_bytes is not None:  # predict before running: the memory model, fwd+bwd at 8 and 16
-        from globalbatch.memory import MemoryConfig, largest_micro_batch
+        from globalbatch.plan.memory import MemoryConfig, largest_micro_batch
         from globalbatch.probe.activations import measure_activations
 
         acts = measure_activations(model, make_batch, loss_fn)

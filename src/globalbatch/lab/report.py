@@ -34,7 +34,7 @@ import numpy as np
 
 from globalbatch.critical import Analysis, ema_smooth
 from globalbatch._util import atomic_write, atomic_write_json, atomic_write_text
-from globalbatch.critical_seeds import SeedAnalysis, seed_analysis_json
+from globalbatch.critical.seeds import SeedAnalysis, seed_analysis_json
 from globalbatch.lab.sweep import SweepData, analyze_sweep, analyze_sweep_seeds
 
 __all__ = ["ReportResult", "write_report", "analysis_table", "batch_label", "render_html"]

@@ -54,9 +54,13 @@ ranks take the same next size (:mod:`globalbatch.probe.trial`).
 
 from __future__ import annotations
 
+import sys
+import types
+import warnings
+
 from globalbatch.probe.memory import MemoryModel, fit_memory_model, is_oom_error, release_memory
 from globalbatch.probe.report import geometry_text, limit_text, probe_table
-from globalbatch.probe.runner import TrainStepRunner, TrialConfig, probe
+from globalbatch.probe.runner import TrainStepRunner, TrialConfig, probe, probe_model
 from globalbatch.probe.search import (
     DEFAULT_MAX_MICRO_BATCH,
     DEFAULT_START_MICRO_BATCH,
@@ -84,6 +88,7 @@ __all__ = [
     "TrialConfig",
     "TrainStepRunner",
     "probe",
+    "probe_model",
     "probe_table",
     "geometry_text",
     "limit_text",
@@ -93,3 +98,16 @@ __all__ = [
     "DEFAULT_MAX_MICRO_BATCH",
     "DEFAULT_START_MICRO_BATCH",
 ]
+
+
+class _CallablePackage(types.ModuleType):
+    """``gb.probe(model, …)`` was a function until ``import globalbatch.probe`` made the name this package; the
+    package now answers that call, whatever was imported first (deprecated: call :func:`probe_model`)."""
+
+    def __call__(self, *args, **kwargs):
+        warnings.warn("globalbatch.probe(...) is deprecated; call globalbatch.probe_model(...)", FutureWarning,
+                      stacklevel=2)
+        return probe_model(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

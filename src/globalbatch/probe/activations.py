@@ -1,6 +1,6 @@
-"""Activation memory per sample, measured from two forward + backward points (for :mod:`globalbatch.memory`).
+"""Activation memory per sample, measured from two forward + backward points (for :mod:`globalbatch.plan.memory`).
 
-The memory model (:mod:`globalbatch.memory`) computes weights, gradients and optimizer states
+The memory model (:mod:`globalbatch.plan.memory`) computes weights, gradients and optimizer states
 from the parameter count; activations it takes from a measurement: the peak of one forward +
 backward (no optimizer step, so no optimizer state) at two micro-batch sizes. The slope is the
 bytes per sample; the intercept minus the formula's weights + gradients is the workspace.
@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from globalbatch.memory import Activations, activations_from_points
+from globalbatch.plan.memory import Activations, activations_from_points
 from globalbatch.probe.memory import _CpuTensorPeak, _static_bytes
 
 DEFAULT_POINTS = (8, 16)

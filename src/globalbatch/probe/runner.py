@@ -199,7 +199,7 @@ def _restored(model: nn.Module) -> Iterator[None]:
             memory.release_memory()
 
 
-def probe(
+def probe_model(
     model: nn.Module,
     make_batch: Callable[[int], Any],
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
@@ -249,3 +249,7 @@ def probe(
             runner, max_micro_batch=max_micro_batch, start_micro_batch=start_micro_batch,
             memory_limit_bytes=memory_limit_bytes, tolerance=tolerance,
             use_memory_model=use_memory_model, global_batch=global_batch, dp_world_size=dp_world_size)
+
+
+probe = probe_model
+"""The old name of :func:`probe_model` (``globalbatch.probe.probe``)."""

@@ -172,7 +172,7 @@ class ProbeResult:
     """Trials that contradict monotone memory (a size failed although a larger one fit: an intermittent
     out of memory, e.g. fragmentation), each with the decision taken; empty when memory was monotone."""
     predicted_micro_batch: Optional[int] = None
-    """The memory model's prediction of ``largest_fit`` (``globalbatch.memory``), when one was made."""
+    """The memory model's prediction of ``largest_fit`` (``globalbatch.plan.memory``), when one was made."""
     predicted_note: str = ""
     """How ``predicted_micro_batch`` was made (which trials, which model)."""
     peak_flops_per_s: Optional[float] = None

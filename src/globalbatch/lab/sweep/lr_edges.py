@@ -24,7 +24,7 @@ from typing import Any, Iterable, Optional
 
 from globalbatch.lab.sweep.config import SweepConfig, TrialSpec
 
-__all__ = ["finished_summaries", "lr_losses", "edge_cells", "best_lr_at_edge", "analysis_edges"]
+__all__ = ["finished_summaries", "lr_losses", "edge_cells", "best_lr_at_edge"]
 
 
 def finished_summaries(out: Path, config: SweepConfig) -> list[dict[str, Any]]:
@@ -73,23 +73,11 @@ def best_lr_at_edge(summaries: Iterable[dict[str, Any]], batch: int) -> Optional
     return None
 
 
-def analysis_edges(out: Path) -> Optional[dict[int, str]]:
-    """Batch (samples) → "low"/"high" where the analysis over seeds puts the best LR at an edge; None if it cannot run."""
-    from globalbatch.lab.sweep.store import analyze_sweep_seeds
-
-    try:
-        data, sa = analyze_sweep_seeds(out, objective="cost")
-    except (ValueError, KeyError):
-        return None
-    units = data.batch_units()
-    return {min(units, key=lambda b: abs(units[b] - u)): e for u, e in sa.lr_edges.items()}
-
-
 def edge_cells(config: SweepConfig, summaries: list[dict[str, Any]],
                edges: Optional[dict[int, str]] = None) -> list[TrialSpec]:
     """The extension cells the finished trials ask for (every seed), none beyond ``lr_edge_extend`` per side.
 
-    ``edges``: batch → "low"/"high" from the analysis (:func:`analysis_edges`); None: the
+    ``edges``: batch → "low"/"high" from the analysis (``runner.analysis_edges``); None: the
     final held-out loss decides (:func:`best_lr_at_edge`).
 
     A batch is considered only once all its cells for every seed are finished, so the decision

@@ -19,13 +19,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from globalbatch._util import SettingError, load_task_checked
+from globalbatch._util import SettingError
+from globalbatch.lab.tasks import load_task_checked
 from globalbatch.lab.device import check_device
 from globalbatch.lab.rundir import check_manifest, lock_run_dir, remove_stale_tmp
 from globalbatch.validate import make_out_dir
 from globalbatch.validate import out_dir as out_dir_checked
 from globalbatch.lab.sweep.config import BACKENDS, RAY_HINT, SweepConfig, TrialSpec
-from globalbatch.lab.sweep.lr_edges import analysis_edges, edge_cells, finished_summaries
+from globalbatch.lab.sweep.lr_edges import edge_cells, finished_summaries
+from globalbatch.lab.sweep.store import analyze_sweep_seeds
 from globalbatch.lab.sweep.timing import run_timing_pass
 from globalbatch.lab.sweep.trial import exit_if_orphaned, run_trial, trial_done
 
@@ -47,6 +49,16 @@ class SweepResult:
     """Batch (samples) → its sequential timing record (``timing/b<batch>.json``); empty if disabled."""
     timing_s: float = 0.0
     """Seconds spent in the timing pass by this call (0 when it was already recorded)."""
+
+
+def analysis_edges(out: Path) -> Optional[dict[int, str]]:
+    """Batch (samples) → "low"/"high" where the analysis over seeds puts the best LR at an edge; None if it cannot run."""
+    try:
+        data, sa = analyze_sweep_seeds(out, objective="cost")
+    except ValueError:  # not analysable yet (too few finished cells, no common target): the final loss decides
+        return None
+    units = data.batch_units()
+    return {min(units, key=lambda b: abs(units[b] - u)): e for u, e in sa.lr_edges.items()}
 
 
 def _cpu_count() -> int:

@@ -267,14 +267,14 @@ def analyze_sweep_seeds(
     objective: str = "time",
     tolerance: float = 0.05,
 ):
-    """Load a sweep and run :func:`globalbatch.critical_seeds.analyze_seeds` over all its seeds.
+    """Load a sweep and run :func:`globalbatch.critical.seeds.analyze_seeds` over all its seeds.
 
     ``readout="train"`` reads the training loss instead of the held-out evaluations, with an
     EMA window of at least ``min_window_fraction`` × the budget in units for every batch.
     Returns ``(data, seed_analysis)``.
     """
     from globalbatch.critical import READOUTS, check_analysis_settings
-    from globalbatch.critical_seeds import analyze_seeds
+    from globalbatch.critical.seeds import analyze_seeds
 
     check_analysis_settings(objective=objective, tolerance=tolerance)
     if readout not in READOUTS:

@@ -9,13 +9,15 @@ See ``docs/tasks.md``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import importlib
 import importlib.util
 import inspect
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
+from globalbatch.errors import Raw as _Raw, SettingError
 from globalbatch.lab.tasks.base import (  # noqa: F401
     DEFAULT_TASK, IGNORE_INDEX, REQUIRED_ATTRIBUTES, UNITS, Task, check_task, to_device,
 )
@@ -23,6 +25,7 @@ from globalbatch.lab.tasks.mnist import MnistConfig, MnistTask  # noqa: F401
 from globalbatch.lab.tasks.tinygpt import PAD_ID, TinyGPT, TinyGPTConfig, TinyGPTTask  # noqa: F401
 
 __all__ = [
+    "load_task_checked",
     "DEFAULT_TASK",
     "REQUIRED_ATTRIBUTES",
     "IGNORE_INDEX",
@@ -132,3 +135,18 @@ def load_task(spec: str = DEFAULT_TASK, **overrides: Any) -> Task:
 def _one_line(exc: BaseException) -> str:
     """``SyntaxError: invalid syntax (syn.py, line 1)`` — an exception as one line."""
     return f"{type(exc).__name__}: " + " ".join(str(exc).split())
+
+
+def load_task_checked(task: str, overrides: Mapping[str, Any]):
+    """``load_task(task, **overrides)`` with a :class:`SettingError` naming ``task`` or ``task_overrides``."""
+    try:
+        return load_task(task, **dict(overrides))
+    except ValueError as exc:
+        if not overrides or str(exc).startswith(("task:", "task ")):
+            raise SettingError("task", task, "tinygpt, mnist or package.module:function", why=str(exc)) from None
+        import re
+
+        named = [k for k in overrides if re.search(rf"(^|\.){re.escape(str(k))}:", str(exc))]  # the bad one(s)
+        shown = " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in overrides.items()
+                         if not named or k in named)
+        raise SettingError("task_overrides", _Raw(shown), f"overrides task {task!r} accepts ({exc})") from None

@@ -21,11 +21,12 @@ measurements).
 from __future__ import annotations
 
 import math
-import re
-from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Optional
+
+from globalbatch.errors import SettingError
+from globalbatch.units import fmt_int, parse_bytes, parse_count
 
 __all__ = [
     "BatchGeometry",
@@ -45,18 +46,10 @@ __all__ = [
     "parse_count",
     "parse_bytes",
     "fmt_int",
+    "dense_flops_per_token",
 ]
 
 LR_RULES = ("linear", "sqrt", "none")
-
-
-def fmt_int(n: float) -> str:
-    """``2097152`` → ``'2,097,152'``; non-integral numbers keep up to 2 decimals (``1,500.5``)."""
-    if float(n).is_integer():
-        return f"{int(n):,}"
-    if abs(n) < 0.01:
-        return f"{n:.3g}"
-    return f"{n:,.2f}".rstrip("0").rstrip(".")
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -426,73 +419,9 @@ def scaling_law_priors(
     return out
 
 
-# ---------------------------------------------------------------------------
-# Parsing human quantities
-# ---------------------------------------------------------------------------
-
-_COUNT_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-_BYTE_SUFFIX = {
-    "": 1, "B": 1,
-    "K": 1024, "KB": 1000, "KIB": 1024,
-    "M": 1024**2, "MB": 1000**2, "MIB": 1024**2,
-    "G": 1024**3, "GB": 1000**3, "GIB": 1024**3,
-    "T": 1024**4, "TB": 1000**4, "TIB": 1024**4,
-}
-# Digits with optional thousands separators in groups of three ("2,048", "1_000_000"),
-# an optional decimal part and exponent, then an optional unit suffix.
-_QTY = re.compile(
-    r"^\s*((?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]{1,3}(?:_[0-9]{3})+|[0-9]+)(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)"
-    r"\s*([A-Za-z]*)\s*$"
-)
-
-
-_MAX_EXPONENT = 30
-"""Quantities above 1e30 are refused: they overflow floats downstream and are never meant."""
-
-
-def _parse(text: object, field_name: str, table: dict[str, int], allowed: str) -> Decimal:
-    """Parse exactly (Decimal): ``'4.1B'`` is 4,100,000,000, not 4,099,999,999.9999995."""
-    if isinstance(text, bool):
-        raise ValueError(f"{field_name} {text!r} is not allowed; allowed: {allowed}")
-    if isinstance(text, int):
-        value = Decimal(text)
-    elif isinstance(text, float):
-        if not math.isfinite(text) or abs(text) >= 10.0 ** (_MAX_EXPONENT + 1):
-            raise ValueError(f"{field_name} {text!r} is not allowed; allowed: {allowed}, at most 1e{_MAX_EXPONENT}")
-        value = Decimal(repr(text))
-    else:
-        match = _QTY.match(str(text))
-        suffix = match.group(2).upper() if match else None
-        if not match or suffix not in table:
-            raise ValueError(f"{field_name} {text!r} is not a quantity; allowed: {allowed}")
-        digits = Decimal(match.group(1).replace(",", "").replace("_", ""))
-        if digits.adjusted() > _MAX_EXPONENT:  # 1e400, 1e999999999: an error, not an Overflow later
-            raise ValueError(f"{field_name} {text!r} is too large; allowed: {allowed}, at most 1e{_MAX_EXPONENT}")
-        try:
-            value = digits * table[suffix]
-        except InvalidOperation:  # pragma: no cover - the regex admits only valid numbers
-            raise ValueError(f"{field_name} {text!r} is not a quantity; allowed: {allowed}") from None
-    if value < 0:
-        raise ValueError(f"{field_name} {text!r} is not allowed; allowed: {allowed}")
-    if value != 0 and value.adjusted() > _MAX_EXPONENT:
-        raise ValueError(f"{field_name} {text!r} is too large; allowed: {allowed}, at most 1e{_MAX_EXPONENT}")
-    return value
-
-
-def parse_count(text: object, field_name: str = "count") -> int:
-    """``'2M'`` → 2,000,000; ``'4.1B'`` → 4,100,000,000. K/M/B/T are decimal (B = billion).
-
-    Thousands separators must group by three (``2,048``; ``1,5B`` is rejected). The result
-    must be whole.
-    """
-    allowed = "a number with an optional K, M, B or T suffix, e.g. 2M, 4.1B or 100B"
-    value = _parse(text, field_name, _COUNT_SUFFIX, allowed)
-    if value != value.to_integral_value():
-        raise ValueError(f"{field_name} {text!r} is not a whole number; allowed: {allowed}")
-    return int(value)
-
-
-def parse_bytes(text: object, field_name: str = "memory") -> int:
-    """``'8GiB'`` → 8·2³⁰. KiB/MiB/GiB/TiB (and bare K/M/G/T) are binary; KB/MB/GB/TB decimal."""
-    allowed = "bytes with an optional KiB, MiB, GiB, TiB (binary) or KB, MB, GB, TB (decimal) suffix"
-    return int(_parse(text, field_name, _BYTE_SUFFIX, allowed))
+def dense_flops_per_token(params: float) -> float:
+    """``6·N``: training FLOPs per token of the weight matmuls alone (PaLM App. B without attention);
+    ``plan``'s fallback when the layers and width are not known."""
+    if isinstance(params, bool) or not isinstance(params, (int, float)) or not params > 0 or not math.isfinite(params):
+        raise SettingError("params", params, "a number of parameters > 0")
+    return 6.0 * params
