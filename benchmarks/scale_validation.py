@@ -1,0 +1,507 @@
+"""Validation of ``globalbatch scale`` (docs/scale.md): the five checks of its method card, and the transfer check.
+
+1. Leave one batch out: on a 3-seed tinygpt sweep, refit B_crit(L) and S_min(L) without one batch and predict
+   that batch's steps to each common target; compare with its measured median over seeds.
+2. Step time: predicted (probe-measured MFU curve + gloo α–β measured by an all-reduce sweep) vs measured step
+   time of tinygpt on 1 and 2 gloo processes at several (micro, accum) geometries.
+3. Llama 3 405B (arXiv 2407.21783 Table 4): TP 8, PP 16, DP 64 → 128, sequence 8,192, 16M-token batch;
+   one efficiency constant (the kernel MFU) set at 8,192 GPUs, the MFU at 16,384 predicted.
+4. A ramp, run: the ramp ``scale`` proposes for the demo target on this CPU, trained through StepDriver's batch
+   schedule over 3 seeds, against the best constant batch (measured in the sweep) and the predictions.
+5. Timing: ``scale`` over 1 … 10,000 GPUs in CPU seconds (library call and the command end to end).
+T. Transfer: B_crit(L) of tinygpt at two widths at their common losses (needs ``--sweep2``).
+
+Usage (CPU, a few minutes besides the sweeps; run it on an otherwise idle machine for check 2)::
+
+    python benchmarks/scale_validation.py --sweep runs/demo [--sweep2 runs/demo_d128] [--checks 1,2,3,4,5,T] \
+        [--work /tmp/scale_validation] [--out results.json]
+
+Without ``--sweep`` the demo sweep (``globalbatch demo``, ≈ 4 min on 2 idle cores) is run into ``--work``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src"
+if str(SRC) not in sys.path:
+    sys.path.insert(0, str(SRC))
+
+DEMO_TASK = {"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 64, "max_corpus_bytes": 2_000_000}
+GEOMETRIES = [(2, 1), (4, 2), (8, 1), (8, 4), (16, 2)]
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(SRC))
+
+
+# ---------------------------------------------------------------------------
+# 1. Leave one batch out
+# ---------------------------------------------------------------------------
+
+def check_lobo(sweep: str) -> dict:
+    import numpy as np
+
+    from globalbatch.critical.seeds import fit_joint
+    from globalbatch.lab.sweep.store import analyze_sweep_seeds
+    from globalbatch.scale import BCritLaw
+    from globalbatch.scale.convergence import from_points
+
+    _, a = analyze_sweep_seeds(sweep)
+    pts = [(st.target, s, b, st.steps[b][s]) for st in a.targets for s in a.seeds if st.monotone[s]
+           for b in st.steps if st.steps[b][s] is not None]
+    batches = sorted({p[2] for p in pts})
+    rows = []
+    for held in batches:
+        train = [p for p in pts if p[2] != held]
+        j = fit_joint(train, n_boot=0)
+        law = BCritLaw(b_ref_tokens=j.b_ref, loss_ref=j.loss_ref, k=j.k, cov=tuple(map(tuple, j.cov)), dof=j.dof)
+        conv = from_points(train, law)
+        for st in a.targets:
+            meas = [st.steps[held][s] for s in a.seeds if st.steps[held].get(s) is not None]
+            if not meas:
+                continue
+            pred = conv.steps(held, st.target)
+            lo, hi = conv.steps_interval(held, st.target)
+            med = float(np.median(meas))
+            rows.append({"held_out_batch_tokens": held, "target": st.target, "predicted_steps": pred,
+                         "interval": [lo, hi], "measured_median_steps": med, "measured_range": [min(meas), max(meas)],
+                         "error": pred / med - 1, "edge": held in (batches[0], batches[-1])})
+    errs = [abs(r["error"]) for r in rows]
+    inner = [abs(r["error"]) for r in rows if not r["edge"]]
+    covered = sum(r["interval"][0] <= r["measured_median_steps"] <= r["interval"][1] for r in rows)
+    print("\n[1] leave one batch out (refit without the batch, predict its steps at every common target)")
+    print(f"    {'batch':>8} {'target':>7} {'predicted':>10} {'measured (median, range)':>28} {'error':>8}")
+    for r in rows:
+        print(f"    {r['held_out_batch_tokens']:8.0f} {r['target']:7.4f} {r['predicted_steps']:10.1f} "
+              f"{r['measured_median_steps']:10.1f} [{r['measured_range'][0]:6.1f}–{r['measured_range'][1]:6.1f}] "
+              f"{r['error']:+8.1%}")
+    out = {"rows": rows, "median_abs_error": statistics.median(errs), "median_abs_error_interior": statistics.median(inner),
+           "max_abs_error": max(errs), "interval_coverage": covered / len(rows), "pass": statistics.median(errs) <= 0.15}
+    print(f"    median |error| {out['median_abs_error']:.1%} (interior batches {out['median_abs_error_interior']:.1%}, "
+          f"max {out['max_abs_error']:.1%}); 95% interval covers the median in {covered}/{len(rows)}; "
+          f"{'PASS' if out['pass'] else 'FAIL'} (≤ 15 %)")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# 2. Step time on 1 and 2 gloo processes
+# ---------------------------------------------------------------------------
+
+def steptime_worker(out: str, steps: int) -> None:
+    """Under torchrun: an all-reduce sweep (α–β of gloo here), then the median step time of each geometry."""
+    import torch
+    import torch.distributed as dist
+
+    from globalbatch.lab.loop import Experiment
+    from globalbatch.lab.tasks import load_task
+
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    res: dict = {"world": world, "allreduce": [], "geometries": []}
+    if world > 1:
+        for n in (1_024, 16_384, 262_144, 1_048_576, 4_194_304):
+            t = torch.zeros(n // 4)
+            for _ in range(3):
+                dist.all_reduce(t)
+            times = []
+            for _ in range(15):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(t)
+                times.append(time.perf_counter() - t0)
+            res["allreduce"].append({"bytes": n, "seconds": statistics.median(times)})
+    task = load_task("tinygpt", **DEMO_TASK)
+    for micro, accum in GEOMETRIES:
+        exp = Experiment(task, batch=micro * accum * world, micro_batch=micro, lr=1e-3, seed=0, ddp=world > 1)
+        order = task.sample_order(0)
+        times = []
+        for i in range(steps + 2):
+            import itertools
+
+            drawn = [int(x) for x in itertools.islice(order, micro * accum * world)]
+            micros = exp.split(drawn)
+            batches = [task.collate(ix, exp.device) for ix in micros]
+            if world > 1:
+                dist.barrier()
+            t0 = time.perf_counter()
+            exp.driver.run_window(batches, exp.loss_fn, samples_per_micro=[len(ix) for ix in micros])
+            dt = time.perf_counter() - t0
+            if i >= 2:
+                times.append(dt)
+        res["geometries"].append({"micro_batch": micro, "grad_accum_steps": accum, "step_s": statistics.median(times),
+                                  "step_s_all": times})
+    if world > 1:
+        all_res = [None] * world
+        dist.all_gather_object(all_res, res)
+        dist.destroy_process_group()
+        if rank == 0:  # a step ends when the slower rank ends: the max over ranks
+            for i, g in enumerate(res["geometries"]):
+                g["step_s"] = max(r["geometries"][i]["step_s"] for r in all_res)
+    if rank == 0:
+        Path(out).write_text(json.dumps(res))
+
+
+def _run_probe(work: Path) -> Path:
+    path = work / "probe.json"
+    if path.exists():
+        return path
+    cmd = [sys.executable, "-m", "globalbatch.cli", "probe", "--device", "cpu", "--max-micro-batch", "32",
+           "--steps-per-trial", "8", "--json"] + [x for k, v in DEMO_TASK.items() for x in ("--task-arg", f"{k}={v}")]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"probe failed: {proc.stderr[-2000:]}")
+    path.write_text(proc.stdout)
+    return path
+
+
+def _run_steptime(work: Path, nproc: int, steps: int) -> dict:
+    out = work / f"steptime_{nproc}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(Path(__file__).resolve()), "--steptime-worker", str(out), "--steps", str(steps)]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        raise RuntimeError(f"step-time run ({nproc}) failed: {proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def _gloo_cluster(allreduce: list[dict], peak: float):
+    """A one-node 'cluster' of 2 CPU processes: t = a + 2(n−1)/n·S/busbw fitted to the all-reduce sweep."""
+    import numpy as np
+
+    from globalbatch.scale import Cluster
+
+    S = np.array([r["bytes"] for r in allreduce], dtype=float)
+    t = np.array([r["seconds"] for r in allreduce], dtype=float)
+    b, a = np.polyfit(S, t, 1)
+    busbw = (2 * (2 - 1) / 2) / b
+    return Cluster(name="cpu-gloo", gpus_per_node=2, peak_flops_per_s=peak, memory_bytes=64e9,
+                   intra_busbw_bytes_per_s=busbw, inter_busbw_bytes_per_s=busbw, base_latency_s=max(a, 0.0),
+                   intra_hop_latency_s=0.0, inter_hop_latency_s=0.0, tree_intra_latency_s=1.0, tree_inter_latency_s=1.0,
+                   source="measured: gloo all-reduce sweep on this machine"), {"alpha_s": a, "busbw_bytes_per_s": busbw}
+
+
+def _tinygpt_params() -> int:
+    from globalbatch.lab.tasks import load_task
+
+    return sum(p.numel() for p in load_task("tinygpt", **DEMO_TASK).build_model(0).parameters())
+
+
+def check_step_time(work: Path, steps: int = 10) -> dict:
+    from globalbatch.scale import ModelSpec, mfu_curve_from_probe, step_time
+
+    probe_path = _run_probe(work)
+    probe = json.loads(probe_path.read_text())
+    curve = mfu_curve_from_probe(str(probe_path))
+    peak = probe["peak_flops_per_s"]
+    timed = [t for t in probe["trials"] if t.get("model_flops_per_step") and t.get("tokens_per_step")]
+    flops_per_token = max(timed, key=lambda t: t["micro_batch"])
+    flops_per_token = flops_per_token["model_flops_per_step"] / flops_per_token["tokens_per_step"]
+    model = ModelSpec(params=_tinygpt_params(), seq_len=64, flops_per_token=flops_per_token, grad_bytes_per_param=4.0,
+                      precision="fp32")
+    one = _run_steptime(work, 1, steps)
+    two = _run_steptime(work, 2, steps)
+    cluster, ab = _gloo_cluster(two["allreduce"], peak)
+    rows = []
+    for world, run in ((1, one), (2, two)):
+        for g in run["geometries"]:
+            st = step_time(model, cluster, curve, micro_batch=g["micro_batch"], grad_accum_steps=g["grad_accum_steps"],
+                           dp=world, overlap=0.0)
+            rows.append({"processes": world, "micro_batch": g["micro_batch"], "grad_accum_steps": g["grad_accum_steps"],
+                         "predicted_s": st.total_s, "compute_s": st.compute_s, "comm_s": st.comm_exposed_s,
+                         "measured_s": g["step_s"], "error": st.total_s / g["step_s"] - 1})
+    print("\n[2] step time: probe MFU curve + gloo α–β vs measured (tinygpt demo model, 1 thread per process)")
+    print(f"    gloo all-reduce fit: α = {ab['alpha_s'] * 1e6:.0f} µs, bus bandwidth {ab['busbw_bytes_per_s'] / 1e9:.2f} GB/s; "
+          f"probe peak {peak / 1e9:.1f} GFLOP/s")
+    print(f"    {'procs':>5} {'micro':>5} {'accum':>5} {'predicted':>10} {'(compute + comm)':>20} {'measured':>10} {'error':>7}")
+    for r in rows:
+        print(f"    {r['processes']:5d} {r['micro_batch']:5d} {r['grad_accum_steps']:5d} {r['predicted_s'] * 1e3:8.1f}ms "
+              f"({r['compute_s'] * 1e3:6.1f} + {r['comm_s'] * 1e3:5.1f} ms) {r['measured_s'] * 1e3:8.1f}ms {r['error']:+7.1%}")
+    worst = max(abs(r["error"]) for r in rows)
+    out = {"rows": rows, "gloo": ab, "probe_peak_flops_per_s": peak, "max_abs_error": worst,
+           "median_abs_error": statistics.median(abs(r["error"]) for r in rows), "pass": worst <= 0.20}
+    print(f"    max |error| {worst:.1%}, median {out['median_abs_error']:.1%}: {'PASS' if out['pass'] else 'FAIL'} (≤ 20 %)")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# 3. Llama 3 405B
+# ---------------------------------------------------------------------------
+
+def check_llama3() -> dict:
+    from globalbatch.scale import PRESETS, ModelSpec, ThroughputCurve, step_time
+
+    c = PRESETS["h100-ib"]
+    inputs = {"params": 405e9, "layers": 126, "seq_len": 8192, "global_batch_sequences": 2048,
+              "tokens_per_batch": 2048 * 8192, "tp": 8, "pp": 16, "dp": [64, 128], "gpus": [8192, 16384],
+              "micro_batch": 1, "sharding": "fsdp (no reshard after forward: one all-gather per step)",
+              "grad_bytes_per_param": 2, "overlap": 1.0, "cluster": "h100-ib preset (989 TFLOPS BF16, 8 GPUs/node)",
+              "flops_per_token": "6N", "published_mfu": [0.43, 0.41]}
+    out = {"inputs": inputs, "by_virtual_stages": []}
+    print("\n[3] Llama 3 405B, Table 4: TP 8, PP 16, seq 8,192, 16M tokens/batch, DP 64 → 128")
+    print("    inputs: " + "; ".join(f"{k} {v}" for k, v in inputs.items()))
+    for v in (1, 2, 4, 5, 8):
+        model = ModelSpec(params=405e9, seq_len=8192, sharding="fsdp", reshard_after_forward=False, virtual_stages=v,
+                          layers=126)
+        unit = ThroughputCurve(tokens=(8192.0,), mfu=(1.0,), source="unit")
+        mfus = []
+        for dp in (64, 128):
+            st = step_time(model, c, unit, micro_batch=1, grad_accum_steps=2048 // dp, dp=dp, tp=8, pp=16, overlap=1.0)
+            mfus.append(st)
+        # The one efficiency constant: the kernel MFU κ, chosen so that 8,192 GPUs give the published 43 %.
+        kappa = 0.43 / mfus[0].mfu()
+        pred = kappa * mfus[1].mfu()
+        kappa = min(kappa, 1.0)
+        row = {"virtual_stages": v, "kernel_mfu": kappa, "predicted_mfu_16k": pred,
+               "bubble_share": [s.bubble_s / s.total_s for s in mfus],
+               "comm_exposed_share": [s.comm_exposed_s / s.total_s for s in mfus],
+               "comm_total_s": [s.comm_total_s for s in mfus], "step_s_at_unit_mfu": [s.total_s for s in mfus],
+               "within_2_points": abs(pred - 0.41) <= 0.02}
+        out["by_virtual_stages"].append(row)
+        print(f"    v = {v}: κ = {kappa:.3f}; bubble {row['bubble_share'][0]:.1%} → {row['bubble_share'][1]:.1%} of the step, "
+              f"exposed comm {row['comm_exposed_share'][0]:.2%} → {row['comm_exposed_share'][1]:.2%}; "
+              f"predicted MFU 43.0 % → {pred:.1%} (published 41 %) {'within' if row['within_2_points'] else 'OUTSIDE'} ±2 points")
+    inferred = next(r for r in out["by_virtual_stages"] if r["virtual_stages"] == 8)
+    out["inferred_v"] = 8
+    out["predicted_mfu_16k"] = inferred["predicted_mfu_16k"]
+    out["pass"] = inferred["within_2_points"]
+    passing = [r["virtual_stages"] for r in out["by_virtual_stages"] if r["within_2_points"]]
+    out["smallest_v_within_2_points"] = min(passing) if passing else None
+    print("    v = 8 is inferred, not published: 126 layers on 16 stages ≈ 8 layers per stage (the first and last one "
+          f"layer fewer), one layer per virtual stage; within ±2 points for v ≥ {out['smallest_v_within_2_points']} "
+          "of those tried")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# 4. A ramp, run
+# ---------------------------------------------------------------------------
+
+def _train_schedule(sweep_cfg, schedule_text: str, lr: float, seed: int, target: float, work: Path) -> dict:
+    """One run through StepDriver's batch schedule with the sweep's recipe; held-out evaluations at the sweep's
+    positions until two evaluations are below the target."""
+    import numpy as np
+
+    from globalbatch.critical import Curve, steps_to_target
+    from globalbatch.lab.loop import Experiment
+    from globalbatch.lab.tasks import load_task
+    from globalbatch.schedule import TokenLRSchedule, parse_step_schedule
+
+    task = load_task(sweep_cfg.task, **sweep_cfg.task_overrides)
+    sched = parse_step_schedule(schedule_text, unit="token", lr_rule="sqrt")
+    first = sched.first_batch
+    micro = min(sched.all_batches())
+    warm = sweep_cfg.warmup_units(first * task.seq_len)
+    lr_s = TokenLRSchedule(peak_lr=lr, total=sweep_cfg.budget, warmup=warm, shape=sweep_cfg.lr_shape, unit=task.unit)
+    exp = Experiment(task, micro_batch=micro, batch_schedule=sched, optimizer=sweep_cfg.optimizer, lr=lr,
+                     weight_decay=sweep_cfg.weight_decay, max_grad_norm=sweep_cfg.max_grad_norm, seed=seed,
+                     lr_schedule=lr_s)
+    order = task.sample_order(seed)
+    positions = sweep_cfg.eval_positions()
+    ex, lo, ev_ex, ev_st, ev_lo = [], [], [0.0], [0.0], [exp.evaluate(sweep_cfg.max_val_samples, 256)]
+    nxt, below, step = 0, 0, 0
+    while exp.driver.trained_units < sweep_cfg.budget and below < 2:
+        res = exp.train_window(order).result
+        step += 1
+        ex.append(float(exp.driver.trained_units))
+        lo.append(float(res.loss))
+        while nxt < len(positions) and exp.driver.trained_units >= positions[nxt]:
+            nxt += 1
+            v = exp.evaluate(sweep_cfg.max_val_samples, 256)
+            ev_ex.append(float(exp.driver.trained_units))
+            ev_st.append(float(step))
+            ev_lo.append(v)
+            below = below + 1 if v < target else 0
+    curve = Curve(batch_size=float(first), lr=lr, examples=np.array(ex), loss=np.array(lo), label=schedule_text,
+                  seed=seed, eval_examples=np.array(ev_ex), eval_steps=np.array(ev_st), eval_loss=np.array(ev_lo),
+                  warmup_examples=float(warm))
+    r = steps_to_target(curve, target, readout="heldout")
+    return {"seed": seed, "steps": None if r is None else r[0], "tokens": None if r is None else r[1],
+            "final_step": step, "final_tokens": ex[-1] if ex else 0.0}
+
+
+def check_ramp(sweep: str, work: Path, seeds=(0, 1, 2)) -> dict:
+    import numpy as np
+
+    from globalbatch.cli.scale import convergence_from_sweep
+    from globalbatch.lab.sweep.store import analyze_sweep_seeds, load_sweep
+    from globalbatch.scale import ModelSpec, ScaleConfig, mfu_curve_from_probe, scale
+
+    conv, facts = convergence_from_sweep(sweep)
+    data = load_sweep(sweep)
+    _, a = analyze_sweep_seeds(sweep)
+    primary = a.primary
+    target = primary.target
+    probe_path = _run_probe(work)
+    probe = json.loads(probe_path.read_text())
+    curve = mfu_curve_from_probe(str(probe_path))
+    cluster, _ = _gloo_cluster([{"bytes": 1, "seconds": 1e-4}, {"bytes": 1e6, "seconds": 1e-3}], probe["peak_flops_per_s"])
+    timed = max((t for t in probe["trials"] if t.get("model_flops_per_step")), key=lambda t: t["micro_batch"])
+    model = ModelSpec(params=_tinygpt_params(), seq_len=64, tokens_per_sequence=facts["tokens_per_sequence"],
+                      flops_per_token=timed["model_flops_per_step"] / timed["tokens_per_step"], precision="fp32",
+                      grad_bytes_per_param=4.0, layers=2)
+    batches = sorted(data.batch_units())
+    cfg = ScaleConfig(target_loss=target, max_gpus=1, min_global_batch=batches[0], max_global_batch=batches[-1],
+                      max_stages=3, lr_rule="sqrt")
+    res = scale(conv, model, cluster, curve, cfg)
+    best, ramp = res.best, res.best_ramp
+    tps = facts["tokens_per_sequence"]
+    b_const = best.step.global_batch
+    const_units = b_const * tps
+    key = min(primary.steps, key=lambda u: abs(u - const_units))
+    meas_const = [primary.steps[key][s] for s in a.seeds if primary.steps[key].get(s) is not None]
+    meas_const_tok = [primary.examples[key][s] for s in a.seeds if primary.examples[key].get(s) is not None]
+    print(f"\n[4] a ramp, run: target {target:.4f} (the demo's primary held-out target), objective time on this CPU")
+    print(f"    best constant batch: {b_const} seq ({const_units:.0f} tokens): predicted {best.steps:.1f} steps, "
+          f"{best.tokens:,.0f} tokens; measured (sweep, 3 seeds) median {np.median(meas_const):.1f} steps "
+          f"[{min(meas_const):.1f}–{max(meas_const):.1f}], {np.median(meas_const_tok):,.0f} tokens")
+    if ramp is None:
+        print("    scale proposed no ramp (no two feasible stage batches): nothing to run")
+        return {"ramp": None, "pass": False}
+    # the ramp's first LR: the sweep's one LR of that batch (the sqrt rule then follows the batch)
+    first_units = ramp.stages[0][1] * tps
+    first_key = min(primary.best_lr, key=lambda u: abs(u - first_units))
+    lrs = [v for v in primary.best_lr[first_key].values() if v is not None]
+    lr = statistics.mode(lrs)
+    print(f"    proposed ramp: \"{ramp.schedule}\" ({ramp.lr_text}), first LR {lr:g} (the sweep's for that batch): "
+          f"predicted {ramp.steps:.1f} steps, {ramp.tokens:,.0f} tokens, {ramp.time_s / ramp.constant_time_s:.3f}× the "
+          f"constant batch's time")
+    runs = [_train_schedule(data.config, ramp.schedule, lr, s, target, work) for s in seeds]
+    st = [r["steps"] for r in runs if r["steps"] is not None]
+    tk = [r["tokens"] for r in runs if r["tokens"] is not None]
+    for r in runs:
+        print(f"    seed {r['seed']}: steps {r['steps']}, tokens {r['tokens']}")
+    out = {"target": target, "constant": {"global_batch": b_const, "predicted_steps": best.steps,
+                                          "predicted_tokens": best.tokens, "measured_steps": meas_const,
+                                          "measured_tokens": meas_const_tok},
+           "ramp": {"schedule": ramp.schedule, "lr": lr, "predicted_steps": ramp.steps, "predicted_tokens": ramp.tokens,
+                    "predicted_time_ratio": ramp.time_s / ramp.constant_time_s, "runs": runs}}
+    if len(st) == len(runs):
+        in_spread = min(st) <= ramp.steps <= max(st) or abs(ramp.steps / np.median(st) - 1) <= \
+            (max(st) - min(st)) / np.median(st)
+        out["ramp"].update(measured_steps_median=float(np.median(st)), measured_tokens_median=float(np.median(tk)),
+                           steps_error=ramp.steps / float(np.median(st)) - 1,
+                           tokens_error=ramp.tokens / float(np.median(tk)) - 1, within_seed_spread=bool(in_spread))
+        out["measured_steps_ratio_vs_constant"] = float(np.median(st) / np.median(meas_const))
+        out["measured_tokens_ratio_vs_constant"] = float(np.median(tk) / np.median(meas_const_tok))
+        out["pass"] = bool(in_spread)
+        print(f"    ramp measured: median {np.median(st):.1f} steps [{min(st):.1f}–{max(st):.1f}], "
+              f"{np.median(tk):,.0f} tokens; predicted {ramp.steps:.1f} steps ({out['ramp']['steps_error']:+.1%}), "
+              f"{ramp.tokens:,.0f} tokens ({out['ramp']['tokens_error']:+.1%})")
+        print(f"    ramp vs constant, measured: {out['measured_steps_ratio_vs_constant']:.3f}× the steps, "
+              f"{out['measured_tokens_ratio_vs_constant']:.3f}× the tokens")
+    else:
+        out["pass"] = False
+        print("    some ramp runs never reached the target")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# 5. Timing
+# ---------------------------------------------------------------------------
+
+def check_timing(sweep: str | None) -> dict:
+    import resource
+
+    from globalbatch.scale import PRESETS, ModelSpec, ScaleConfig, default_mfu_curve, kaplan_prior, scale
+
+    conv = kaplan_prior(params=7e9)
+    model = ModelSpec(params=7e9, seq_len=4096, activation_bytes_per_token=34 * 4096 * 32, sharding="zero1", layers=32)
+    cfg = ScaleConfig(target_loss=2.2, max_gpus=10_000, tp_options=(1, 2, 4, 8), pp_options=(1, 2, 4, 8, 16))
+    times, n = [], 0
+    for _ in range(3):
+        t0 = time.process_time()
+        r = scale(conv, model, PRESETS["h100-ib"], default_mfu_curve(), cfg)
+        times.append(time.process_time() - t0)
+        n = r.evaluated_geometries
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cmd = [sys.executable, "-m", "globalbatch.cli", "scale", "--prior", "kaplan", "--params", "7B", "--target-loss", "2.2",
+           "--max-gpus", "10000", "--tp", "1,2,4,8", "--pp", "1,2,4,8,16", "--layers", "32", "--sharding", "zero1",
+           "--activation-bytes-per-token", str(34 * 4096 * 32), "--json"]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cli_cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    out = {"library_cpu_s": times, "geometries": n, "gpu_counts": len(r.rows), "cli_cpu_s": cli_cpu,
+           "cli_ok": proc.returncode == 0, "pass": max(times) < 2.0 and cli_cpu < 2.0 and proc.returncode == 0}
+    print("\n[5] timing: 7B model, h100-ib, 1 … 10,000 GPUs, TP 1–8 × PP 1–16")
+    print(f"    library: {min(times):.2f}–{max(times):.2f} s CPU for {n:,} geometries over {len(r.rows)} GPU counts; "
+          f"the command end to end (interpreter, imports, JSON): {cli_cpu:.2f} s CPU: "
+          f"{'PASS' if out['pass'] else 'FAIL'} (< 2 s)")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# T. Transfer across model sizes
+# ---------------------------------------------------------------------------
+
+def check_transfer(sweep: str, sweep2: str) -> dict:
+    from globalbatch.lab.sweep.store import analyze_sweep_seeds
+
+    _, a1 = analyze_sweep_seeds(sweep)
+    targets = [st.target for st in a1.targets]
+    try:
+        _, a2 = analyze_sweep_seeds(sweep2, targets=targets)
+    except ValueError as exc:
+        print(f"\n[T] transfer: the second sweep does not reach the first one's targets ({exc})")
+        return {"error": str(exc)}
+    rows = []
+    print("\n[T] transfer: B_crit(L) at the common targets, two model sizes (joint fit of each sweep)")
+    for st1, st2 in zip(a1.targets, a2.targets):
+        if a1.joint is None or a2.joint is None:
+            break
+        b1, b2 = a1.joint.b_crit(st1.target), a2.joint.b_crit(st2.target)
+        i1, i2 = a1.joint.interval(st1.target), a2.joint.interval(st2.target)
+        overlap = not (i1[1] < i2[0] or i2[1] < i1[0])
+        rows.append({"target": st1.target, "b_crit_1": b1, "interval_1": list(i1), "b_crit_2": b2, "interval_2": list(i2),
+                     "ratio": b2 / b1, "intervals_overlap": overlap})
+        print(f"    L = {st1.target:.4f}: {b1:7.0f} [{i1[0]:.0f}–{i1[1]:.0f}] vs {b2:7.0f} [{i2[0]:.0f}–{i2[1]:.0f}] "
+              f"tokens, ratio {b2 / b1:.2f}, intervals {'overlap' if overlap else 'DISJOINT'}")
+    return {"rows": rows, "k": [a1.joint.k if a1.joint else None, a2.joint.k if a2.joint else None]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", help="A finished 3-seed tinygpt demo sweep (default: run one into --work/demo).")
+    ap.add_argument("--sweep2", help="The same grid at another model size (check T).")
+    ap.add_argument("--checks", default="1,2,3,4,5,T")
+    ap.add_argument("--work", default="/tmp/scale_validation")
+    ap.add_argument("--out", default=None, help="Write the results as JSON here.")
+    ap.add_argument("--steps", type=int, default=10, help="Timed steps per geometry (check 2).")
+    ap.add_argument("--steptime-worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.steptime_worker:
+        steptime_worker(args.steptime_worker, args.steps)
+        return
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    checks = set(args.checks.split(","))
+    sweep = args.sweep
+    if sweep is None and checks & {"1", "4", "T"}:
+        sweep = str(work / "demo")
+        if not (Path(sweep) / "report").exists():
+            subprocess.run([sys.executable, "-m", "globalbatch.cli", "demo", "--out", sweep], env=_env(), check=True)
+    results: dict = {}
+    for name, fn in (("1", lambda: check_lobo(sweep)), ("2", lambda: check_step_time(work, args.steps)),
+                     ("3", check_llama3), ("4", lambda: check_ramp(sweep, work)), ("5", lambda: check_timing(sweep)),
+                     ("T", lambda: check_transfer(sweep, args.sweep2) if args.sweep2 else None)):
+        if name in checks:
+            results[name] = fn()
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2, default=float))
+    print("\nsummary: " + ", ".join(f"{k}: {'PASS' if isinstance(v, dict) and v.get('pass') else 'see above'}"
+                                   for k, v in results.items()))
+
+
+if __name__ == "__main__":
+    main()
