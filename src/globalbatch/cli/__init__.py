@@ -28,6 +28,7 @@ __all__ = ["app", "main"]
 from globalbatch.cli import plan as _plan  # noqa: F401
 from globalbatch.cli import measure as _measure  # noqa: F401
 from globalbatch.cli import critical as _critical  # noqa: F401
+from globalbatch.cli import scale as _scale  # noqa: F401
 
 
 def _choices_of(param: Any) -> tuple:
