@@ -89,6 +89,9 @@ FILES = {
     "out_grid_for_branch": lambda r: ((r / "o").mkdir(), (r / "o" / "manifest.json").write_text(
         json.dumps({"version": 1, "grid": {"batches": [2]}}))),
     "out_file": lambda r: (r / "o").write_text("x"),
+    "cluster_neg_bw": lambda r: (r / "c.yaml").write_text(
+        "gpus_per_node: 8\npeak_flops_per_s: 9.89e14\nmemory_bytes: 8e10\nintra_busbw_bytes_per_s: -3.7e11\n"
+        "inter_busbw_bytes_per_s: 4.6e10\n"),
     "locked": lambda r: _held_lock(r / "o"),
 }
 
@@ -403,6 +406,14 @@ CASES = [
     _c("demo-out-empty", ["demo", "--out", ""], "--out"),
     _c("demo-out-long", ["demo", "--out", LONG], "--out"),
     _c("demo-out-locked", ["demo", "--out", "o"], "--out", "locked"),
+    # scale (more in tests/test_scale_cli.py)
+    _c("scale-unknown-preset", ["scale", "--prior", "kaplan", "--params", "1B", "--target-loss", "2.6", "--cluster", "h900"],
+       "--cluster"),
+    _c("scale-negative-bandwidth", ["scale", "--prior", "kaplan", "--params", "1B", "--target-loss", "2.6",
+                                    "--cluster", "c.yaml"], "intra_busbw_bytes_per_s", "cluster_neg_bw"),
+    _c("scale-unreachable-target", ["scale", "--prior", "kaplan", "--params", "1B", "--target-loss", "1.0"], "--target-loss"),
+    _c("scale-fits-no-geometry", ["scale", "--prior", "kaplan", "--params", "10T", "--target-loss", "2.5", "--max-gpus", "8"],
+       "--params"),
     # the command line itself
     _c("unknown-command", ["plant"], "plant"),
 ]
