@@ -207,6 +207,10 @@ def test_compute_time_and_exposed_comm():
     hidden = step_time(model, C, flat, micro_batch=4, grad_accum_steps=2, dp=16, overlap=1.0)
     window = st.compute_s / 2 * 2 / 3
     assert hidden.comm_exposed_s == pytest.approx(max(comm - window, comm * 25 * 2 ** 20 / 2e9))
+    tp2 = step_time(model, C, flat, micro_batch=4, grad_accum_steps=2, dp=8, tp=2, overlap=1.0)
+    comm2, _ = dp_comm_time(model, C, dp=8, tp=2, pp=1)  # each TP rank reduces its half of the gradients
+    assert comm2 == pytest.approx(allreduce_time(1e9, 8, 2, C)[0])
+    assert tp2.comm_exposed_s == pytest.approx(max(comm2 - tp2.compute_s / 2 * 2 / 3, comm2 * 25 * 2 ** 20 / 1e9))
     z3 = ModelSpec(params=1e9, seq_len=1000, sharding="zero3")
     t3, how = dp_comm_time(z3, C, dp=16, tp=1, pp=1)
     rs = ring_collective_time(2e9, 16, 2, C, kind="reducescatter")

@@ -434,20 +434,20 @@ def step_time(model: ModelSpec, c: Cluster, curve: ThroughputCurve, *, micro_bat
     compute = flops / (gpus * peak * mfu_k)
     bubble = compute * (pp - 1) / (model.virtual_stages * grad_accum_steps) if pp > 1 else 0.0
     comm, how = dp_comm_time(model, c, dp=dp, tp=tp, pp=pp)
-    exposed = _exposed(comm, compute, grad_accum_steps, model, overlap)
+    exposed = _exposed(comm, compute, grad_accum_steps, model, overlap, tp * pp)
     return StepTime(gpus=gpus, global_batch=gb, micro_batch=micro_batch, grad_accum_steps=grad_accum_steps, dp=dp,
                     tp=tp, pp=pp, compute_s=compute, comm_exposed_s=exposed, bubble_s=bubble, comm_total_s=comm,
                     comm_how=how, mfu_kernel=mfu_k)
 
 
-def _exposed(comm: float, compute: float, accum: int, model: ModelSpec, overlap: float) -> float:
+def _exposed(comm: float, compute: float, accum: int, model: ModelSpec, overlap: float, model_parallel: int) -> float:
     """Communication left after the overlap window: the last micro-batch's backward (2/3 of its compute; its whole
     compute for zero3/fsdp, whose all-gathers prefetch in the forward too), never less than the last bucket."""
     if comm <= 0:
         return 0.0
     per_micro = compute / accum
     window = per_micro * (1.0 if model.sharding in ("zero3", "fsdp") else 2.0 / 3.0) * overlap
-    shard_bytes = model.params * model.grad_bytes_per_param
+    shard_bytes = model.params / model_parallel * model.grad_bytes_per_param
     last_bucket = comm * min(1.0, DDP_BUCKET_BYTES / shard_bytes) if overlap > 0 else comm
     return max(comm - window, last_bucket)
 
@@ -468,7 +468,7 @@ def step_times_grid(model: ModelSpec, c: Cluster, curve: ThroughputCurve, *, dp:
     else:
         per_micro = compute / accum
         window = per_micro * (1.0 if model.sharding in ("zero3", "fsdp") else 2.0 / 3.0) * overlap
-        shard_bytes = model.params * model.grad_bytes_per_param
+        shard_bytes = model.params / (tp * pp) * model.grad_bytes_per_param
         last = t_comm * min(1.0, DDP_BUCKET_BYTES / shard_bytes) if overlap > 0 else t_comm
         exposed = np.maximum(t_comm - window, last)
     return compute, bubble, exposed, mfu_k
