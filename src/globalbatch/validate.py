@@ -1,9 +1,9 @@
-"""The one validation path: shared validators that raise :class:`~globalbatch._util.SettingError`.
+"""Shared validators that raise :class:`~globalbatch.errors.SettingError`.
 
-Every command and file reader checks its inputs with these before anything is printed or
+Commands and file readers check their inputs with these before anything is printed or
 written. Each raises ``SettingError(field, value, allowed)`` naming the library's field; the
 CLI renames the field to the flag the user typed from its own typer definitions
-(``globalbatch.cli.flag_for``), so no message is ever parsed to find the field.
+(:func:`globalbatch.cli.app.flag_names_of`), so a validator's error needs no message parsing.
 
 No torch at import time (``plan`` uses these too); :func:`device` imports it when called.
 """
