@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from globalbatch.validate import number
+
 __all__ = ["SOURCES", "NoiseConfig"]
 
 SOURCES = ("micro", "rank")
@@ -33,7 +35,14 @@ class NoiseConfig:
     """Half-life in windows of the first global batch, used when ``half_life`` is None."""
     every: int = 1
     """Measure one window in ``every`` (the others cost nearly nothing); changeable at any time
-    through ``monitor.every``. The EMA still forgets per trained unit."""
+    through ``monitor.every``. The EMA still forgets per trained unit. With a ``budget``: the
+    starting value, which the monitor then adapts."""
+    budget: float | None = None
+    """The monitor's cost allowed, as a fraction of the bare step time (``0.02``: 2 %). The monitor
+    times its own hooks, callbacks and folds (host clock, no device sync) and picks ``every`` — the
+    smallest within the budget, with hysteresis — after each measured window
+    (:mod:`globalbatch.noise.budget`); ``monitor.cost()`` reports what it measured. None (the
+    default): every ``every``-th window is measured, whatever it costs (the cost is still reported)."""
     adam: bool = False
     """Also estimate the *Adam-preconditioned variant*, g/(√v̂ + eps), from the optimizer's
     ``exp_avg_sq`` (costs one more gradient-sized buffer and one multiply per norm)."""
@@ -57,6 +66,9 @@ class NoiseConfig:
         if not self.half_life_windows > 0:
             raise ValueError(f"half_life_windows {self.half_life_windows!r} is not allowed; allowed: > 0")
         _check_every(self.every)
+        if self.budget is not None:
+            number(self.budget, "budget", low=0.0, high=1.0, low_open=True, high_open=True,
+                   allowed="a fraction of the step time, 0 < budget < 1 (0.02: 2 %), or None")
         if not 0.0 < self.confidence < 1.0:
             raise ValueError(f"confidence {self.confidence!r} is not allowed; allowed: 0 < confidence < 1")
         if isinstance(self.min_windows, bool) or not isinstance(self.min_windows, int) or self.min_windows < 2:

@@ -22,12 +22,16 @@ Windows are queued and folded into every estimator at once (each estimator's sta
 one matrix). The norm slots, the FSDP2 parameters and the DDP comm hook live in
 :mod:`globalbatch.noise.sources`; the host arithmetic in :mod:`globalbatch.noise.window`.
 ``every=n`` measures one window in n: between measured windows the parameter hooks are
-removed, so the skipped windows cost a few Python calls.
+removed, so the skipped windows cost a few Python calls. The monitor times its own work (hooks,
+callbacks, folds; a host clock, no device sync) and reports it (:meth:`NoiseScaleMonitor.cost`);
+with ``NoiseConfig(budget=...)`` it picks ``every`` from that cost
+(:class:`globalbatch.noise.budget.EveryController`).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable
 
 import torch
@@ -41,6 +45,7 @@ from globalbatch.noise.estimator import (
     _as_tensor,
     ema_fold,
 )
+from globalbatch.noise.budget import EveryController, MonitorCost
 from globalbatch.noise.config import SOURCES, NoiseConfig, _check_every
 from globalbatch.noise.sources import _FOLD_EVERY_HOST, _CommHookDispatch, _fsdp_unsharded_params, _NormSlots, _vector_norm
 from globalbatch.noise.window import _host_numbers, _host_weights, _scalars, raw_vectors
@@ -93,12 +98,25 @@ class NoiseScaleMonitor:
             compression, ...): the monitor's hook measures the bucket, then calls yours. DDP
             takes one comm hook per model, so register yours through the monitor.
         comm_state: the ``state`` argument of ``comm_hook``.
+        clock: the clock the monitor times its own work with (seconds; default
+            ``time.perf_counter``). Tests inject one to give the monitor a synthetic cost.
     """
 
     def __init__(self, model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
                  config: NoiseConfig | None = None, unit: str | None = None, process_group: Any = None,
-                 comm_hook: Callable[..., Any] | None = None, comm_state: Any = None) -> None:
+                 comm_hook: Callable[..., Any] | None = None, comm_state: Any = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.config = config if config is not None else NoiseConfig()
+        # The monitor's own cost: seconds in its hooks, callbacks and folds (host clock, no device sync).
+        self._clock = clock if clock is not None else time.perf_counter
+        self._own = 0.0                                # seconds of the monitor's own work so far
+        self._fold_s, self._fold_windows = 0.0, 0      # ... of which folds, and the windows they folded
+        self._own_mark = self._fold_mark = 0.0         # the totals at the last window's end
+        self._boundary: float | None = None            # clock at the last window's end
+        self._in_window_end = False
+        self._n_windows = self._n_measured = 0
+        self._cost_own = self._cost_step = 0.0         # over windows with a previous boundary
+        self._every_changes: list[tuple[int, int]] = []
         if unit not in (None, "token", "sample"):
             raise ValueError(f"unit {unit!r} is not allowed; allowed: 'token', 'sample' or None (follow the loss)")
         self._unit = unit
@@ -134,6 +152,8 @@ class NoiseScaleMonitor:
         self._micro = "micro" in self.sources
         self._adam_on = self.config.adam
         self._every = _check_every(self.config.every)
+        self._controller = (EveryController(self.config.budget, every=self._every)
+                            if self.config.budget is not None else None)
         self.estimators: dict[str, NoiseScaleEstimator] = {}
         self._state: torch.Tensor | None = None        # (n_estimators, 12): one row per estimator
         self._device: torch.device | None = None
@@ -184,6 +204,8 @@ class NoiseScaleMonitor:
     @every.setter
     def every(self, n: int) -> None:
         self._every = _check_every(n)
+        if self._controller is not None:  # with a budget: the value from now on, until the cost moves it
+            self._controller.every = n
         self._countdown = min(self._countdown, n - 1)
         if not self._in_window:
             self._arm(self._countdown <= 0)
@@ -206,12 +228,14 @@ class NoiseScaleMonitor:
             return
         slots, slots_adam = self._slots, self._slots_adam
         mon = self
+        clock = self._clock
 
         def make(i: int) -> Callable[[torch.Tensor], None]:
             def hook(grad: torch.Tensor) -> None:
                 # Δ of this parameter as it arrives, before AccumulateGrad adds it into .grad and before
                 # any DP all-reduce: its norm now, while the gradient is still in cache; nothing is held.
                 # (Lean on purpose: this runs once per parameter per micro-batch.)
+                t0 = clock()
                 j = slots.n
                 views = slots.views
                 if j < len(views) and grad.dtype is views[j].dtype:
@@ -224,6 +248,7 @@ class NoiseScaleMonitor:
                     slots.put(grad)
                 if mon._adam_on and mon._ensure_precond():
                     slots_adam.put(grad * mon._precond[i])
+                mon._own += clock() - t0
             return hook
 
         targets = self._params if self._fsdp is None else _fsdp_unsharded_params(self._fsdp)
@@ -350,6 +375,13 @@ class NoiseScaleMonitor:
                 back-propagates ``loss.mean() / k``, pass ``1 / k``.
             is_last: accepted for compatibility; no longer needed (there is no snapshot to save).
         """
+        t0 = self._clock()
+        try:
+            self._micro_backward(count, samples, grad_multiplier)
+        finally:
+            self._own += self._clock() - t0
+
+    def _micro_backward(self, count: Any, samples: float | None, grad_multiplier: Any) -> None:
         if not self._in_window:
             self._start_window()
         if self._micro and self._armed and not self._installed:  # FSDP2: hooks possible after the first forward
@@ -386,6 +418,13 @@ class NoiseScaleMonitor:
 
     def _hook_bucket(self, bucket: Any) -> None:
         """Inside the DDP comm hook, before the all-reduce: this rank's norm of the bucket."""
+        t0 = self._clock()
+        try:
+            self._measure_bucket(bucket)
+        finally:
+            self._own += self._clock() - t0
+
+    def _measure_bucket(self, bucket: Any) -> None:
         if not self._in_window:  # one micro-batch per window: the sync runs before micro_backward
             self._start_window()
         if not self._measuring or "rank" not in self.sources:
@@ -410,6 +449,53 @@ class NoiseScaleMonitor:
             lr: learning rate of this step, logged beside the estimate.
             big_grad_multiplier: if ``.grad`` is m × the mean gradient, m (default 1).
         """
+        t0 = self._clock()
+        self._in_window_end = True
+        try:
+            measured = self._window_end(loss_scale, lr, big_grad_multiplier, _big_from_driver)
+        finally:
+            self._in_window_end = False
+        t1 = self._clock()
+        self._own += t1 - t0
+        self._account(t1, measured)
+
+    def _account(self, now: float, measured: bool) -> None:
+        """Close a window's books: its own seconds and bare step seconds; under a budget, ``every`` for
+        the windows that follow (it changes only after a measured window)."""
+        own, fold = self._own - self._own_mark, self._fold_s - self._fold_mark
+        self._own_mark, self._fold_mark = self._own, self._fold_s
+        step = None if self._boundary is None else max(now - self._boundary - own, 0.0)
+        self._boundary = now
+        self._n_windows += 1
+        self._n_measured += measured
+        if step is not None:
+            self._cost_own += own
+            self._cost_step += step
+        ctl = self._controller
+        if ctl is None:
+            return
+        per_fold = self._fold_s / self._fold_windows if self._fold_windows else 0.0
+        n = ctl.update(measured=measured, monitor_s=own - fold, step_s=step, fold_s_per_window=per_fold)
+        if n != self._every:  # as ``monitor.every = n`` between windows
+            self._every = n
+            self._every_changes.append((self._n_windows, n))
+            self._countdown = min(self._countdown, n - 1)
+            self._arm(self._countdown <= 0)
+
+    def cost(self) -> MonitorCost:
+        """What the monitor measured of its own cost: seconds in its hooks, callbacks and folds against
+        the bare step, and the windows it measured and left out (no host sync)."""
+        ctl = self._controller
+        nan = math.nan
+        return MonitorCost(
+            budget=self.config.budget, every=self._every, windows=self._n_windows, windows_measured=self._n_measured,
+            windows_unmeasured=self._n_windows - self._n_measured, monitor_s=self._cost_own, step_s=self._cost_step,
+            fraction=self._cost_own / self._cost_step if self._cost_step > 0 else nan,
+            measured_window_s=(ctl.c_measured if ctl is not None and ctl.c_measured is not None else nan),
+            unmeasured_window_s=(ctl.c_unmeasured if ctl is not None and ctl.c_unmeasured is not None else nan),
+            every_changes=tuple(self._every_changes))
+
+    def _window_end(self, loss_scale: Any, lr: Any, big_grad_multiplier: Any, _big_from_driver: bool) -> bool:
         if not self._in_window:
             raise RuntimeError("window_end() before any micro_backward() in this window")
         measured = self._measuring
@@ -427,6 +513,7 @@ class NoiseScaleMonitor:
                 self._countdown -= 1
                 self._elapsed += 1
             self._arm(self._countdown <= 0)
+        return measured
 
     def _measure_window(self, loss_scale: Any, lr: Any, big_grad_multiplier: Any, *, big_from_driver: bool) -> None:
         """The window's sufficient statistics as one float64 vector (a short op chain), queued."""
@@ -597,7 +684,22 @@ class NoiseScaleMonitor:
 
     def _flush(self, keep_last: bool = False) -> None:
         """Fold every queued window into the estimators at once (one op chain, no host sync). A window
-        still waiting for the driver's on_step_end (its |G_big|²) stays queued."""
+        still waiting for the driver's on_step_end (its |G_big|²) stays queued. Timed: a fold is part
+        of the monitor's cost, amortized over the windows it folds."""
+        if not self._pending:
+            return
+        t0 = self._clock()
+        n = len(self._pending)
+        try:
+            self._fold(keep_last)
+        finally:
+            dt = self._clock() - t0
+            self._fold_s += dt
+            self._fold_windows += n - len(self._pending)
+            if not self._in_window_end:  # a read-out's fold (window_end's own time holds its folds)
+                self._own += dt
+
+    def _fold(self, keep_last: bool) -> None:
         if self._pending and self._last_measured and self._pending[-1].get("big_sq", 0.0) is None:
             keep_last = True
         pend = self._pending[:-1] if keep_last else self._pending
@@ -690,6 +792,8 @@ class NoiseScaleMonitor:
         ``backward(..., samples=)``, set before the callbacks run), so short and ragged
         micro-batches are weighted by their real size in the per-sample estimate. A monitor
         added in the middle of a window starts at the next one."""
+        clock = self._clock
+        t0 = clock()
         counts = self._counts
         seen = len(counts) + self._empty_micros  # micro-batches of this window so far
         if self._fast_micro and self._measuring and self._in_window and self._installed and micro_index == seen:
@@ -703,14 +807,18 @@ class NoiseScaleMonitor:
                 counts.append(count)
                 self._mults.append(count)
                 self._samples.append(float(driver.last_micro_samples))
+                self._own += clock() - t0
                 return
-        if not self._in_window:
-            self._start_window(usable=micro_index == 0)
-        elif micro_index != seen:  # attached in the middle of this window: start at the next
-            self._measuring = False
-        count = getattr(driver, "last_micro_count", None)
-        self.micro_backward(count if isinstance(count, (int, float)) else local_count,
-                            samples=driver.last_micro_samples)
+        try:
+            if not self._in_window:
+                self._start_window(usable=micro_index == 0)
+            elif micro_index != seen:  # attached in the middle of this window: start at the next
+                self._measuring = False
+            count = getattr(driver, "last_micro_count", None)
+            self._micro_backward(count if isinstance(count, (int, float)) else local_count,
+                                 driver.last_micro_samples, None)
+        finally:
+            self._own += clock() - t0
 
     def on_window_end(self, driver: Any, global_count: Any, local_window_count: Any) -> None:
         """:class:`~globalbatch.step.StepDriver` callback: after sync, normalization, unscale."""
@@ -726,6 +834,7 @@ class NoiseScaleMonitor:
     def on_step_end(self, driver: Any, result: Any) -> None:
         """:class:`~globalbatch.step.StepDriver` callback: a window whose step the driver skipped
         (non-finite loss or gradient on some rank) is left out of the estimate."""
+        t0 = self._clock()
         if self._last_measured and self._pending:
             last = self._pending[-1]
             if result.skipped:
@@ -734,6 +843,7 @@ class NoiseScaleMonitor:
                 last["big_sq"] = result.grad_norm ** 2  # pre-clip, unscaled, after the sync: host float
             self._last_measured = False
         self._slots.drop(), self._slots_adam.drop()  # nothing from between windows reaches the next one
+        self._own += self._clock() - t0
 
     # -- read-out (host sync) -------------------------------------------------------------------
 

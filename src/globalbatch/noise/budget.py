@@ -1,0 +1,136 @@
+"""The noise monitor's cost budget: how often to measure (``every``) from the cost it measured.
+
+The monitor times its own work with a host clock (``time.perf_counter``): the parameter hooks,
+its callbacks and the folds. No device sync is added: on an accelerator this is the host time of
+its launches and Python, not the device time of its norm kernels. :class:`EveryController`
+turns those timings into ``every``: with c_m the monitor's seconds in a measured window, c_u in a
+window it leaves out and T the bare step (the window's wall time less the monitor's), one window
+in n costs (c_m + (n − 1)·c_u) / (n·T). The smallest n within the budget is
+
+    n* = ⌈(c_m − c_u) / (budget·T − c_u)⌉           (every_max when budget·T ≤ c_u)
+
+``every`` rises at once when the cost at the current n is over the budget, and falls only when
+the cost at a smaller n is under budget / (1 + hysteresis): a cost that stays in that band leaves
+``every`` where it is. Which windows are measured depends on time only, never on a gradient, so
+the measured windows are a subsample of the windows and the estimate stays unbiased.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["EveryController", "MonitorCost", "EVERY_MAX"]
+
+EVERY_MAX = 1024
+"""The most windows one measured window may stand for under a budget."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class MonitorCost:
+    """What the monitor measured of its own cost (``NoiseScaleMonitor.cost()``)."""
+
+    budget: float | None
+    """The budget (a fraction of the bare step time), None: every ``every``-th window measured."""
+    every: int
+    """One window in ``every`` measured now."""
+    windows: int
+    """Windows seen (the monitor's ``window_end`` calls)."""
+    windows_measured: int
+    """Windows measured (their norms entered the estimate)."""
+    windows_unmeasured: int
+    """Windows left out by ``every`` (or detached); no estimate reads them."""
+    monitor_s: float
+    """Seconds the monitor spent in its hooks, callbacks and folds, over the timed windows."""
+    step_s: float
+    """Bare step seconds over the same windows (wall time between window ends less the monitor's)."""
+    fraction: float
+    """monitor_s / step_s: the cost measured, as a fraction of the bare step (NaN before two windows)."""
+    measured_window_s: float
+    """The monitor's seconds in a measured window (smoothed; folds amortized in), NaN before one."""
+    unmeasured_window_s: float
+    """The monitor's seconds in a window left out (smoothed), NaN before one."""
+    every_changes: tuple[tuple[int, int], ...] = field(default=())
+    """(window, every) at each change the budget made: ``every`` from that window on."""
+
+    def text(self) -> str:
+        frac = "–" if math.isnan(self.fraction) else f"{self.fraction:.2%}"
+        budget = "no budget" if self.budget is None else f"budget {self.budget:.2%}"
+        return (f"noise monitor cost {frac} of the bare step ({budget}); every {self.every}; "
+                f"{self.windows_measured:,} of {self.windows:,} windows measured, {self.windows_unmeasured:,} left out")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+
+
+class EveryController:
+    """``every`` from the measured cost, within ``budget`` (see the module docstring).
+
+    Args:
+        budget: the cost allowed, a fraction of the bare step time (0 < budget < 1).
+        every: the starting value.
+        hysteresis: ``every`` falls only when a smaller one costs ≤ budget / (1 + hysteresis).
+        alpha: EMA weight of a new sample of c_m, c_u and T.
+        warmup: measured windows left out of c_m at the start (the first builds buffers).
+    """
+
+    def __init__(self, budget: float, *, every: int = 1, hysteresis: float = 0.25, alpha: float = 0.2,
+                 warmup: int = 1, every_max: int = EVERY_MAX) -> None:
+        self.budget = budget
+        self.every = every
+        self.hysteresis = hysteresis
+        self.alpha = alpha
+        self.warmup = warmup
+        self.every_max = every_max
+        self.c_measured: float | None = None
+        self.c_unmeasured: float | None = None
+        self.step: float | None = None
+        self._seen_measured = 0
+        self._c_own: float | None = None  # c_m without the folds
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.alpha * (new - old)
+
+    def cost_at(self, n: int) -> float:
+        """The fraction of the bare step that one window in ``n`` costs, from the current estimates."""
+        cm, cu, t = self.c_measured, self.c_unmeasured or 0.0, self.step
+        if cm is None or not t:
+            return math.nan
+        return (cm + (n - 1) * cu) / (n * t)
+
+    def needed(self, budget: float) -> int:
+        """The smallest ``every`` whose cost is within ``budget``."""
+        cm, cu, t = self.c_measured, self.c_unmeasured or 0.0, self.step
+        if cm is None or not t:
+            return self.every
+        room = budget * t - cu
+        if cm <= budget * t:
+            return 1
+        if room <= 0:
+            return self.every_max
+        return max(1, min(self.every_max, math.ceil((cm - cu) / room - 1e-12)))
+
+    def update(self, *, measured: bool, monitor_s: float, step_s: float | None, fold_s_per_window: float = 0.0) -> int:
+        """One window's timings: the monitor's seconds in it (folds excluded), its bare step seconds
+        (None for the first window), and the folds' seconds per measured window so far. Returns
+        ``every`` for the windows that follow; it changes only after a measured window."""
+        if step_s is not None and step_s > 0:
+            self.step = self._ema(self.step, step_s)
+        if not measured:
+            self.c_unmeasured = self._ema(self.c_unmeasured, monitor_s)
+            return self.every
+        self._seen_measured += 1
+        if self._seen_measured <= self.warmup:
+            return self.every
+        self._c_own = self._ema(self._c_own, monitor_s)
+        self.c_measured = self._c_own + fold_s_per_window
+        if self.step is None:
+            return self.every
+        if self.cost_at(self.every) > self.budget:
+            self.every = max(self.every, self.needed(self.budget))
+        else:
+            lower = self.needed(self.budget / (1.0 + self.hysteresis))
+            if lower < self.every:
+                self.every = lower
+        return self.every

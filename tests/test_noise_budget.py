@@ -1,0 +1,217 @@
+"""The noise monitor within a cost budget: ``NoiseConfig(budget=...)`` picks ``every`` from the cost it measured.
+
+A synthetic cost comes from an injected clock: every reading advances it by ``tick`` (so each timed region of
+the monitor costs exactly one tick), and the test advances it by the bare step time between windows.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from globalbatch.errors import SettingError
+from globalbatch.noise import NoiseConfig, NoiseScaleMonitor
+from globalbatch.noise.budget import EVERY_MAX, EveryController
+
+sys.path.insert(0, str(Path(__file__).parent / "dist"))
+import noise_common as nc  # noqa: E402
+
+SIZES = (8, 8, 8, 8)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class FakeClock:
+    """Each reading advances ``tick`` seconds; ``t`` is advanced by the test for the training itself."""
+
+    def __init__(self, tick: float) -> None:
+        self.t, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.t += self.tick
+        return self.t
+
+
+def _run(model, windows, *, callbacks, clock=None, step_s=lambda w: 0.0, seed=5, during=None):
+    """StepDriver at lr 0 over the MLP problem; the clock advances ``step_s(w)`` over window w's micro-batches."""
+    from globalbatch.step import StepConfig, StepDriver
+
+    x, y = nc.make_data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    driver = StepDriver(model, opt, StepConfig(micro_batch=max(SIZES), global_batch=sum(SIZES)), callbacks=list(callbacks))
+    gen = torch.Generator().manual_seed(seed)
+    for w in range(windows):
+        for i, b in enumerate(SIZES):
+            idx = torch.randint(0, len(x), (b,), generator=gen)
+            if clock is not None:
+                clock.t += step_s(w) / len(SIZES)
+            with driver.micro_step(last=i == len(SIZES) - 1):
+                driver.backward(*nc.loss_sum(model, x[idx], y[idx]), samples=b)
+            if during is not None:
+                during(w, i)
+        driver.step()
+    return driver
+
+
+def test_budget_is_validated_naming_the_field():
+    for bad in (0, 0.0, 1, 1.5, -0.02, math.nan, math.inf, True, "0.02"):
+        with pytest.raises(SettingError, match=r"^budget .* is not allowed; allowed: a fraction of the step time") as exc:
+            NoiseConfig(budget=bad)
+        assert exc.value.field == "budget"
+    assert NoiseConfig(budget=0.02).budget == 0.02 and NoiseConfig().budget is None
+
+
+def _controller_run(ctl, windows, c_measured, c_unmeasured, step):
+    """Drive a controller as the monitor does (measure when the countdown runs out); returns every per window."""
+    out, countdown = [], 0
+    for w in range(windows):
+        measured = countdown <= 0
+        n = ctl.update(measured=measured, monitor_s=c_measured(w) if measured else c_unmeasured(w), step_s=step(w))
+        countdown = n - 1 if measured else countdown - 1
+        out.append(n)
+    return out
+
+
+def test_controller_every_follows_a_synthetic_cost_with_hysteresis():
+    ctl = EveryController(0.02)
+    # 10 ms steps; 50 µs per measured window (0.5 %): every window
+    ev = _controller_run(ctl, 20, lambda w: 50e-6, lambda w: 1e-6, lambda w: 10e-3)
+    assert ev[-1] == 1 and set(ev) == {1}
+    # 500 µs (5 %): ⌈(500 − 1) / (200 − 1)⌉ = 3 windows per measured one, at once and for good
+    ev = _controller_run(ctl, 60, lambda w: 500e-6, lambda w: 1e-6, lambda w: 10e-3)
+    assert ev[-1] == 3 and ev == sorted(ev) and ctl.cost_at(3) <= 0.02
+    assert ctl.needed(0.02) == math.ceil((500e-6 - 1e-6) / (0.02 * 10e-3 - 1e-6))
+    # a cost inside the band (every 2 would cost 1.75 % > 2 % / 1.25): no change, whatever the noise
+    ev = _controller_run(ctl, 90, lambda w: 350e-6 * (1 + 0.05 * math.sin(w)), lambda w: 1e-6, lambda w: 10e-3)
+    assert set(ev) == {3}
+    # cheaper (2.4 % at every 1, 1.2 % at every 2 ≤ 1.6 %): down to 2
+    ev = _controller_run(ctl, 60, lambda w: 240e-6, lambda w: 1e-6, lambda w: 10e-3)
+    assert ev[-1] == 2
+    # slower steps (the same cost is 0.24 %): back to every window
+    ev = _controller_run(ctl, 60, lambda w: 240e-6, lambda w: 1e-6, lambda w: 100e-3)
+    assert ev[-1] == 1
+    # a window left out that costs more than the budget: measure as rarely as allowed
+    ev = _controller_run(ctl, 30, lambda w: 500e-6, lambda w: 300e-6, lambda w: 10e-3)
+    assert ev[-1] == EVERY_MAX
+
+
+def test_controller_amortizes_folds_and_skips_the_first_measured_window():
+    ctl = EveryController(0.02)
+    assert ctl.update(measured=True, monitor_s=1.0, step_s=None) == 1  # cold first window: not a sample
+    assert ctl.c_measured is None
+    for _ in range(10):
+        ctl.update(measured=True, monitor_s=100e-6, step_s=10e-3, fold_s_per_window=150e-6)
+    assert ctl.c_measured == pytest.approx(250e-6) and ctl.every == 2  # 2.5 % → 1.25 %
+
+
+def test_monitor_every_follows_the_measured_cost_and_keeps_the_budget():
+    """The monitor's own regions cost a tick each; slow steps → every window, fast steps → every n within budget."""
+    clock = FakeClock(tick=1e-6)
+    model = nc.make_model(0)
+    mon = NoiseScaleMonitor(model, unit="sample", clock=clock, config=NoiseConfig(half_life=math.inf, budget=0.02))
+    phases = [(40, 20e-3), (120, 0.4e-3), (60, 20e-3)]  # (windows, bare step seconds)
+    starts = [0, 40, 160]
+    everies, hooked, costs, at = [], [], [], []
+
+    def step_s(w):
+        return phases[sum(w >= s for s in starts) - 1][1]
+
+    def during(w, i):
+        hooked.append(mon._installed)
+        if i == len(SIZES) - 1:
+            everies.append(mon.every)
+            if w + 1 in (40, 100, 160, 180, 220):
+                costs.append(mon.cost())
+            if w + 1 == 160:  # the controller's view at the end of the fast phase
+                at.extend(mon._controller.cost_at(n) for n in range(1, EVERY_MAX))
+
+    _run(model, 220, callbacks=[mon], clock=clock, step_s=step_s, during=during)
+    c = mon.cost()
+    assert c.windows == 220 and c.windows_measured + c.windows_unmeasured == 220
+    assert set(everies[5:40]) == {1}                             # 20 ms steps: the ticks are ≪ 2 %
+    fast = everies[100:160]
+    cm, cu = costs[1].measured_window_s, costs[1].unmeasured_window_s
+    assert cm > 2 * cu > 0
+    assert min(fast) > 1 and len(set(fast)) == 1                 # one value once the cost has settled
+    # ... the smallest n whose cost (c_m + (n − 1)·c_u) / (n·T) is within 2 %
+    n = fast[0]
+    assert at[n - 1] <= 0.02 < at[n - 2]
+    # the budget kept over the settled fast phase (windows 100–160), by the monitor's own books
+    spent = (costs[2].monitor_s - costs[1].monitor_s) / (costs[2].step_s - costs[1].step_s)
+    assert spent <= 0.02 * 1.05, spent
+    assert set(everies[200:]) == {1}                             # slow steps again: every window
+    assert c.every_changes and all(b > a for (a, _), (b, _) in zip(c.every_changes, c.every_changes[1:]))
+    # windows left out cost nothing: no parameter hooks in place during them
+    measured = [w for w in range(220) if hooked[w * len(SIZES)]]
+    assert len(measured) == c.windows_measured == mon.estimate().windows
+    assert "windows measured" in c.text() and c.to_dict()["windows"] == 220
+
+
+def test_fixed_cost_gives_the_same_results_as_fixed_every():
+    """A cost that needs every 3, started at 3: never changed, and the estimate is that of NoiseConfig(every=3)."""
+    model = nc.make_model(0)
+    m_fixed, m_budget = copy.deepcopy(model), copy.deepcopy(model)
+    fixed = NoiseScaleMonitor(m_fixed, unit="sample", config=NoiseConfig(half_life=200.0, every=3))
+    _run(m_fixed, 45, callbacks=[fixed])
+    clock = FakeClock(tick=1e-6)
+    budget = NoiseScaleMonitor(m_budget, unit="sample", clock=clock,
+                               config=NoiseConfig(half_life=200.0, every=3, budget=0.02))
+    _run(m_budget, 45, callbacks=[budget], clock=clock, step_s=lambda w: 0.62e-3)  # needs 3
+    assert budget.cost().every_changes == () and budget.every == 3
+    clock1 = FakeClock(tick=1e-6)  # the same cost from every 1: the controller goes to 3 by itself
+    from_one = NoiseScaleMonitor(copy.deepcopy(model), unit="sample", clock=clock1, config=NoiseConfig(budget=0.02))
+    _run(from_one.model, 45, callbacks=[from_one], clock=clock1, step_s=lambda w: 0.62e-3)
+    steps = [n for _, n in from_one.cost().every_changes]  # (2 first: no window left out yet to price)
+    assert from_one.every == 3 and steps == sorted(steps) and steps[-1] == 3
+    a, b = fixed.estimate(), budget.estimate()
+    assert a.windows == b.windows == 15
+    assert (a.b_simple, a.tr_sigma, a.g_sq, a.low, a.high) == (b.b_simple, b.tr_sigma, b.g_sq, b.low, b.high)
+
+
+def test_a_changing_every_only_subsamples_the_windows():
+    """The budgeted monitor's estimate equals a monitor whose every is set by hand at the same windows: the
+    budget chooses which windows are measured and nothing else (EMA decay per trained unit included)."""
+    model = nc.make_model(0)
+    m_budget, m_hand = copy.deepcopy(model), copy.deepcopy(model)
+    clock = FakeClock(tick=1e-6)
+    cfg = dict(half_life=300.0)
+    budget = NoiseScaleMonitor(m_budget, unit="sample", clock=clock, config=NoiseConfig(budget=0.02, **cfg))
+    _run(m_budget, 90, callbacks=[budget], clock=clock, step_s=lambda w: 20e-3 if w < 30 else 0.4e-3)
+    changes = dict(budget.cost().every_changes)
+    assert changes
+    hand = NoiseScaleMonitor(m_hand, unit="sample", config=NoiseConfig(**cfg))
+
+    class _Set:  # set every where the budget changed it: after the window's end, before the next window
+        n = 0
+
+        def on_step_end(self, driver, result):
+            _Set.n += 1
+            if _Set.n in changes:
+                hand.every = changes[_Set.n]
+
+    _run(m_hand, 90, callbacks=[hand, _Set()])
+    a, b = budget.estimate(), hand.estimate()
+    assert a.windows == b.windows < 90
+    assert b.b_simple == pytest.approx(a.b_simple, rel=1e-12) and b.g_sq == pytest.approx(a.g_sq, rel=1e-12)
+
+
+def test_without_a_budget_the_cost_is_still_reported():
+    clock = FakeClock(tick=1e-6)
+    model = nc.make_model(0)
+    mon = NoiseScaleMonitor(model, unit="sample", clock=clock, config=NoiseConfig(every=2))
+    _run(model, 10, callbacks=[mon], clock=clock, step_s=lambda w: 1e-3)
+    c = mon.cost()
+    assert (c.budget, c.every, c.windows, c.windows_measured, c.windows_unmeasured) == (None, 2, 10, 5, 5)
+    assert 0 < c.fraction < 0.05 and c.monitor_s > 0 and c.step_s == pytest.approx(9e-3, rel=0.1)
+    assert math.isnan(c.measured_window_s) and "no budget" in c.text()
