@@ -170,8 +170,8 @@ def steps_to_target(
 
     ``min_window_examples``: the half-life is at least this many examples (÷ the batch, in
     steps), the same amount of data for every batch — without it a small batch's window
-    covers so little data that its first crossing lands in a noise dip (issue 10: read 55.7
-    steps where the held-out loss says ≈115).
+    covers so little data that its first crossing lands in a noise dip (measured: 55.7 steps
+    where the held-out loss says ≈115).
 
     ``readout="heldout"``: the held-out evaluations of the curve instead
     (:func:`globalbatch.critical.readout.heldout_crossing`: a monotone fit, interpolated in log

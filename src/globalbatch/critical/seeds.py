@@ -5,8 +5,8 @@ steps each batch needs to reach a loss; B_crit grows as the loss falls (their fi
 Kaplan et al. 2020 ("Scaling Laws for Neural Language Models", arXiv 2001.08361, eq. 1.4)
 write that dependence as a power law, B_crit(L) = B*/L^(1/α_B). What a single run gives
 is one noisy draw: the data order and the initialisation move steps-to-target by tens of
-per cent (issue 10 measured a 4.5× range of B_crit over five seeds with a training-loss
-read-out). This module reads a sweep run with several seeds:
+per cent (a 4.5× range of B_crit over five seeds with a training-loss read-out, measured on
+the demo task). This module reads a sweep run with several seeds:
 
 1. **Common targets** (:func:`common_targets`, on the curves at each batch's one LR, item 2):
    losses every batch × seed reaches with a

@@ -101,8 +101,8 @@ __all__ = [
 
 
 class _CallablePackage(types.ModuleType):
-    """``gb.probe(model, …)`` was a function until ``import globalbatch.probe`` made the name this package; the
-    package now answers that call, whatever was imported first (deprecated: call :func:`probe_model`)."""
+    """``gb.probe`` names this package once ``import globalbatch.probe`` has run, so the package answers
+    ``gb.probe(model, …)`` itself, whatever was imported first (deprecated: call :func:`probe_model`)."""
 
     def __call__(self, *args, **kwargs):
         warnings.warn("globalbatch.probe(...) is deprecated; call globalbatch.probe_model(...)", FutureWarning,

@@ -56,7 +56,7 @@ class MemoryModel:
             return None
         # Peaks are whole bytes: a boundary at exactly the budget must not round down through the fit's
         # rounding error, and a budget one byte below a boundary must not round up. Half a byte of slack
-        # (less for a slope under one byte per sample) does both; a slack in samples (the old + 1e-6)
+        # (less for a slope under one byte per sample) does both; a slack in samples (such as + 1e-6)
         # swallowed budgets up to b·1e-6 bytes below a boundary (30 bytes at 30 MiB/sample).
         slack_bytes = min(0.5, 0.5 * self.bytes_per_sample)
         return math.floor((budget_bytes - self.intercept_bytes + slack_bytes) / self.bytes_per_sample)
