@@ -13,13 +13,19 @@ Run through ``benchmarks/gpu_check.sh``. Each check prints one ``SUMMARY`` line:
 6. MFU of the tinygpt training step (bf16 autocast): model FLOPs counted by FlopCounterMode over the
    A100/H100/H200 table's dense bf16 peak (a measured matmul on CPU), and valid tokens/s.
 
-``--device cpu`` runs the same checks on a CPU (how the script itself is tested here).
+7. ``fsdp``: GlobalBatchTrainer under the Trainer's own FSDP2 (Accelerate turns FSDP on only for GPU
+   distributed types; on CPU the 2-rank test lifts that gate), one rank per GPU: exact and B_simple;
+8. ``empty_device``: count-0 micro-batches whose counts are device tensors (the noise monitor's device path).
+
+``--device cpu`` runs the same checks on a CPU (how the script itself is tested here); ``--only a,b``
+runs the named ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -160,9 +166,62 @@ def check_mfu(device: torch.device) -> bool:
                    f"{statistics.median(r.valid_tokens_per_s for r in results):,.0f}")
 
 
+def check_fsdp(tmp: Path) -> bool:
+    """GlobalBatchTrainer under the Trainer's own FSDP2 (Accelerate unpatched: on CPU it drops the plugin),
+    one rank per GPU under torchrun: exact to 1e-10 in float64 against one big batch, B_simple equal to a DDP
+    StepDriver's monitor (tests/dist/integrations_fsdp.py)."""
+    n = max(1, torch.cuda.device_count())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+           str(ROOT / "tests" / "dist" / "integrations_fsdp.py"), str(tmp)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("hf-fsdp2", "PASS"))]
+    ok = proc.returncode == 0 and "PASS hf-fsdp-exact" in proc.stdout and "PASS hf-fsdp-noise" in proc.stdout
+    return summary("fsdp", ok, f"{n} rank(s): " + " | ".join(lines or [proc.stderr[-300:]]))
+
+
+def check_empty_device_counts(device: torch.device) -> bool:
+    """Count-0 micro-batches with device-tensor counts (the monitor's device path: weight 0, not counted in k,
+    no host sync): the estimate equals the same windows without them (relative 1e-9)."""
+    import copy
+    import math
+
+    from globalbatch.noise import NoiseConfig, NoiseScaleMonitor
+    from globalbatch.step import StepConfig, StepDriver
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 4)).to(device)
+    x, y = torch.randn(512, 12, device=device), torch.randint(0, 4, (512,), device=device)
+    plan = [[8, 8, 8], [8, 0, 8, 8], [8, 8, 0], [0, 8, 8, 8], [8, 8, 8]]
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    draws = [[torch.randint(0, 512, (max(b, 1),), generator=gen).to(device) for b in w] for w in plan]
+    got = []
+    for with_empty in (True, False):
+        m = copy.deepcopy(base)
+        mon = NoiseScaleMonitor(m, unit="sample", config=NoiseConfig(half_life=math.inf))
+        driver = StepDriver(m, torch.optim.SGD(m.parameters(), lr=0.0), StepConfig(micro_batch=8, global_batch=32),
+                            callbacks=[mon])
+        for window, idxs in zip(plan, draws):
+            micros = [(b, i) for b, i in zip(window, idxs) if b or with_empty]
+            for j, (b, i) in enumerate(micros):
+                with driver.micro_step(last=j == len(micros) - 1):
+                    loss = torch.nn.functional.cross_entropy(m(x[i]), y[i], reduction="sum")
+                    count = torch.tensor(len(i), device=device)
+                    if b == 0:
+                        loss, count = loss * 0.0, torch.zeros((), dtype=torch.long, device=device)
+                    driver.backward(loss, count, samples=b)
+            driver.step()
+        got.append(mon.estimate())
+    a, b = got
+    rel = max(abs(a.tr_sigma - b.tr_sigma) / abs(b.tr_sigma), abs(a.g_sq - b.g_sq) / abs(b.g_sq))
+    return summary("empty_device", a.windows == b.windows == 5 and rel < 1e-9,
+                   f"windows {a.windows} and {b.windows}, tr(Σ) and |G|² relative difference {rel:.1e}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--only", default=None, help="comma-separated check names (default: all)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     print(f"torch {torch.__version__}, device {device}"
@@ -174,7 +233,11 @@ def main(argv=None) -> int:
                          ("noise", lambda: check_noise(args.device, Path(tmp) / "noise")),
                          ("probe", lambda: check_probe_oom(device)),
                          ("overhead", lambda: check_overhead(args.device)),
-                         ("mfu", lambda: check_mfu(device))):
+                         ("mfu", lambda: check_mfu(device)),
+                         ("fsdp", lambda: check_fsdp(Path(tmp) / "fsdp")),
+                         ("empty_device", lambda: check_empty_device_counts(device))):
+            if args.only and name not in args.only.split(","):
+                continue
             try:
                 results.append(fn())
             except Exception as exc:  # one failing check must not hide the others' lines

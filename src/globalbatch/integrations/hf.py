@@ -126,8 +126,10 @@ class GlobalBatchTrainerMixin:
             causal models do); False for models whose labels are already aligned with the logits.
 
     The loss is computed here from the outputs (the model's own loss is not used). Supported: one
-    process, or DDP over CPU/GPU ranks; DeepSpeed, FSDP and ``DataParallel`` (``n_gpu > 1``) raise at
-    construction.
+    process, DDP over CPU/GPU ranks, or FSDP2 (``fsdp=True, fsdp_config={"fsdp_version": 2, ...}``:
+    the reduce-scatter averages over ranks as DDP does, and the noise monitor hooks FSDP2's unsharded
+    gradients, from the second window); DeepSpeed, FSDP1 and ``DataParallel`` (``n_gpu > 1``) raise
+    at construction.
     """
 
     loss_is_scaled_for_ga = True
@@ -146,9 +148,22 @@ class GlobalBatchTrainerMixin:
                 global_batch, targs.per_device_train_batch_size, targs.world_size)
         super().__init__(*args, **kwargs)
         dt = str(getattr(self.accelerator.distributed_type, "value", self.accelerator.distributed_type))
-        if dt not in _SUPPORTED:
-            raise ValueError(f"distributed_type {dt} is not allowed; allowed: {', '.join(_SUPPORTED)} "
-                             "(single process or DDP)")
+        if dt == "DEEPSPEED":
+            raise ValueError(
+                "distributed_type DEEPSPEED is not allowed; allowed: NO, MULTI_CPU, MULTI_GPU, FSDP (version 2). "
+                "DeepSpeed owns the loss and the step: engine.backward divides each loss by its "
+                "gradient_accumulation_steps (runtime/engine.py _scale_loss_by_gas; the Trainer turns that off with "
+                "scale_wrt_gas=False), averages gradients over ranks, and clips and applies its own fp16 loss scale "
+                "inside engine.step; under ZeRO-2/3 each micro-batch's gradients are reduced and partitioned during "
+                "its backward, so the noise monitor never sees a micro-batch gradient")
+        fsdp_version = getattr(getattr(self.accelerator.state, "fsdp_plugin", None), "fsdp_version", None)
+        if dt == "FSDP" and fsdp_version != 2:
+            raise ValueError(f"fsdp_version {fsdp_version} is not allowed; allowed: 2 (fsdp_config="
+                             "{'fsdp_version': 2}: FSDP2's fully_shard, whose unsharded gradients the noise monitor "
+                             "hooks)")
+        if dt not in _SUPPORTED and dt != "FSDP":
+            raise ValueError(f"distributed_type {dt} is not allowed; allowed: {', '.join(_SUPPORTED)}, FSDP "
+                             "(single process, DDP or FSDP2)")
         if self.args.n_gpu > 1:
             raise ValueError(f"n_gpu {self.args.n_gpu} (torch DataParallel) is not allowed; allowed: 1 per process "
                              "(launch with torchrun for data parallelism)")
@@ -255,7 +270,7 @@ class GlobalBatchTrainerMixin:
         if monitor is not None and self._gb_measure:
             samples = inputs["labels"].shape[0] if "labels" in inputs else None
             mult = count.to(torch.float64) * (self.accelerator.num_processes / num_items_in_batch.to(torch.float64))
-            monitor.micro_backward(count, samples=samples, grad_multiplier=mult, is_last=last)
+            monitor.micro_backward(count, samples=samples, grad_multiplier=mult)
             if last:
                 scaler = getattr(self.accelerator, "scaler", None)
                 scale = getattr(scaler, "_scale", None) if scaler is not None else None

@@ -14,9 +14,12 @@ _FOLD_EVERY_HOST = 256  # windows queued on the CPU host path before a fold: a f
 def _fsdp_unsharded_params(module: torch.nn.Module) -> list[torch.Tensor] | None:
     """The unsharded parameters FSDP2 computes gradients for (one per sharded trainable parameter),
     or None before the first forward created them. FSDP2 keeps these objects across iterations
-    (it frees and refills their storage), so hooks on them persist. Private FSDP2 state: checked by
-    the 2-rank test against DDP on the same windows."""
-    out = []
+    (it frees and refills their storage), so hooks on them persist. Each is listed once: Accelerate's
+    FSDP2 wrapping (GPT-2: the root, its embedding, final LayerNorm and tied LM head) reaches some
+    parameters from two modules, and a hook registered twice counted their norms twice (B_simple
+    19× off on the HF Trainer test). Private FSDP2 state: checked by the 2-rank tests against DDP on
+    the same windows (tests/dist/noise_fsdp2.py, tests/dist/integrations_fsdp.py)."""
+    out, seen = [], set()
     for m in module.modules():
         get = getattr(m, "_get_fsdp_state", None)
         if get is None:
@@ -32,6 +35,9 @@ def _fsdp_unsharded_params(module: torch.nn.Module) -> list[torch.Tensor] | None
                     continue
                 if not hasattr(fp, "_unsharded_param"):
                     return None
+                if id(fp._unsharded_param) in seen:  # a state reached from two modules, or tied weights: once
+                    continue
+                seen.add(id(fp._unsharded_param))
                 out.append(fp._unsharded_param)
     return out
 
