@@ -309,20 +309,22 @@ def _train_schedule(sweep_cfg, schedule_text: str, lr: float, seed: int, target:
                      lr_schedule=lr_s)
     order = task.sample_order(seed)
     positions = sweep_cfg.eval_positions()
-    ex, lo, ev_ex, ev_st, ev_lo = [], [], [0.0], [0.0], [exp.evaluate(sweep_cfg.max_val_samples, 256)]
+    eb = sweep_cfg.eval_batch
+    ex, lo, ev_ex, ev_st, ev_lo = [], [], [0.0], [0.0], [exp.evaluate(sweep_cfg.max_val_samples, eb)]
     nxt, below, step = 0, 0, 0
     while exp.driver.trained_units < sweep_cfg.budget and below < 2:
         res = exp.train_window(order).result
-        step += 1
+        step = res.step
         ex.append(float(exp.driver.trained_units))
-        lo.append(float(res.loss))
-        while nxt < len(positions) and exp.driver.trained_units >= positions[nxt]:
-            nxt += 1
-            v = exp.evaluate(sweep_cfg.max_val_samples, 256)
+        lo.append(float(res.loss_per_unit))
+        if nxt < len(positions) and exp.driver.trained_units >= positions[nxt]:  # as the sweep's trials do
+            v = exp.evaluate(sweep_cfg.max_val_samples, eb)
             ev_ex.append(float(exp.driver.trained_units))
             ev_st.append(float(step))
             ev_lo.append(v)
             below = below + 1 if v < target else 0
+            while nxt < len(positions) and positions[nxt] <= exp.driver.trained_units:
+                nxt += 1
     curve = Curve(batch_size=float(first), lr=lr, examples=np.array(ex), loss=np.array(lo), label=schedule_text,
                   seed=seed, eval_examples=np.array(ev_ex), eval_steps=np.array(ev_st), eval_loss=np.array(ev_lo),
                   warmup_examples=float(warm))
@@ -425,6 +427,28 @@ def check_timing(sweep: str | None) -> dict:
         r = scale(conv, model, PRESETS["h100-ib"], default_mfu_curve(), cfg)
         times.append(time.process_time() - t0)
         n = r.evaluated_geometries
+    # Baseline in the same run: the same geometries costed one by one with the scalar step_time (no numpy grid).
+    from globalbatch.scale import gpu_counts, largest_micro, step_time
+
+    c, curve = PRESETS["h100-ib"], default_mfu_curve()
+    t0 = time.process_time()
+    n_scalar = 0
+    for g in gpu_counts(cfg.max_gpus, c.gpus_per_node):
+        for tp in cfg.tp_options:
+            for pp in cfg.pp_options:
+                if tp > c.gpus_per_node or g % (tp * pp) or pp > model.layers:
+                    continue
+                dp = g // (tp * pp)
+                m_max = largest_micro(model, c, dp=dp, tp=tp, pp=pp)
+                per_rep = 1
+                while m_max >= 1 and per_rep * dp <= cfg.max_global_batch:
+                    m = 1
+                    while m <= min(per_rep, m_max):
+                        step_time(model, c, curve, micro_batch=m, grad_accum_steps=per_rep // m, dp=dp, tp=tp, pp=pp)
+                        n_scalar += 1
+                        m *= 2
+                    per_rep *= 2
+    scalar_s = time.process_time() - t0
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     cmd = [sys.executable, "-m", "globalbatch.cli", "scale", "--prior", "kaplan", "--params", "7B", "--target-loss", "2.2",
            "--max-gpus", "10000", "--tp", "1,2,4,8", "--pp", "1,2,4,8,16", "--layers", "32", "--sharding", "zero1",
@@ -433,9 +457,13 @@ def check_timing(sweep: str | None) -> dict:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cli_cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     out = {"library_cpu_s": times, "geometries": n, "gpu_counts": len(r.rows), "cli_cpu_s": cli_cpu,
+           "scalar_baseline_cpu_s": scalar_s, "scalar_baseline_geometries": n_scalar,
+           "speedup_vs_scalar": scalar_s / min(times),
            "cli_ok": proc.returncode == 0, "pass": max(times) < 2.0 and cli_cpu < 2.0 and proc.returncode == 0}
     print("\n[5] timing: 7B model, h100-ib, 1 … 10,000 GPUs, TP 1–8 × PP 1–16")
     print(f"    library: {min(times):.2f}–{max(times):.2f} s CPU for {n:,} geometries over {len(r.rows)} GPU counts; "
+          f"baseline (the same {n_scalar:,} geometries one by one with the scalar step_time, costing only): "
+          f"{scalar_s:.2f} s = {scalar_s / min(times):.1f}× the search; "
           f"the command end to end (interpreter, imports, JSON): {cli_cpu:.2f} s CPU: "
           f"{'PASS' if out['pass'] else 'FAIL'} (< 2 s)")
     return out

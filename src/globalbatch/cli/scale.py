@@ -52,6 +52,10 @@ def _fmt_s(s: float) -> str:
     return f"{s / 86400:,.1f} d"
 
 
+def _fmt_h(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def _fmt_n(x: float) -> str:
     for div, suf in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if abs(x) >= div:
@@ -249,17 +253,17 @@ def _print(result, plot: Optional[str]) -> None:
         t.add_row(f"{r.gpus:,}", _fmt_n(r.batch_tokens), f"{st.micro_batch}×{st.grad_accum_steps}×DP{st.dp} TP{st.tp} PP{st.pp}",
                   f"{r.steps:,.0f}", _fmt_n(r.tokens),
                   f"{_fmt_s(st.compute_s)} / {_fmt_s(st.comm_exposed_s)} / {_fmt_s(st.bubble_s)}", f"{st.mfu():.0%}",
-                  _fmt_s(r.time_s), f"{r.gpu_hours:,.3g}", f"{r.efficiency:.0%}", ", ".join(marks))
+                  _fmt_s(r.time_s), _fmt_h(r.gpu_hours), f"{r.efficiency:.0%}", ", ".join(marks))
     con.print(t)
     if result.best is not None:
         b = result.best
         con.print(f"best: {b.gpus:,} GPUs, batch {b.step.global_batch:,} seq ({_fmt_n(b.batch_tokens)} tokens) = "
                   f"{b.step.geometry()}; {b.steps:,.0f} steps [{b.steps_interval[0]:,.0f}–{b.steps_interval[1]:,.0f}], "
-                  f"{_fmt_s(b.time_s)}, {b.gpu_hours:,.3g} GPU-hours")
+                  f"{_fmt_s(b.time_s)}, {_fmt_h(b.gpu_hours)} GPU-hours")
     ramp = result.best_ramp
     if ramp is not None:
         ratio = ramp.time_s / ramp.constant_time_s
-        con.print(f"best ramp at {ramp.gpus:,} GPUs: --batch-schedule \"{ramp.schedule}\" (thresholds in tokens, batches in "
+        con.print(f"best ramp at {ramp.gpus:,} GPUs: batch schedule \"{ramp.schedule}\" (StepDriver, parse_step_schedule: thresholds in tokens, batches in "
                   f"sequences; {ramp.lr_text}): {ramp.steps:,.0f} steps, {_fmt_n(ramp.tokens)} tokens, {_fmt_s(ramp.time_s)} "
                   f"= {ratio:.3f}× the best constant batch's time")
     for n in result.notes:
