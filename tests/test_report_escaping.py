@@ -45,7 +45,7 @@ def _hostile_sweep(root: Path, bad: str) -> Path:
     (d / "manifest.json").write_text(json.dumps(m))
     for s_path in (d / "trials").glob("*/summary.json"):
         s = json.loads(s_path.read_text())
-        s.update(unit=bad, device=bad, precision=bad, trial=bad)
+        s.update(unit=bad, device=bad, precision=bad)  # a trial name other than its directory's is refused
         s_path.write_text(json.dumps(s))
     for m_path in (d / "trials").glob("*/metrics.jsonl"):
         lines = m_path.read_text().splitlines()

@@ -112,7 +112,7 @@ def test_sweep_records_every_step_and_eval(reference_sweep):
         header, steps = recs[0], [r for r in recs if r["kind"] == "step"]
         assert header["kind"] == "header" and header["grid"]["budget"] == 6000
         s = data.summaries[name]
-        assert s["completed"] and s["steps"] == len(steps) == steps[-1]["step"]
+        assert s.completed and s.steps == len(steps) == steps[-1]["step"]
         # Stops at the first step at or past the budget; consumed increases by each step's tokens.
         assert steps[-1]["consumed"] >= 6000 > steps[-2]["consumed"]
         assert all(b["consumed"] - a["consumed"] == b["batch_units"] for a, b in zip(steps, steps[1:]))
@@ -122,8 +122,8 @@ def test_sweep_records_every_step_and_eval(reference_sweep):
         evals = [r["consumed"] for r in recs if "val_loss" in r]
         assert evals[0] == 0 and len(evals) == 1 + 3 and all(math.isfinite(r["val_loss"]) for r in recs if "val_loss" in r)
         # Token-indexed warmup: the LR after 5% of the budget is the peak LR.
-        assert steps[-1]["lr"] == pytest.approx(s["lr"])
-        assert s["units_per_s"] > 0 and s["core_s_per_unit"] > 0
+        assert steps[-1]["lr"] == pytest.approx(s.lr)
+        assert s.units_per_s > 0 and s.core_s_per_unit is not None and s.core_s_per_unit > 0
 
 
 def test_same_data_order_for_every_trial(reference_sweep):
@@ -238,7 +238,7 @@ def test_ray_backend_without_ray_names_the_extra(tmp_path, monkeypatch):
 def test_ray_backend_runs_a_trial_through_tune(tmp_path):
     pytest.importorskip("ray", reason="the dev extra installs ray[tune]; this runs the sweep through Ray Tune")
     res = run_sweep(tiny_config(batches=[4], lrs=[1e-3]), tmp_path, backend="ray", workers=1, threads=1, progress=False)
-    assert res.ran == ["b4_lr0.001_s0"] and load_sweep(tmp_path).summaries["b4_lr0.001_s0"]["completed"]
+    assert res.ran == ["b4_lr0.001_s0"] and load_sweep(tmp_path).summaries["b4_lr0.001_s0"].completed
     # the same trial through the local backend gives the same losses: Ray only schedules
     local = tmp_path / "local"
     run_sweep(tiny_config(batches=[4], lrs=[1e-3]), local, backend="local", workers=1, threads=1, progress=False)

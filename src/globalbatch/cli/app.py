@@ -52,11 +52,6 @@ def echo_json(obj: Any) -> None:
     typer.echo(json.dumps(obj, indent=2, sort_keys=True, default=json_default))
 
 
-def _fail(message: str) -> "typer.Exit":
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code=2)
-
-
 # ---------------------------------------------------------------------------
 # The one field → flag mapping, taken from the commands' own typer definitions
 # ---------------------------------------------------------------------------

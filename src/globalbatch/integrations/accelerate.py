@@ -73,8 +73,7 @@ class ExactAccumulation:
         self.accelerator.backward(loss_sum)  # Accelerate divides by gradient_accumulation_steps
         if self.monitor is not None:
             ga = self.accelerator.gradient_accumulation_steps
-            self.monitor.micro_backward(count_t, samples=samples, grad_multiplier=count_t / ga,
-                                        is_last=bool(self.accelerator.sync_gradients))
+            self.monitor.micro_backward(count_t, samples=samples, grad_multiplier=count_t / ga)
 
     def normalize(self) -> torch.Tensor:
         """On the syncing micro-batch, before clipping: ``.grad`` ← gradient of the global token-mean loss.

@@ -31,8 +31,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-from globalbatch._util import SettingError, atomic_write_json, read_jsonl
+from globalbatch._util import SettingError, atomic_write_json
 from globalbatch.lab.device import PRECISIONS
+from globalbatch.lab.records import ArmSummary, damaged, read_records, read_summary
 from globalbatch.lab.rundir import append_event, check_manifest, remove_stale_tmp
 from globalbatch.lab.sweep.config import demo_config
 from globalbatch.optim import optimizer_names
@@ -224,13 +225,13 @@ def throughput_from_timing(sweep_dir: str | os.PathLike) -> dict[int, float]:
     """Samples/s per batch from a sweep's timing pass (:mod:`globalbatch.lab.sweep.timing`)."""
     from globalbatch.lab.sweep.timing import timing_path
 
+    from globalbatch.lab.records import TIMING, WHOLE, NUMBER, read_record
+
     table = {}
     for path in sorted(timing_path(Path(sweep_dir), 0).parent.glob("b*.json")):
-        try:
-            rec = json.loads(path.read_text())
-            b, steps, secs = int(rec["batch"]), int(rec["steps"]), float(rec["seconds"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+        rec = read_record(path, {"batch": WHOLE, "steps": WHOLE, "seconds": NUMBER}, {**TIMING[0], **TIMING[1]},
+                          run_dir=sweep_dir, field="throughput_from")  # a damaged record is refused, not skipped
+        b, steps, secs = rec["batch"], rec["steps"], float(rec["seconds"])
         if secs > 0 and steps > 0:
             table[b] = b * steps / secs  # samples per second: steps × batch samples in secs
     if not table:
@@ -349,11 +350,12 @@ def run_arm(cfg: AdaptiveConfig, out: str | os.PathLike, arm: str, seed: int, *,
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, rdir / "metrics.jsonl")
-    summary = {"completed": True, "arm": arm, "seed": seed, "batch": batch, "lr": lr, "steps": driver.optimizer_steps,
-               "consumed": driver.trained_units, "skipped_windows": driver.skipped_windows, "train_s": train_s,
-               "units_per_s": driver.trained_units / train_s if train_s > 0 else math.nan,
-               "final_batch": driver.global_batch, "changes": sched.summary() if sched is not None else [],
-               "decisions": len(sched.decisions) if sched is not None else 0, "wall_s": time.time() - started}
+    summary = ArmSummary(arm=arm, seed=seed, batch=batch, lr=lr, steps=driver.optimizer_steps, consumed=driver.trained_units,
+                         skipped_windows=driver.skipped_windows, train_time_s=train_s,
+                         units_per_s=driver.trained_units / train_s if train_s > 0 else math.nan,
+                         final_batch=driver.global_batch, changes=sched.summary() if sched is not None else [],
+                         decisions=len(sched.decisions) if sched is not None else 0,
+                         wall_time_s=time.time() - started).to_json()
     atomic_write_json(rdir / "summary.json", summary)
     append_event(out, event="done", arm=arm, seed=seed)
     return summary
@@ -412,12 +414,13 @@ def _run_locked(cfg: AdaptiveConfig, out: Path, log: Any) -> AdaptiveRunResult:
                 table = {}
                 for b in cfg.batches:
                     if run_done(out, f"b{b}", seed, cfg):
-                        s = json.loads((_run_dir(out, f"b{b}", seed, cfg) / "summary.json").read_text())
-                        tok_per_sample = s["consumed"] / max(1, s["steps"]) / b
-                        table[b] = s["units_per_s"] / tok_per_sample
+                        fixed = read_summary(ArmSummary, _run_dir(out, f"b{b}", seed, cfg) / "summary.json",
+                                             run_dir=out, field="out")
+                        tok_per_sample = fixed.consumed / max(1, fixed.steps) / b
+                        table[b] = fixed.units_per_s / tok_per_sample
             s = run_arm(cfg, out, arm, seed, throughput=table)
             if log is not None:
-                log(f"{name}: {s['steps']} steps, final batch {s['final_batch']}, {s['wall_s']:.1f} s")
+                log(f"{name}: {s['steps']} steps, final batch {s['final_batch']}, {s['wall_time_s']:.1f} s")
             ran.append(name)
     return AdaptiveRunResult(ran=ran, skipped=skipped, wall_time_s=time.time() - t0)
 
@@ -532,9 +535,15 @@ def load_runs(out: str | os.PathLike,
     changes: dict[int, list[dict]] = {}
     for arm in cfg.arms():
         for seed in sorted(set(seeds)):
+            rdir = _run_dir(out, arm, seed, cfg)
             if not run_done(out, arm, seed, cfg):
+                if (rdir / "summary.json").is_file():  # written last and atomically: unreadable or another run's is damage
+                    s = read_summary(ArmSummary, rdir / "summary.json", run_dir=out, field="out")
+                    raise damaged(out, str(rdir / "summary.json"), f"it names arm {s.arm!r}, seed {s.seed}, not this "
+                                  "directory's finished run", field="out")
                 continue
-            recs = read_jsonl(_run_dir(out, arm, seed, cfg) / "metrics.jsonl")
+            read_summary(ArmSummary, rdir / "summary.json", run_dir=out, field="out")
+            recs = read_records(rdir / "metrics.jsonl", run_dir=out, field="out")
             curves.setdefault(arm, {})[seed] = [r for r in recs if r.get("kind") == "eval"]
             if arm == "adaptive":
                 changes[seed] = [r for r in recs if r.get("kind") == "change"]

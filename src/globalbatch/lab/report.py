@@ -114,9 +114,9 @@ def plot_loss_vs_data(data: SweepData, analysis: Analysis, path: Path,
     units = data.batch_units()
     colors = dict(zip(units, _colors(len(units))))
     best = chosen_lr if chosen_lr else _best_lr_by_batch(analysis)
-    for name, recs in sorted(data.trials.items(), key=lambda kv: (data.summaries[kv[0]]["batch"], data.summaries[kv[0]]["lr"])):
+    for name, recs in sorted(data.trials.items(), key=lambda kv: (data.summaries[kv[0]].batch, data.summaries[kv[0]].lr)):
         s = data.summaries[name]
-        b, lr = int(s["batch"]), float(s["lr"])
+        b, lr = s.batch, float(s.lr)
         steps = [r for r in recs if r.get("kind") == "step"]
         if not steps:
             continue
@@ -320,11 +320,10 @@ model FLOP/s over the device peak (``–`` without a timing pass)."""
 
 def _trial_rows(data: SweepData) -> list[list[str]]:
     rows = []
-    for name in sorted(data.summaries, key=lambda n: (data.summaries[n]["batch"], data.summaries[n]["lr"])):
+    for name in sorted(data.summaries, key=lambda n: (data.summaries[n].batch, data.summaries[n].lr)):
         s = data.summaries[name]
-        rows.append([name, str(s["steps"]), f"{s['consumed']:,}", _fmt(s.get("units_per_s")),
-                     _fmt(s.get("core_s_per_unit"), ".3g"), str(s.get("skipped_windows", 0)),
-                     _fmt(s.get("final_val_loss"), ".4f"), _fmt(s.get("train_time_s"), ",.1f")])
+        rows.append([name, str(s.steps), f"{s.consumed:,}", _fmt(s.units_per_s), _fmt(s.core_s_per_unit, ".3g"),
+                     str(s.skipped_windows), _fmt(s.final_val_loss, ".4f"), _fmt(s.train_time_s, ",.1f")])
     return rows
 
 
@@ -635,4 +634,3 @@ def write_report(
     atomic_write_text(out / "report.html", page)
     return ReportResult(html=str(out / "report.html"), plots=[p for _, p in plots], analysis_json=str(out / "analysis.json"),
                         analysis=analysis, data=data, seed_analysis=seed_analysis)
-plot_loss_vs_tokens = plot_loss_vs_data  # the old name

@@ -171,9 +171,6 @@ class SweepConfig:
         pos = np.unique(np.round(np.geomspace(max(1.0, self.budget / 100.0), self.budget, self.eval_points)))
         return [int(p) for p in pos]
 
-    def eval_every_units(self) -> int:  # kept for callers of the evenly spaced schedule
-        return self.eval_every if self.eval_every is not None else max(1, self.budget // 8)
-
     def lr_rule_resolved(self) -> str:
         """``sqrt``, ``linear`` or ``none``: ``auto`` resolved through the optimizer registry."""
         if self.lr_rule != "auto":

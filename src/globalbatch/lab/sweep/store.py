@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from globalbatch._util import SettingError, read_json_checked, read_jsonl
+from globalbatch._util import SettingError, read_json_checked
+from globalbatch.lab.records import TIMING as TIMING_FIELDS, TrialSummary, damaged, read_record, read_records, read_summary
 from globalbatch.lab.sweep.config import SweepConfig, TrialSpec
-from globalbatch.lab.sweep.lr_edges import finished_summaries
 from globalbatch.lab.sweep.timing import timing_path
-from globalbatch.lab.sweep.trial import trial_done
 
 __all__ = ["SweepData", "load_sweep", "curves_from_sweep", "analyze_sweep", "analyze_sweep_seeds"]
 
@@ -31,7 +30,8 @@ class SweepData:
     unit: str
     trials: dict[str, list[dict]]
     """Trial name → its step/eval records (finished trials only)."""
-    summaries: dict[str, dict]
+    summaries: dict[str, TrialSummary]
+    """Trial name → its validated ``summary.json`` (finished trials only)."""
     missing: list[str]
     """Trials of the grid without a finished result."""
     timing: dict[int, dict] = field(default_factory=dict)
@@ -55,8 +55,7 @@ class SweepData:
         """Median over the batch's trials of their in-trial units/s (measured while trials shared the cores)."""
         import statistics
 
-        rates = [float(s["units_per_s"]) for s in self.summaries.values()
-                 if int(s["batch"]) == int(batch) and s.get("units_per_s") and math.isfinite(s["units_per_s"]) and s["units_per_s"] > 0]
+        rates = [r for s in self.summaries.values() if s.batch == int(batch) and (r := s.rate()) is not None]
         return float(statistics.median(rates)) if rates else None
 
     def _batch_of(self, units: float) -> Optional[int]:
@@ -80,9 +79,7 @@ class SweepData:
         """
         out = []
         for b in sorted(self.batch_units()):
-            rates = {float(s["lr"]): float(s["units_per_s"]) for s in self.summaries.values()
-                     if int(s["batch"]) == b and s.get("units_per_s") and math.isfinite(s["units_per_s"])
-                     and s["units_per_s"] > 0}
+            rates = {s.lr: r for s in self.summaries.values() if s.batch == b and (r := s.rate()) is not None}
             if len(rates) < 2:
                 continue
             lo, hi = min(rates.values()), max(rates.values())
@@ -97,7 +94,7 @@ class SweepData:
         """Mean loss-bearing units per step at each batch (samples), over its trials."""
         out: dict[int, list[float]] = {}
         for s in self.summaries.values():
-            out.setdefault(int(s["batch"]), []).append(float(s["mean_batch_units"]))
+            out.setdefault(s.batch, []).append(float(s.mean_batch_units))
         return {b: sum(v) / len(v) for b, v in sorted(out.items())}
 
     def label(self, units: float) -> str:
@@ -126,60 +123,33 @@ def load_sweep(out_dir: str | os.PathLike) -> SweepData:
     except (TypeError, ValueError) as exc:
         raise SettingError("run_dir", str(out), allowed, why=f"{manifest} holds an invalid grid: {exc}") from None
     trials: dict[str, list[dict]] = {}
-    summaries: dict[str, dict] = {}
-    unit = None
-    done = {TrialSpec(batch=int(s["batch"]), lr=float(s["lr"]), seed=int(s.get("seed", 0))).name: s
-            for s in finished_summaries(out, config)}  # base cells and LR-edge extensions
-    missing = []
-    for t in config.trials():
-        if t.name in done:
-            continue
-        d = out / "trials" / t.name
-        if (d / "summary.json").is_file() and not trial_done(d, t):  # written atomically: unreadable means damaged
-            _checked_record(d / "summary.json", read_json_checked(d / "summary.json"), {})
-        missing.append(t.name)
-    for name, s in sorted(done.items(), key=lambda kv: (kv[1].get("seed", 0), kv[1]["batch"], kv[1]["lr"])):
-        d = out / "trials" / name
-        summaries[name] = _checked_record(d / "summary.json", s, _SUMMARY)
-        trials[name] = [_checked_record(d / "metrics.jsonl", r, _STEP if isinstance(r, dict) and r.get("kind") == "step" else {},
-                                        line=i)
-                        for i, r in enumerate(_records(d / "metrics.jsonl"), 1)]
-        unit = summaries[name]["unit"]
+    summaries: dict[str, TrialSummary] = {}
+    batches, seeds = set(config.batches), set(config.seed_list())
+    for path in sorted((out / "trials").glob("*/summary.json")):  # base cells and LR-edge extensions
+        s = read_summary(TrialSummary, path, run_dir=out)  # written last and atomically: any flaw is damage
+        spec = TrialSpec(batch=s.batch, lr=s.lr, seed=s.seed)
+        if s.batch not in batches or s.seed not in seeds:
+            continue  # a cell of this directory outside the grid read back: not part of this analysis
+        if spec.name != path.parent.name or s.trial != spec.name or not s.completed:
+            raise damaged(out, str(path), f"it names trial {s.trial!r} (batch {s.batch}, lr {s.lr:g}, seed {s.seed}, "
+                                          f"completed {str(s.completed).lower()}), not its directory's finished trial")
+        if not (path.parent / "metrics.jsonl").is_file():
+            raise damaged(out, str(path.parent), "a summary.json without its metrics.jsonl")
+        summaries[spec.name] = s
+    summaries = dict(sorted(summaries.items(), key=lambda kv: (kv[1].seed, kv[1].batch, kv[1].lr)))
+    for name in summaries:
+        trials[name] = read_records(out / "trials" / name / "metrics.jsonl", run_dir=out)
+    missing = [t.name for t in config.trials() if t.name not in summaries]
     timing = {}
     for b in config.batches:
         path = timing_path(out, b)
         if path.is_file():
-            timing[b] = _checked_record(path, read_json_checked(path), {"units_per_s": (int, float)})
-    if len({s["unit"] for s in summaries.values()}) > 1:
-        raise SettingError("run_dir", str(out), allowed, why="its trials' summary.json files name different units")
-    return SweepData(out_dir=str(out), config=config, unit=unit or "unit", trials=trials, summaries=summaries, missing=missing,
-                     timing=timing)
-
-
-_NUMBER = (int, float)
-_SUMMARY = {"batch": (int,), "lr": _NUMBER, "unit": (str,), "mean_batch_units": _NUMBER, "units_per_s": _NUMBER,
-            "consumed": _NUMBER}
-"""The keys of a trial's ``summary.json`` the analysis reads, with their types."""
-_STEP = {"consumed": _NUMBER, "loss": _NUMBER}
-"""The keys of a ``metrics.jsonl`` step record the analysis reads."""
-
-
-def _records(path: Path) -> list:
-    return read_jsonl(path)
-
-
-def _checked_record(path: Path, rec: object, keys: dict, *, line: Optional[int] = None) -> dict:
-    """``rec`` if it is a mapping with every key of ``keys`` of its type; else an error naming the file."""
-    where = f"{path}" + (f" line {line}" if line is not None else "")
-    allowed = "a run directory written by globalbatch"
-    if not isinstance(rec, dict):
-        raise SettingError("run_dir", str(path.parent), allowed, why=f"{where} is not a JSON object")
-    for key, types in keys.items():
-        v = rec.get(key)
-        if key not in rec or isinstance(v, bool) or not isinstance(v, types):
-            raise SettingError("run_dir", str(path.parent), allowed,
-                               why=f"{where}: {key} is {v!r}, not a {'number' if types is _NUMBER else types[0].__name__}")
-    return rec
+            timing[b] = read_record(path, *TIMING_FIELDS, run_dir=out)
+    units = sorted({s.unit for s in summaries.values()})
+    if len(units) > 1:
+        raise SettingError("run_dir", str(out), allowed, why=f"its trials' summary.json files name different units ({', '.join(units)})")
+    return SweepData(out_dir=str(out), config=config, unit=units[0] if units else "unit", trials=trials, summaries=summaries,
+                     missing=missing, timing=timing)
 
 
 def curves_from_sweep(data: SweepData):
@@ -202,17 +172,17 @@ def curves_from_sweep(data: SweepData):
         if not steps:
             continue
         evals = [r for r in recs if r.get("val_loss") is not None and r.get("kind") in ("step", "eval")]
-        tput = data.units_per_s(int(s["batch"]))  # the sequential timing pass when recorded
+        tput = data.units_per_s(s.batch)  # the sequential timing pass when recorded
         head = next((r for r in recs if r.get("kind") == "header"), {})
         curves.append(
             Curve(
-                batch_size=units[int(s["batch"])],
-                lr=float(s["lr"]),
+                batch_size=units[s.batch],
+                lr=float(s.lr),
                 examples=np.array([r["consumed"] for r in steps], dtype=float),
                 loss=np.array([r["loss"] for r in steps], dtype=float),
                 examples_per_s=tput if tput and math.isfinite(tput) and tput > 0 else None,
                 label=name,
-                seed=int(s.get("seed", 0)),
+                seed=s.seed,
                 eval_examples=np.array([r["consumed"] for r in evals], dtype=float),
                 eval_steps=np.array([r["step"] for r in evals], dtype=float),
                 eval_loss=np.array([r["val_loss"] if r["val_loss"] is not None else math.nan for r in evals], dtype=float),

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from globalbatch._util import atomic_write_json
+from globalbatch.lab.records import TrialSummary
 from globalbatch.lab.rundir import append_event, remove_stale_tmp
 from globalbatch.lab.sweep.config import SweepConfig, TrialSpec
 
@@ -180,33 +181,33 @@ def run_trial(
     steady = rates[2:] if len(rates) > 4 else rates  # the first steps pay one-off costs
     threads_used = torch.get_num_threads()
     units_per_s = float(statistics.median(steady)) if steady else math.nan
-    summary = {
-        "completed": True,
-        "trial": trial.name,
-        "batch": trial.batch,
-        "lr": trial.lr,
-        "seed": trial.seed,
-        "micro_batch": micro,
-        "unit": unit,
-        "device": str(exp.device),
-        "precision": cfg.precision,
-        "steps": driver.optimizer_steps,
-        "windows": driver.windows,
-        "skipped_windows": driver.skipped_windows,
-        "consumed": driver.trained_units,
-        "consumed_samples": driver.trained_samples,
-        "mean_batch_units": driver.trained_units / max(driver.optimizer_steps, 1),
-        "final_val_loss": last_val,
-        "units_per_s": units_per_s,
-        "core_s_per_unit": threads_used / units_per_s if units_per_s > 0 else math.nan,
-        "threads": threads_used,
-        "train_time_s": train_time,
-        "eval_time_s": eval_time,
-        "wall_time_s": time.time() - started,
-        "started_at": started,
-        "finished_at": time.time(),
-        "pid": os.getpid(),
-    }
+    summary = TrialSummary(
+        completed=True,
+        trial=trial.name,
+        batch=trial.batch,
+        lr=trial.lr,
+        seed=trial.seed,
+        micro_batch=micro,
+        unit=unit,
+        device=str(exp.device),
+        precision=cfg.precision,
+        steps=driver.optimizer_steps,
+        windows=driver.windows,
+        skipped_windows=driver.skipped_windows,
+        consumed=driver.trained_units,
+        consumed_samples=driver.trained_samples,
+        mean_batch_units=driver.trained_units / max(driver.optimizer_steps, 1),
+        final_val_loss=last_val,
+        units_per_s=units_per_s,
+        core_s_per_unit=threads_used / units_per_s if units_per_s > 0 else math.nan,
+        threads=threads_used,
+        train_time_s=train_time,
+        eval_time_s=eval_time,
+        wall_time_s=time.time() - started,
+        started_at=started,
+        finished_at=time.time(),
+        pid=os.getpid(),
+    ).to_json()
     exit_if_orphaned(parent_pid)
     atomic_write_json(trial_dir / "summary.json", summary)
     append_event(out, event="done", trial=trial.name)
