@@ -3,10 +3,12 @@
 One run measures, on the same batches:
 
 0. Small models (one process, 1 thread): MLPs 64-64-32-10 (6.6k parameters), 64-256-256-10 (85k)
-   and 64-512-512-10 (301k) at micro 32 × accum 8, the last also with ``every=4`` and at
+   and 64-512-512-10 (301k) at micro 32 × accum 8, the last also with ``every=4``, with the cost
+   budget (``NoiseConfig(budget=0.02)``: the monitor picks ``every`` from the cost it measures) and at
    micro 128 × accum 4 — where a fixed cost per micro-batch shows most. The "floor" row runs,
    instead of the monitor, bare hooks that only read each incoming gradient's norm once: what any
-   per-micro-batch estimator must pay, without its bookkeeping.
+   per-micro-batch estimator must pay, without its bookkeeping. Budget rows print the windows the
+   monitor measured, the ``every`` it chose and the cost it measured of itself.
 1. Accumulation path (one process): step time of StepDriver training with and without
    NoiseScaleMonitor (micro source: one snapshot copy + difference norms per micro-batch).
 2. DDP path (torchrun, 2 gloo ranks, launched from this script): the same with the DDP
@@ -23,6 +25,8 @@ per-step ratios B/A. Usage::
     python benchmarks/noise_overhead.py              # ~5-8 min on 2 CPU cores
     python benchmarks/noise_overhead.py --quick      # fewer steps
     python benchmarks/noise_overhead.py --only mlp   # the small-model table only (~2 min)
+    python benchmarks/noise_overhead.py --only mlp,tinygpt --budget-rows --threads 0   # the budget rows,
+        # beside every=1 and the floor, with torch's default threads (--threads 1: one thread)
 """
 
 from __future__ import annotations
@@ -83,13 +87,18 @@ class _SlotReset:
         self.at[0] = 0
 
 
+def _samples(batch) -> int:
+    """The samples of a micro-batch: an MLP's (x, y) or a token task's dict."""
+    return len(batch[1]) if isinstance(batch, tuple) else int(batch["input_ids"].shape[0])
+
+
 def _train_window(driver, loss_sum, model, micros) -> tuple[float, float]:
     """(wall seconds, CPU seconds of this process) of one window. On a machine shared with other
     jobs the process CPU time leaves out the time spent descheduled, so its ratio is less noisy."""
     t0, c0 = time.perf_counter(), time.process_time()
     for i, batch in enumerate(micros):
         with driver.micro_step(last=i == len(micros) - 1):
-            driver.backward(*loss_sum(model, batch))
+            driver.backward(*loss_sum(model, batch), samples=_samples(batch))
     driver.step()  # contains the step's one host sync, so the timing is complete
     return time.perf_counter() - t0, time.process_time() - c0
 
@@ -126,7 +135,8 @@ def ab_timing(loss_sum, make_model, windows, *, warmup: int, monitor_kwargs: dic
     q = statistics.quantiles(ratios, n=4)
     mon = drivers[True][2][0]
     est = mon.estimate() if not floor else None
-    return {"base_s": statistics.median(times[False]), "monitored_s": statistics.median(times[True]),
+    cost = mon.cost().to_dict() if not floor else None
+    return {"monitor_cost": cost, "base_s": statistics.median(times[False]), "monitored_s": statistics.median(times[True]),
             "ratio_median": statistics.median(ratios), "ratio_of_means": sum(times[True]) / sum(times[False]),
             "cpu_ratio_median": statistics.median(cpu_ratios), "ratio_iqr": [q[0], q[2]],
             "steps": len(ratios), "b_simple": est.b_simple if est else None,
@@ -138,13 +148,21 @@ def ab_timing(loss_sum, make_model, windows, *, warmup: int, monitor_kwargs: dic
 # Small models: where a fixed cost per micro-batch shows
 # ---------------------------------------------------------------------------
 
-MLP_CASES = (  # widths, micro, accum, every ("floor": bare in-hook norm reads instead of the monitor)
+MLP_CASES = (  # widths, micro, accum, every ("floor": bare in-hook norm reads instead of the monitor;
+    # "budget": NoiseConfig(budget=--budget), every chosen by the monitor)
     ((64, 64, 32, 10), 32, 8, 1),
+    ((64, 64, 32, 10), 32, 8, "budget"),
     ((64, 256, 256, 10), 32, 8, 1),
     ((64, 512, 512, 10), 32, 8, 1),
     ((64, 512, 512, 10), 32, 8, "floor"),
     ((64, 512, 512, 10), 32, 8, 4),
+    ((64, 512, 512, 10), 32, 8, "budget"),
     ((64, 512, 512, 10), 128, 4, 1),
+)
+BUDGET_CASES = (  # --budget-rows: the 301k MLP's budget row beside every=1 and the floor
+    ((64, 512, 512, 10), 32, 8, 1),
+    ((64, 512, 512, 10), 32, 8, "floor"),
+    ((64, 512, 512, 10), 32, 8, "budget"),
 )
 
 
@@ -161,7 +179,8 @@ def _mlp_loss_sum(model, batch):
     return torch.nn.functional.cross_entropy(model(x), y, reduction="sum"), len(y)
 
 
-def mlp_timing(widths, micro: int, accum: int, every: int, *, steps: int, warmup: int, seed: int) -> dict:
+def mlp_timing(widths, micro: int, accum: int, every: int | str, *, steps: int, warmup: int, seed: int,
+               budget: float = 0.02) -> dict:
     """Noisy teacher-labelled data (64 features, 10 classes); the same windows for both arms."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(8192, widths[0], generator=g)
@@ -170,7 +189,8 @@ def mlp_timing(widths, micro: int, accum: int, every: int, *, steps: int, warmup
     for _ in range(steps + warmup):
         idx = torch.randint(0, len(x), (accum, micro), generator=g)
         windows.append([(x[i], y[i]) for i in idx])
-    kwargs = {"floor": True} if every == "floor" else {"config": NoiseConfig(every=every)}
+    kwargs = ({"floor": True} if every == "floor" else {"config": NoiseConfig(budget=budget)} if every == "budget"
+              else {"config": NoiseConfig(every=every)})
     res = ab_timing(_mlp_loss_sum, lambda: _mlp(widths, seed), windows, warmup=warmup, unit="sample", micro=micro,
                     monitor_kwargs=kwargs)
     res.pop("trained_model")
@@ -178,19 +198,32 @@ def mlp_timing(widths, micro: int, accum: int, every: int, *, steps: int, warmup
     return res
 
 
+def _cost_text(cost: dict | None) -> str:
+    """The windows the monitor measured and the cost it measured of itself."""
+    if not cost:
+        return ""
+    changes = " → ".join(str(n) for _, n in cost["every_changes"]) or "none"
+    return (f"\n      monitor: {cost['windows_measured']:,} of {cost['windows']:,} windows measured, every "
+            f"{cost['every']} (changes: {changes}); its own cost {cost['fraction']:.2%} of the bare step")
+
+
+def _threads_text(args) -> str:
+    return f"{torch.get_num_threads()} thread(s)" + (" (torch's default)" if args.threads == 0 else "")
+
+
 def run_mlp_table(args) -> list[dict]:
     rows = []
-    print(f"small models ({args.threads} thread(s), {args.mlp_steps} timed steps per arm, interleaved ABBA; "
+    print(f"small models ({_threads_text(args)}, {args.mlp_steps} timed steps per arm, interleaved ABBA; "
           "ratio = median of per-step ratios monitored/plain):")
-    for widths, micro, accum, every in MLP_CASES:
-        r = mlp_timing(widths, micro, accum, every, steps=args.mlp_steps, warmup=10, seed=args.seed)
+    for widths, micro, accum, every in (BUDGET_CASES if args.budget_rows else MLP_CASES):
+        r = mlp_timing(widths, micro, accum, every, steps=args.mlp_steps, warmup=10, seed=args.seed, budget=args.budget)
         r.update(model="mlp " + "-".join(map(str, widths)), micro=micro, accum=accum, every=every)
         rows.append(r)
-        what = "floor  " if every == "floor" else f"every={every}"
+        what = ("floor  " if every == "floor" else f"budget {args.budget:g}" if every == "budget" else f"every={every}")
         print(f"  {r['model']:<18} {r['params']:>8,} params  micro {micro:>3} × accum {accum}  {what}:  "
               f"base {r['base_s'] * 1e3:6.2f} ms/step  ratio {r['ratio_median']:.3f} (IQR {r['ratio_iqr'][0]:.3f}–"
               f"{r['ratio_iqr'][1]:.3f}; ratio of means {r['ratio_of_means']:.3f}; CPU-time ratio "
-              f"{r['cpu_ratio_median']:.3f})", flush=True)
+              f"{r['cpu_ratio_median']:.3f})" + _cost_text(r["monitor_cost"]), flush=True)
     return rows
 
 
@@ -336,7 +369,12 @@ def main() -> None:
     ap.add_argument("--accuracy-windows", type=int, default=30)
     ap.add_argument("--pool", type=int, default=256, help="full-length samples defining the truth")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of the single-process runs")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="intra-op threads of the single-process runs (0: torch's default, all cores)")
+    ap.add_argument("--budget", type=float, default=0.02, help="the budget rows' NoiseConfig(budget=)")
+    ap.add_argument("--budget-rows", action="store_true",
+                    help="the small-model table as the 301k MLP at every=1, the floor and the budget; tinygpt also "
+                         "with the budget")
     ap.add_argument("--task-overrides", default="{}", help='JSON, e.g. {"d_model": 64}')
     ap.add_argument("--quick", action="store_true", help="10 steps, 100 MLP steps, 10 accuracy windows, pool 128")
     ap.add_argument("--only", default="mlp,tinygpt,ddp,accuracy",
@@ -355,19 +393,25 @@ def main() -> None:
         parts.discard("ddp")
     if args.quick:
         args.steps, args.mlp_steps, args.accuracy_windows, args.pool = 10, 100, 10, 128
-    torch.set_num_threads(args.threads)
+    if args.threads < 0:
+        ap.error(f"--threads {args.threads} is not allowed; allowed: a whole number ≥ 1, or 0 (torch's default)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())} (1 / 5 / 15 min) on {os.cpu_count()} "
+          f"cores at the start", flush=True)
     warnings.filterwarnings("ignore", message=".*batching rule.*")  # vmap SDPA fallback: part of its cost
     out: dict = {}
     if "mlp" in parts:
         out["mlp"] = run_mlp_table(args)
     if not parts & {"tinygpt", "ddp", "accuracy"}:
+        print(f"load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())} at the end")
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=2))
         return
     task = load_task("tinygpt", **json.loads(args.task_overrides))
     n_params = sum(p.numel() for p in task.build_model(args.seed).parameters())
     print(f"tinygpt: {n_params:,} parameters, micro {MICRO} × accum {ACCUM}, seq_len {task.seq_len}, "
-          f"{args.threads} thread(s), torch {torch.__version__}")
+          f"{_threads_text(args)}, torch {torch.__version__}")
 
     model = None
     if parts & {"tinygpt", "accuracy"}:
@@ -379,7 +423,16 @@ def main() -> None:
         print(f"accumulation path: base {acc['base_s'] * 1e3:.1f} ms/step, with monitor {acc['monitored_s'] * 1e3:.1f} "
               f"ms/step, ratio {acc['ratio_median']:.3f} (median of per-step ratios, IQR {acc['ratio_iqr'][0]:.3f}–"
               f"{acc['ratio_iqr'][1]:.3f}; ratio of means {acc['ratio_of_means']:.3f}; CPU-time ratio "
-              f"{acc['cpu_ratio_median']:.3f}, {acc['steps']} steps)")
+              f"{acc['cpu_ratio_median']:.3f}, {acc['steps']} steps)" + _cost_text(acc["monitor_cost"]), flush=True)
+    if "tinygpt" in parts and args.budget_rows:
+        bud = ab_timing(task.loss_sum, lambda: task.build_model(args.seed), windows, warmup=args.warmup,
+                        monitor_kwargs={"config": NoiseConfig(budget=args.budget)}, unit=task.unit)
+        bud.pop("trained_model")
+        out["accumulation_budget"] = bud
+        print(f"accumulation path, budget {args.budget:g}: base {bud['base_s'] * 1e3:.1f} ms/step, with monitor "
+              f"{bud['monitored_s'] * 1e3:.1f} ms/step, ratio {bud['ratio_median']:.3f} (IQR {bud['ratio_iqr'][0]:.3f}–"
+              f"{bud['ratio_iqr'][1]:.3f}; ratio of means {bud['ratio_of_means']:.3f}; CPU-time ratio "
+              f"{bud['cpu_ratio_median']:.3f}, {bud['steps']} steps)" + _cost_text(bud["monitor_cost"]), flush=True)
 
     if "ddp" in parts:
         ddp = out["ddp"] = run_ddp(args)
@@ -399,6 +452,7 @@ def main() -> None:
         print(f"  per-example (vmap grad, k={MICRO * ACCUM}): {pe['b_simple_samples']:.4g} ± {pe['stderr']:.2g}, "
               f"error {pe['rel_error']:+.1%} ({pe['z']:+.1f} SE), {pe['window_s'] * 1e3:.1f} ms/window "
               f"({pe['window_s'] / m['window_s']:.2f}× the monitored window)")
+    print(f"load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())} at the end")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
 

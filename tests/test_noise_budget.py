@@ -88,7 +88,7 @@ def test_controller_every_follows_a_synthetic_cost_with_hysteresis():
     # 10 ms steps; 50 µs per measured window (0.5 %): every window
     ev = _controller_run(ctl, 20, lambda w: 50e-6, lambda w: 1e-6, lambda w: 10e-3)
     assert ev[-1] == 1 and set(ev) == {1}
-    # 500 µs (5 %): ⌈(500 − 1) / (200 − 1)⌉ = 3 windows per measured one, at once and for good
+    # 500 µs (5 %): ⌈(500 − 1) / (200 − 1)⌉ = 3 windows per measured one (via 2: at most doubling), for good
     ev = _controller_run(ctl, 60, lambda w: 500e-6, lambda w: 1e-6, lambda w: 10e-3)
     assert ev[-1] == 3 and ev == sorted(ev) and ctl.cost_at(3) <= 0.02
     assert ctl.needed(0.02) == math.ceil((500e-6 - 1e-6) / (0.02 * 10e-3 - 1e-6))
@@ -101,9 +101,19 @@ def test_controller_every_follows_a_synthetic_cost_with_hysteresis():
     # slower steps (the same cost is 0.24 %): back to every window
     ev = _controller_run(ctl, 60, lambda w: 240e-6, lambda w: 1e-6, lambda w: 100e-3)
     assert ev[-1] == 1
-    # a window left out that costs more than the budget: measure as rarely as allowed
-    ev = _controller_run(ctl, 30, lambda w: 500e-6, lambda w: 300e-6, lambda w: 10e-3)
-    assert ev[-1] == EVERY_MAX
+    # a window left out that costs more than the budget: measure as rarely as allowed, doubling every per
+    # measured window on the way
+    ev = _controller_run(ctl, 200, lambda w: 500e-6, lambda w: 300e-6, lambda w: 10e-3)
+    assert ctl.needed(0.02) == EVERY_MAX and ev == sorted(ev) and ev[-1] >= 64
+    assert all(b <= 2 * a for a, b in zip(ev, ev[1:]))
+
+
+def test_controller_reads_medians_not_the_preempted_outliers():
+    """On a shared machine a region sometimes reads milliseconds (descheduled inside it): one in five here."""
+    ctl = EveryController(0.02)
+    spike = lambda w: 5e-3 if w % 5 == 0 else 1e-6  # noqa: E731
+    ev = _controller_run(ctl, 100, lambda w: 250e-6 + (5e-3 if w % 7 == 0 else 0), spike, lambda w: 10e-3)
+    assert set(ev[20:]) == {2}  # 2.5 % at every 1, 1.25 % at every 2
 
 
 def test_controller_amortizes_folds_and_skips_the_first_measured_window():
@@ -144,9 +154,9 @@ def test_monitor_every_follows_the_measured_cost_and_keeps_the_budget():
     cm, cu = costs[1].measured_window_s, costs[1].unmeasured_window_s
     assert cm > 2 * cu > 0
     assert min(fast) > 1 and len(set(fast)) == 1                 # one value once the cost has settled
-    # ... the smallest n whose cost (c_m + (n − 1)·c_u) / (n·T) is within 2 %
+    # ... an n whose cost (c_m + (n − 1)·c_u) / (n·T) is within 2 %, where n − 1 is not under 2 % / 1.25
     n = fast[0]
-    assert at[n - 1] <= 0.02 < at[n - 2]
+    assert at[n - 1] <= 0.02 < 1.25 * at[n - 2]
     # the budget kept over the settled fast phase (windows 100–160), by the monitor's own books
     spent = (costs[2].monitor_s - costs[1].monitor_s) / (costs[2].step_s - costs[1].step_s)
     assert spent <= 0.02 * 1.05, spent
@@ -167,11 +177,11 @@ def test_fixed_cost_gives_the_same_results_as_fixed_every():
     clock = FakeClock(tick=1e-6)
     budget = NoiseScaleMonitor(m_budget, unit="sample", clock=clock,
                                config=NoiseConfig(half_life=200.0, every=3, budget=0.02))
-    _run(m_budget, 45, callbacks=[budget], clock=clock, step_s=lambda w: 0.62e-3)  # needs 3
+    _run(m_budget, 45, callbacks=[budget], clock=clock, step_s=lambda w: 0.7e-3)  # needs 3
     assert budget.cost().every_changes == () and budget.every == 3
     clock1 = FakeClock(tick=1e-6)  # the same cost from every 1: the controller goes to 3 by itself
     from_one = NoiseScaleMonitor(copy.deepcopy(model), unit="sample", clock=clock1, config=NoiseConfig(budget=0.02))
-    _run(from_one.model, 45, callbacks=[from_one], clock=clock1, step_s=lambda w: 0.62e-3)
+    _run(from_one.model, 45, callbacks=[from_one], clock=clock1, step_s=lambda w: 0.7e-3)
     steps = [n for _, n in from_one.cost().every_changes]  # (2 first: no window left out yet to price)
     assert from_one.every == 3 and steps == sorted(steps) and steps[-1] == 3
     a, b = fixed.estimate(), budget.estimate()

@@ -9,15 +9,18 @@ in n costs (c_m + (n − 1)·c_u) / (n·T). The smallest n within the budget is
 
     n* = ⌈(c_m − c_u) / (budget·T − c_u)⌉           (every_max when budget·T ≤ c_u)
 
-``every`` rises at once when the cost at the current n is over the budget, and falls only when
-the cost at a smaller n is under budget / (1 + hysteresis): a cost that stays in that band leaves
-``every`` where it is. Which windows are measured depends on time only, never on a gradient, so
-the measured windows are a subsample of the windows and the estimate stays unbiased.
+``every`` rises (at most doubling per measured window) when the cost at the current n is over the
+budget, and falls only when the cost at a smaller n is under budget / (1 + hysteresis): a cost
+that stays in that band leaves ``every`` where it is. c_m, c_u and T are medians of recent
+readings. Which windows are measured depends on time only, never on a gradient, so the measured
+windows are a subsample of the windows and the estimate stays unbiased.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,30 +70,43 @@ class MonitorCost:
 class EveryController:
     """``every`` from the measured cost, within ``budget`` (see the module docstring).
 
+    c_m, c_u and T are the medians of their last ``samples`` readings: on a shared machine a region
+    of a few microseconds sometimes reads milliseconds (the process was descheduled inside it),
+    and a mean would follow that. ``every`` at most doubles per decision.
+
     Args:
         budget: the cost allowed, a fraction of the bare step time (0 < budget < 1).
         every: the starting value.
         hysteresis: ``every`` falls only when a smaller one costs ≤ budget / (1 + hysteresis).
-        alpha: EMA weight of a new sample of c_m, c_u and T.
+        samples: readings of c_m, c_u and T kept (the medians are over these).
         warmup: measured windows left out of c_m at the start (the first builds buffers).
     """
 
-    def __init__(self, budget: float, *, every: int = 1, hysteresis: float = 0.25, alpha: float = 0.2,
+    def __init__(self, budget: float, *, every: int = 1, hysteresis: float = 0.25, samples: int = 15,
                  warmup: int = 1, every_max: int = EVERY_MAX) -> None:
         self.budget = budget
         self.every = every
         self.hysteresis = hysteresis
-        self.alpha = alpha
         self.warmup = warmup
         self.every_max = every_max
-        self.c_measured: float | None = None
-        self.c_unmeasured: float | None = None
-        self.step: float | None = None
+        self._cm: deque[float] = deque(maxlen=samples)   # the monitor's seconds in measured windows (no folds)
+        self._cu: deque[float] = deque(maxlen=samples)   # ... in windows left out
+        self._t: deque[float] = deque(maxlen=samples)    # bare step seconds
+        self._fold = 0.0
         self._seen_measured = 0
-        self._c_own: float | None = None  # c_m without the folds
 
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.alpha * (new - old)
+    @property
+    def c_measured(self) -> float | None:
+        """c_m: the median of the measured windows' seconds, plus the folds' seconds per measured window."""
+        return statistics.median(self._cm) + self._fold if self._cm else None
+
+    @property
+    def c_unmeasured(self) -> float | None:
+        return statistics.median(self._cu) if self._cu else None
+
+    @property
+    def step(self) -> float | None:
+        return statistics.median(self._t) if self._t else None
 
     def cost_at(self, n: int) -> float:
         """The fraction of the bare step that one window in ``n`` costs, from the current estimates."""
@@ -104,9 +120,9 @@ class EveryController:
         cm, cu, t = self.c_measured, self.c_unmeasured or 0.0, self.step
         if cm is None or not t:
             return self.every
-        room = budget * t - cu
         if cm <= budget * t:
             return 1
+        room = budget * t - cu
         if room <= 0:
             return self.every_max
         return max(1, min(self.every_max, math.ceil((cm - cu) / room - 1e-12)))
@@ -116,19 +132,19 @@ class EveryController:
         (None for the first window), and the folds' seconds per measured window so far. Returns
         ``every`` for the windows that follow; it changes only after a measured window."""
         if step_s is not None and step_s > 0:
-            self.step = self._ema(self.step, step_s)
+            self._t.append(step_s)
         if not measured:
-            self.c_unmeasured = self._ema(self.c_unmeasured, monitor_s)
+            self._cu.append(monitor_s)
             return self.every
         self._seen_measured += 1
         if self._seen_measured <= self.warmup:
             return self.every
-        self._c_own = self._ema(self._c_own, monitor_s)
-        self.c_measured = self._c_own + fold_s_per_window
-        if self.step is None:
+        self._cm.append(monitor_s)
+        self._fold = fold_s_per_window
+        if not self._t:
             return self.every
         if self.cost_at(self.every) > self.budget:
-            self.every = max(self.every, self.needed(self.budget))
+            self.every = min(max(self.every, self.needed(self.budget)), 2 * self.every)
         else:
             lower = self.needed(self.budget / (1.0 + self.hysteresis))
             if lower < self.every:

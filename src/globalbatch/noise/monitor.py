@@ -117,6 +117,7 @@ class NoiseScaleMonitor:
         self._n_windows = self._n_measured = 0
         self._cost_own = self._cost_step = 0.0         # over windows with a previous boundary
         self._every_changes: list[tuple[int, int]] = []
+        self._arm_s = self._arm_mark = self._arm_carry = 0.0  # seconds spent adding and removing hooks
         if unit not in (None, "token", "sample"):
             raise ValueError(f"unit {unit!r} is not allowed; allowed: 'token', 'sample' or None (follow the loss)")
         self._unit = unit
@@ -260,13 +261,17 @@ class NoiseScaleMonitor:
     def _arm(self, on: bool) -> None:
         """Hooks in place exactly when the next window is measured (skipped windows cost nothing)."""
         on = on and self._attached
-        if on and self._micro:
+        if on and self._micro and not self._installed:
+            t0 = self._clock()
             self._add_param_hooks()
+            self._arm_s += self._clock() - t0
         elif not on and self._installed:
+            t0 = self._clock()
             for h in self._hooks:
                 h.remove()
             self._hooks = []
             self._installed = False
+            self._arm_s += self._clock() - t0
         self._slots.drop(), self._slots_adam.drop()
         self._armed = on
 
@@ -475,7 +480,13 @@ class NoiseScaleMonitor:
         if ctl is None:
             return
         per_fold = self._fold_s / self._fold_windows if self._fold_windows else 0.0
-        n = ctl.update(measured=measured, monitor_s=own - fold, step_s=step, fold_s_per_window=per_fold)
+        # (un)hooking before and after a measured window is part of that window's cost, wherever it ran
+        arm, self._arm_mark = self._arm_s - self._arm_mark, self._arm_s
+        self._arm_carry += arm
+        sample = max(own - fold - arm, 0.0)  # (hooks added by ``monitor.every = n`` ran outside the window)
+        if measured:
+            sample, self._arm_carry = sample + self._arm_carry, 0.0
+        n = ctl.update(measured=measured, monitor_s=sample, step_s=step, fold_s_per_window=per_fold)
         if n != self._every:  # as ``monitor.every = n`` between windows
             self._every = n
             self._every_changes.append((self._n_windows, n))
