@@ -12,9 +12,15 @@ compared with the gradient of the token-mean loss of the whole window in one for
 
 Also a short window (2 micro-batches of 4: the end of an epoch), and 5 AdamW steps (lr 1e-2) with
 the HF default against ours: Adam divides by √v, so a gradient that is wrong only by a scale is
-mostly normalized away. Usage::
+mostly normalized away.
 
-    python benchmarks/integration_errors.py          # ~1-2 min on 2 CPU cores
+``masked``: the same windows as prompt-masked instruction rows (the first half of each row's labels
+-100, the second micro-batch prompt-only: every label -100, count 0). ``heads``: sequence
+classification (tiny BERT) and seq2seq (tiny BART) from ``examples/hf_loss_heads.py``, one window of
+16 rows each, with the HF Trainer and Lightning defaults (the models' own mean losses). Usage::
+
+    python benchmarks/integration_errors.py                      # ~2-3 min on 2 CPU cores
+    python benchmarks/integration_errors.py --cases masked,heads
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ def compare(update, g):
             "cos": float(update @ g / (update.norm() * g.norm())), "norm_ratio": float(update.norm() / g.norm())}
 
 
-def hf_update(docs, out, exact, *, optim="sgd", lr=1.0, steps=1):
+def hf_update(docs, out, exact, *, optim="sgd", lr=1.0, steps=1, coll=None):
     from transformers import Trainer
 
     from globalbatch.integrations.hf import GlobalBatchTrainer
@@ -66,11 +72,11 @@ def hf_update(docs, out, exact, *, optim="sgd", lr=1.0, steps=1):
     args = training_args(out, micro_batch=MICRO, accum=ACCUM, max_steps=steps, learning_rate=lr, optim=optim,
                          max_grad_norm=0.0, logging_strategy="no")
     kw = {"noise": False} if exact else {}
-    cls(model=model, args=args, train_dataset=Docs(docs), data_collator=collate, **kw).train()
+    cls(model=model, args=args, train_dataset=Docs(docs), data_collator=coll or collate, **kw).train()
     return start - flat(model)
 
 
-def lightning_update(docs, exact):
+def lightning_update(docs, exact, coll=None):
     import lightning.pytorch as pl
 
     from lightning_module import DefaultLM, ExactLM
@@ -81,11 +87,11 @@ def lightning_update(docs, exact):
     kw = {} if exact else {"accumulate_grad_batches": ACCUM}
     pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, precision="64-true", logger=False,
                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw).fit(
-        module, torch.utils.data.DataLoader(docs, batch_size=MICRO, shuffle=False, collate_fn=collate))
+        module, torch.utils.data.DataLoader(docs, batch_size=MICRO, shuffle=False, collate_fn=coll or collate))
     return start - flat(module.model)
 
 
-def accelerate_update(docs, exact):
+def accelerate_update(docs, exact, coll=None):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
@@ -95,7 +101,7 @@ def accelerate_update(docs, exact):
     model = tiny_gpt2(torch.float64)
     start = flat(model)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    loader = torch.utils.data.DataLoader(docs, batch_size=MICRO, shuffle=False, collate_fn=collate)
+    loader = torch.utils.data.DataLoader(docs, batch_size=MICRO, shuffle=False, collate_fn=coll or collate)
     model, opt, loader = acc.prepare(model, opt, loader)
     helper = ExactAccumulation(acc, model)
     for batch in loader:
@@ -115,15 +121,143 @@ def accelerate_update(docs, exact):
     return out
 
 
+def masked_collate(items) -> dict[str, torch.Tensor]:
+    """Prompt-masked rows: the labels of a row's first half are -100 (its prompt); a row whose document index
+    is in the masked micro-batch has every label -100 (no response: a count-0 micro-batch)."""
+    batch = collate(items)
+    labels = batch["labels"].clone()
+    for r, it in enumerate(items):
+        doc = it["doc"] if isinstance(it, dict) else it
+        cut = len(doc) if doc[0] == MASK_MARK else max(1, len(doc) // 2)
+        labels[r, :cut] = -100
+    return {**batch, "labels": labels}
+
+
+MASK_MARK = 35  # '#': documents of the masked micro-batch start with it (set by prompt_masked)
+
+
+def prompt_masked(docs: list[list[int]]) -> list[list[int]]:
+    """The window with its second micro-batch made prompt-only (first byte replaced by the marker)."""
+    return [([MASK_MARK] + d[1:]) if MICRO <= i < 2 * MICRO else ([d[0] if d[0] != MASK_MARK else 32] + d[1:])
+            for i, d in enumerate(docs)]
+
+
+def big_grad_masked(docs):
+    m = tiny_gpt2(torch.float64)
+    b = masked_collate(docs)
+    ls, n = causal_lm_loss_sum(m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
+    (ls / n).backward()
+    return torch.cat([p.grad.reshape(-1) for p in m.parameters()])
+
+
+def head_rows(task: str, n: int):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import hf_loss_heads as heads
+
+    build, rows_fn, coll, head_fn = heads.TASKS[task]
+    return heads, build, rows_fn(n), coll, head_fn
+
+
+def head_big_grad(task: str, rows):
+    heads, build, _, coll, head_fn = head_rows(task, 1)
+    head, m = head_fn(), build(torch.float64)
+    batch = coll([{"row": r} for r in rows])
+    inputs = {k: v for k, v in batch.items() if k not in head.label_keys}
+    if head.decoder_inputs_from_labels:
+        inputs["decoder_input_ids"] = m.prepare_decoder_input_ids_from_labels(labels=batch["labels"])
+    ls, n = head.loss_sum(m(**inputs), batch)
+    (ls / n).backward()
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in m.parameters()])
+
+
+def head_updates(task: str, rows, out) -> dict[str, torch.Tensor]:
+    """One float64 SGD step (lr 1) on one window of ``rows``: HF Trainer default and ours, Lightning
+    accumulate_grad_batches (the model's own mean loss) and ours."""
+    import lightning.pytorch as pl
+    from transformers import Trainer
+
+    from globalbatch.integrations.hf import GlobalBatchTrainer
+    from globalbatch.integrations.lightning import ExactAccumulationMixin
+
+    heads, build, _, coll, head_fn = head_rows(task, 1)
+    res = {}
+    for name, cls, kw in (("hf default", Trainer, {}), ("hf ours", GlobalBatchTrainer,
+                                                         {"loss_head": head_fn(), "noise": False})):
+        model = build(torch.float64)
+        start = flat(model)
+        args = training_args(out, micro_batch=MICRO, accum=ACCUM, max_steps=1, learning_rate=1.0, optim="sgd",
+                             max_grad_norm=0.0, logging_strategy="no")
+        cls(model=model, args=args, train_dataset=heads.Rows(rows), data_collator=coll, **kw).train()
+        res[name] = start - flat(model)
+
+    class Default(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = build(torch.float64)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1.0)
+
+    class Ours(ExactAccumulationMixin, Default):
+        def __init__(self):
+            super().__init__()
+            self.configure_global_batch(micro_batch=MICRO, grad_accum_steps=ACCUM, loss_head=head_fn())
+
+        def forward(self, **inputs):
+            return self.model(**inputs)
+
+    for name, module, kw in (("lightning default", Default(), {"accumulate_grad_batches": ACCUM}),
+                             ("lightning ours", Ours(), {})):
+        start = flat(module.model)
+        loader = torch.utils.data.DataLoader([{"row": r} for r in rows], batch_size=MICRO, shuffle=False,
+                                             collate_fn=coll)
+        pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, precision="64-true", logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw).fit(
+            module, loader)
+        res[name] = start - flat(module.model)
+    return res
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="integration_errors.py", description=__doc__.split("\n")[0])
     p.add_argument("--windows", type=int, default=3, help="windows of the corpus to measure (default 3)")
+    p.add_argument("--cases", default="plain,masked,heads",
+                   help="comma-separated: plain (the windows above), masked (prompt-masked rows with a count-0 "
+                        "micro-batch), heads (sequence classification and seq2seq); default all")
     a = p.parse_args(argv)
+    cases = set(a.cases.split(","))
     gb = MICRO * ACCUM
     corpus = stdlib_documents(gb * 40)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for w in range(a.windows):
+        if "masked" in cases:
+            for w in range(a.windows):
+                full = prompt_masked(corpus[w * 10 * gb:(w * 10 + 1) * gb])
+                g = big_grad_masked(full)
+                labels = masked_collate(full)["labels"]
+                counts = [int((labels[i:i + MICRO, 1:] != -100).sum()) for i in range(0, gb, MICRO)]
+                for fw, fn in (("hf", lambda d, e: hf_update(d, tmp, e, coll=masked_collate)),
+                               ("lightning", lambda d, e: lightning_update(d, e, coll=masked_collate)),
+                               ("accelerate", lambda d, e: accelerate_update(d, e, coll=masked_collate))):
+                    for exact in (False, True):
+                        r = compare(fn(full, exact), g)
+                        print(f"masked window {w} {fw:10s} {'ours' if exact else 'default':7s} "
+                              f"max_rel {r['max_rel']:.3e}  cos {r['cos']:.9f}  norm_ratio {r['norm_ratio']:.6f}"
+                              f"  (targets per micro-batch {counts})", flush=True)
+        if "heads" in cases:
+            for task in ("classification", "seq2seq"):
+                _, _, rows_all, _, _ = head_rows(task, gb * 10 * a.windows + gb)
+                for w in range(a.windows):
+                    window = rows_all[w * 10 * gb:(w * 10 + 1) * gb]
+                    g = head_big_grad(task, window)
+                    for name, upd in head_updates(task, window, tmp).items():
+                        r = compare(upd, g)
+                        print(f"{task} window {w} {name:17s} max_rel {r['max_rel']:.3e}  cos {r['cos']:.9f}  "
+                              f"norm_ratio {r['norm_ratio']:.6f}", flush=True)
+        for w in range(a.windows if "plain" in cases else 0):
             full = corpus[w * 10 * gb:(w * 10 + 1) * gb]
             short = full[:2 * MICRO]
             g_full, g_short = big_grad(full), big_grad(short)

@@ -37,6 +37,10 @@ from hf_trainer import collate, stdlib_documents, tiny_gpt2  # noqa: E402  (the 
 from globalbatch.losses import causal_lm_loss_sum  # noqa: E402
 
 
+LAUNCH_TWO = ["accelerate", "launch", "--config_file", "examples/configs/accelerate_2proc.yaml", "examples/accelerate_exact.py"]
+"""The two-process launch (on a CPU-only machine with ACCELERATE_USE_CPU=true in the environment)."""
+
+
 def loss_of(model, batch):
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     return causal_lm_loss_sum(logits, batch["labels"])
@@ -110,6 +114,8 @@ def main(argv=None) -> int:
     if a.steps < 0:
         p.error(f"--steps {a.steps} is not allowed; allowed: a whole number >= 0")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        print("one process; two: " + " ".join(LAUNCH_TWO), flush=True)
     window = a.micro_batch * a.accum * world
     docs = stdlib_documents(window + window // 2)  # a full window and a short one (half of it)
     start, ref = reference_delta(docs, window)
