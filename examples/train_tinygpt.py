@@ -8,11 +8,12 @@ Two data-parallel ranks (gloo on CPU, NCCL on GPU)::
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 examples/train_tinygpt.py
 
-The loop below is the user's: it draws each global batch as a contiguous chunk of the
-task's seeded sample order, gives every rank a contiguous slice of it, cuts the slice
-into micro-batches padded on their own (documents are ragged), and hands each
-micro-batch's *summed* loss and token count to :class:`globalbatch.step.StepDriver`.
-Whatever the world size, the global batch, and therefore the optimizer step, is the same.
+The loop below is the user's: :func:`globalbatch.windows.rank_windows` draws each global batch
+(following the batch schedule) from the task's seeded sample order, the same on every rank, and
+gives this rank its micro-batches, each padded on its own (documents are ragged);
+``driver.run_window`` hands each micro-batch's *summed* loss and token count to
+:class:`globalbatch.step.StepDriver`. Whatever the world size, the global batch, and therefore
+the optimizer step, is the same.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ import torch.distributed as dist
 
 from globalbatch.flops import SequenceFlops, peak_flops_per_s
 from globalbatch.plan import fmt_int
-from globalbatch.schedule import TokenLRSchedule, constant_batch, parse_step_schedule
+from globalbatch.schedule import LRSchedule, constant_batch, parse_step_schedule
 from globalbatch.checkpoint import RunMismatch, load_checkpoint, save_checkpoint
 from globalbatch.optim import build_optimizer
 from globalbatch.step import StepConfig, StepDriver, unwrap_model
+from globalbatch.windows import rank_windows
 from globalbatch.lab.tasks import load_task
 
 
@@ -94,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "allowed: both (a path and N >= 1) or neither")
     if args.batch_schedule:
         try:
-            parse_step_schedule(args.batch_schedule, unit="token", lr_rule="sqrt")
+            parse_step_schedule(args.batch_schedule, lr_rule="sqrt")
         except ValueError as e:
             p.error(f"--batch-schedule: {e}")
     if args.resume and not os.path.isfile(args.resume):
@@ -151,27 +153,28 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
                 model, device_ids=[device.index] if device.type == "cuda" else None)
         optimizer = build_optimizer("adamw", model, lr=args.lr, weight_decay=0.1)  # the registry's AdamW (betas 0.9/0.95)
 
-        schedule = (parse_step_schedule(args.batch_schedule, unit="token", lr_rule="sqrt")
+        schedule = (parse_step_schedule(args.batch_schedule, lr_rule="sqrt")
                     if args.batch_schedule else constant_batch(args.global_batch))
         # total tokens for the LR decay: steps × batch × mean loss-bearing tokens per document (an estimate)
         mean_units = float(task.train_lengths.mean()) - 1.0
         total_tokens = (args.total_tokens if args.total_tokens is not None
                         else max(int(args.steps * schedule.batch_at(0) * mean_units), args.warmup_tokens + 1))
-        lr_schedule = TokenLRSchedule(peak_lr=args.lr, warmup=args.warmup_tokens, total=total_tokens,
-                                      shape=args.lr_shape, min_lr_ratio=0.1)
+        lr_schedule = LRSchedule(peak_lr=args.lr, warmup=args.warmup_tokens, total=total_tokens,
+                                 shape=args.lr_shape, min_lr_ratio=0.1)
         try:  # CPU: a measured matmul; CUDA: the A100/H100/H200 table (fp32 here); another GPU: no MFU
             peak = peak_flops_per_s(device=str(device), dtype="fp32")
         except ValueError:
             peak = None
         config = StepConfig(micro_batch=args.micro_batch, batch_schedule=schedule, max_grad_norm=args.max_grad_norm,
-                            lr_schedule=lr_schedule, peak_flops_per_s=None if peak is None else peak.flops_per_s)
+                            lr_schedule=lr_schedule, unit="token", seq_len=task.seq_len,
+                            peak_flops_per_s=None if peak is None else peak.flops_per_s)
         driver = StepDriver(model, optimizer, config)
     except ValueError as e:
         return fail(str(e))
 
     if args.resume:
         try:
-            load_checkpoint(args.resume, model, optimizer, driver, map_location=device, override=args.override)
+            load_checkpoint(args.resume, driver, map_location=device, override=args.override)
         except RunMismatch as e:
             shown = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in e.diffs.items())
             return fail(f"--resume {args.resume!r} is not allowed with these settings ({shown}); allowed: the "
@@ -182,32 +185,22 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         say(f"resumed from {args.resume} at step {driver.optimizer_steps}, "
             f"{fmt_int(driver.consumed_samples)} samples consumed")
 
-    g = driver.geometry
     say(f"task {task.name}: {fmt_int(task.num_train_samples)} documents, seq_len {task.seq_len}, "
-        f"{fmt_int(sum(p.numel() for p in model.parameters()))} parameters, device {device}")
-    say(f"global {g.arithmetic()}; ≤ {fmt_int(g.tokens(task.seq_len))} token slots per step "
-        f"(padding included; ~{fmt_int(round(g.global_batch * mean_units))} loss-bearing)")
+        f"{fmt_int(sum(p.numel() for p in model.parameters()))} parameters, device {device}; "
+        f"~{fmt_int(round(driver.global_batch * mean_units))} loss-bearing tokens per step")
     say(f"peak {peak.flops_per_s / 1e9:,.1f} GFLOP/s per device ({peak.source}); model FLOPs counted "
         f"with FlopCounterMode at widths {seq_flops.widths}" if peak is not None else "peak FLOP/s unknown: no MFU")
     say(f"batch schedule [{schedule}] in tokens, lr {lr_schedule.shape} peak {args.lr:g}, "
         f"warmup {fmt_int(args.warmup_tokens)} tokens, decay over {fmt_int(total_tokens)} tokens")
 
-    order = task.sample_order(args.seed)
-    order = itertools.islice(order, driver.consumed_samples, None)  # resume: skip what was drawn
+    # every rank reads the same seeded order of indices; the collate loads only this rank's documents
+    windows = rank_windows(task.sample_order(args.seed), driver, collate=lambda ix: task.collate(ix, device),
+                           start=driver.consumed_samples)  # resume: skip what was drawn
     t0 = time.perf_counter()
     while driver.optimizer_steps < args.steps:
-        g = driver.geometry  # may change when the batch schedule moves on
-        window = list(itertools.islice(order, g.global_batch))          # contiguous chunk of the order
-        per_rank = g.micro_batch * g.grad_accum_steps
-        mine = window[rank * per_rank:(rank + 1) * per_rank]             # contiguous slice per rank
-        micro = [mine[i:i + g.micro_batch] for i in range(0, per_rank, g.micro_batch)]
-        for i, idx in enumerate(micro):
-            batch = task.collate(idx, device)                            # padded to its own longest doc
-            with driver.micro_step(last=i == len(micro) - 1):           # no DDP sync before the last
-                loss_sum, count = task.loss_sum(model, batch)
-                driver.backward(loss_sum, count, samples=len(idx),
-                                flops=seq_flops(len(idx), batch["input_ids"].shape[1]))
-        result = driver.step()
+        window = next(windows)  # this rank's micro-batches at the current global batch (the schedule moves it)
+        result = driver.run_window(window, task.loss_sum,
+                                   flops_per_micro=[seq_flops(*b["input_ids"].shape) for b in window])
         if result.step % args.log_every == 0 or result.skipped or result.step == args.steps:
             say(f"step {result.step:4d} | loss/token {result.loss_per_unit:.4f} | tokens {result.global_units:5d} "
                 f"| grad norm {result.grad_norm:.3f} | lr {result.lr:.2e} | batch {result.global_batch} "
@@ -216,7 +209,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
                 + (" | SKIPPED" if result.skipped else ""))
         if args.checkpoint and args.checkpoint_every and result.step % args.checkpoint_every == 0 \
                 and not result.skipped:
-            save_checkpoint(args.checkpoint, model, optimizer, driver)
+            save_checkpoint(args.checkpoint, driver)
     elapsed = time.perf_counter() - t0
 
     if args.val_batches:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from globalbatch.checkpoint import RunMismatch, load_checkpoint, run_definition, save_checkpoint
-from globalbatch.schedule import TokenLRSchedule, constant_batch
+from globalbatch.schedule import LRSchedule, constant_batch
 from globalbatch.step import StepConfig, StepDriver
 
 _EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tinygpt.py"
@@ -23,7 +23,7 @@ def _driver(total: int = 3000, batch: int = 4, warmup: int = 100):
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = StepConfig(micro_batch=2, batch_schedule=constant_batch(batch),
-                     lr_schedule=TokenLRSchedule(peak_lr=0.1, warmup=warmup, total=total))
+                     lr_schedule=LRSchedule(peak_lr=0.1, warmup=warmup, total=total))
     return model, opt, StepDriver(model, opt, cfg)
 
 
@@ -32,6 +32,7 @@ def test_run_definition_names_the_horizons():
     run = run_definition(d)
     assert run["lr_schedule.total"] == 3000 and run["lr_schedule.warmup"] == 100 and run["lr_schedule.peak_lr"] == 0.1
     assert run["batch_schedule.type"] == "StepBatchSchedule" and "batch_schedule.steps" in run
+    assert run["unit"] == "token" and run["lr_schedule.type"] == "LRSchedule"  # the unit once, for both schedules
 
 
 @pytest.mark.parametrize("change, key", [(dict(total=6000), "lr_schedule.total"),
@@ -40,19 +41,45 @@ def test_run_definition_names_the_horizons():
 def test_resume_with_another_schedule_is_an_error_naming_both_unless_override(tmp_path, caplog, change, key):
     model, opt, d = _driver()
     path = tmp_path / "c.pt"
-    save_checkpoint(path, model, opt, d)
+    save_checkpoint(path, d)
     m2, o2, d2 = _driver(**change)
     before = {k: v.clone() for k, v in m2.state_dict().items()}
     with pytest.raises(RunMismatch) as exc:
-        load_checkpoint(path, m2, o2, d2)
+        load_checkpoint(path, d2)
     then, now = exc.value.diffs[key]
     assert then != now and f"{key}: checkpoint {then!r}, now {now!r}" in str(exc.value)
     assert all(torch.equal(before[k], v) for k, v in m2.state_dict().items())  # nothing restored
     with caplog.at_level(logging.WARNING, logger="globalbatch.checkpoint"):
-        load_checkpoint(path, m2, o2, d2, override=True)
+        load_checkpoint(path, d2, override=True)
     assert key in caplog.text
     assert all(torch.equal(model.state_dict()[k], v) for k, v in m2.state_dict().items())
-    load_checkpoint(path, *_driver())  # the same run resumes without a word
+    load_checkpoint(path, _driver()[2])  # the same run resumes without a word
+
+
+def test_a_checkpoint_of_the_old_schedules_resumes_under_the_new_names(tmp_path):
+    """Written with TokenLRSchedule(unit="token") (the old names): the same run now, with LRSchedule and one unit."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        from globalbatch.schedule import TokenLRSchedule
+
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        old = StepDriver(model, opt, StepConfig(micro_batch=2, batch_schedule=constant_batch(4, unit="token"),
+                                                lr_schedule=TokenLRSchedule(peak_lr=0.1, warmup=100, total=3000,
+                                                                            unit="token")))
+        save_checkpoint(tmp_path / "old.pt", old)
+    state = torch.load(tmp_path / "old.pt", weights_only=True)
+    state["run"] = {k: v for k, v in state["run"].items() if k != "unit"}  # what the old version wrote:
+    state["run"].update({"lr_schedule.type": "TokenLRSchedule", "lr_schedule.unit": "token",
+                         "batch_schedule.unit": "token"})
+    torch.save(state, tmp_path / "old.pt")
+    load_checkpoint(tmp_path / "old.pt", _driver()[2])  # no RunMismatch: the same run
+    state["run"]["lr_schedule.unit"] = state["run"]["batch_schedule.unit"] = "sample"
+    torch.save(state, tmp_path / "sample.pt")
+    with pytest.raises(RunMismatch, match="unit: checkpoint 'sample', now 'token'"):
+        load_checkpoint(tmp_path / "sample.pt", _driver()[2])
 
 
 def test_example_resume_without_total_tokens_is_refused_with_both_horizons(tmp_path, capsys):

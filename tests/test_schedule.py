@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from globalbatch.schedule import (
     RampupBatchSchedule,
     StepBatchSchedule,
+    LRSchedule,
     TokenLRSchedule,
     constant_batch,
     format_batch_change,
@@ -29,9 +30,9 @@ B = 1_000_000_000
 def test_parse_megatron_step_schedule():
     s = parse_step_schedule("0:256 2B:512 8B:1024")
     assert s.steps == ((0, 256), (2 * B, 512), (8 * B, 1024))
-    assert s.unit == "token" and s.lr_rule == "sqrt"
+    assert s.unit is None and s.lr_rule == "sqrt"  # positions count the run's unit (StepConfig.unit)
     assert [s.batch_at(p) for p in (0, 2 * B - 1, 2 * B, 8 * B - 1, 8 * B, 10**15)] == [256, 256, 512, 512, 1024, 1024]
-    assert parse_step_schedule("0:8, 1.5K:16,3M:32", unit="sample").steps == ((0, 8), (1500, 16), (3_000_000, 32))
+    assert parse_step_schedule("0:8, 1.5K:16,3M:32").steps == ((0, 8), (1500, 16), (3_000_000, 32))
     assert s.all_batches() == [256, 512, 1024] and str(parse_step_schedule("0:4 10:8")) == "0:4 10:8"
 
 
@@ -57,7 +58,7 @@ def test_parse_errors_are_one_line_value_errors(text, match):
 
 def test_schedule_unit_and_rule_are_checked():
     with pytest.raises(ValueError, match="unit 'epoch' is not allowed; allowed: token, sample"):
-        parse_step_schedule("0:4", unit="epoch")
+        parse_step_schedule("0:4", unit="epoch")  # the deprecated argument is still checked
     with pytest.raises(ValueError, match="lr_rule 'cubic' is not allowed; allowed: linear, sqrt, none"):
         parse_step_schedule("0:4", lr_rule="cubic")
 
@@ -77,8 +78,8 @@ def test_constant_batch_never_changes():
 def test_rampup_matches_megatron_example():
     # Megatron-LM --rampup-batch-size 16 8 300000 with --global-batch-size 1024:
     # 126 increments of 300000/126 ≈ 2380.95 samples each
-    r = RampupBatchSchedule(start=16, increment=8, ramp=300_000, final=1024, unit="sample")
-    assert RampupBatchSchedule(start=16, increment=8, ramp=300_000, final=1024).unit == "token"  # every schedule defaults to tokens
+    r = RampupBatchSchedule(start=16, increment=8, ramp=300_000, final=1024)  # in samples with StepConfig(unit="sample")
+    assert r.unit is None  # no unit of its own: the run's
     assert r.num_increments == 126
     for k in range(1, 127):
         boundary = math.ceil(k * 300_000 / 126)  # first position of increment k
@@ -140,7 +141,7 @@ def test_batch_change_log_line_uses_one_notation_for_both_lrs():
 
 @pytest.mark.parametrize("shape", list_lr_shapes())
 def test_lr_shapes_warm_up_then_end_at_min(shape):
-    s = TokenLRSchedule(peak_lr=1e-3, warmup=1000, total=11_000, shape=shape, min_lr_ratio=0.1)
+    s = LRSchedule(peak_lr=1e-3, warmup=1000, total=11_000, shape=shape, min_lr_ratio=0.1)
     assert s.lr_at(0) == 0.0
     assert s.lr_at(500) == pytest.approx(5e-4, rel=1e-15)  # linear warmup: half-way, half the peak
     assert s.lr_at(1000) == pytest.approx(1e-3, rel=1e-15)
@@ -153,13 +154,13 @@ def test_lr_shapes_warm_up_then_end_at_min(shape):
 
 def test_lr_shape_values_by_hand():
     # cosine half-way: r + (1 - r)·½(1 + cos(π/2)) = 0.1 + 0.9·0.5 = 0.55 of peak
-    cos = TokenLRSchedule(peak_lr=1.0, warmup=0, total=1000, shape="cosine", min_lr_ratio=0.1)
+    cos = LRSchedule(peak_lr=1.0, warmup=0, total=1000, shape="cosine", min_lr_ratio=0.1)
     assert cos.lr_at(500) == pytest.approx(0.55, rel=1e-15)
     # linear a quarter in: 1 − 0.25 = 0.75
-    lin = TokenLRSchedule(peak_lr=1.0, warmup=0, total=1000, shape="linear")
+    lin = LRSchedule(peak_lr=1.0, warmup=0, total=1000, shape="linear")
     assert lin.lr_at(250) == pytest.approx(0.75, rel=1e-15)
     # WSD with the last 20 % decaying: stable until 800, half-way down at 900
-    wsd = TokenLRSchedule(peak_lr=1.0, warmup=0, total=1000, shape="wsd", decay_fraction=0.2)
+    wsd = LRSchedule(peak_lr=1.0, warmup=0, total=1000, shape="wsd", decay_fraction=0.2)
     assert wsd.lr_at(799) == 1.0 and wsd.lr_at(800) == 1.0
     assert wsd.lr_at(900) == pytest.approx(0.5, rel=1e-12)
     assert wsd.factor_at(1000) == 0.0
@@ -167,7 +168,7 @@ def test_lr_shape_values_by_hand():
 
 def test_token_warmup_is_identical_across_batch_sizes():
     """LR as a function of tokens is the same whatever batch walks along it; a step-based warmup is not."""
-    sched = TokenLRSchedule(peak_lr=3e-4, warmup=8192, total=100_000, shape="cosine")
+    sched = LRSchedule(peak_lr=3e-4, warmup=8192, total=100_000, shape="cosine")
     small, large = 256, 1024  # tokens per optimizer step
     lr_small = {small * k: sched.lr_at(small * k) for k in range(1, 200)}
     lr_large = {large * k: sched.lr_at(large * k) for k in range(1, 50)}
@@ -193,15 +194,15 @@ def test_token_warmup_is_identical_across_batch_sizes():
 ])
 def test_lr_schedule_errors(kw, match):
     with pytest.raises(ValueError, match=match):
-        TokenLRSchedule(**kw)
+        LRSchedule(**kw)
 
 
 def test_lr_schedule_takes_count_strings_and_integral_floats():
-    s = TokenLRSchedule(peak_lr=1e-3, total="2B", warmup="375M")
+    s = LRSchedule(peak_lr=1e-3, total="2B", warmup="375M")
     assert (s.total, s.warmup) == (2 * B, 375_000_000) and type(s.total) is int and type(s.warmup) is int
-    f = TokenLRSchedule(peak_lr=1e-3, total=1e9, warmup=1e6)
+    f = LRSchedule(peak_lr=1e-3, total=1e9, warmup=1e6)
     assert (f.total, f.warmup) == (B, 1_000_000) and type(f.total) is int
-    assert f == TokenLRSchedule(peak_lr=1e-3, total=B, warmup="1M")
+    assert f == LRSchedule(peak_lr=1e-3, total=B, warmup="1M")
     assert f.lr_at(500_000) == pytest.approx(5e-4, rel=1e-15)
     r = RampupBatchSchedule(start=16, increment=8, ramp="300K", final=1024.0)
     assert (r.ramp, r.final) == (300_000, 1024) and type(r.final) is int
@@ -210,14 +211,14 @@ def test_lr_schedule_takes_count_strings_and_integral_floats():
 @pytest.mark.parametrize("kw, match", [
     (dict(total=1.5), r"total 1.5 is not a whole number"),
     (dict(total="2X"), r"total '2X' is not a quantity"),
-    (dict(total=True), r"total True is not allowed; allowed: a whole number of tokens >= 0"),
+    (dict(total=True), r"total True is not allowed; allowed: a whole number of units >= 0"),
     (dict(total=None), r"total None is not allowed"),
     (dict(total=-5), r"total -5 is not allowed"),
     (dict(total="1K", warmup="2K"), r"warmup 2,000 is not allowed; allowed: <= total 1,000"),
 ])
 def test_lr_schedule_count_errors_are_one_line(kw, match):
     with pytest.raises(ValueError, match=match) as info:
-        TokenLRSchedule(peak_lr=1e-3, **kw)
+        LRSchedule(peak_lr=1e-3, **kw)
     assert "\n" not in str(info.value)
 
 
@@ -246,16 +247,27 @@ def test_doc_snippets_run():
         exec(compile(code, f"{_DOC.name} python block {i}", "exec"), namespace)  # noqa: S102 - test only
 
 
-def test_step_config_holds_the_lr_schedule_and_refuses_mismatched_units():
+def test_the_unit_is_said_once_and_the_old_per_schedule_units_are_deprecated():
     from globalbatch.step import StepConfig
 
-    lr = TokenLRSchedule(peak_lr=1e-3, total=10_000)
-    ramp = RampupBatchSchedule(start=4, increment=4, ramp=1_000, final=16, unit="sample")
-    with pytest.raises(ValueError, match="lr_schedule unit 'token' and batch_schedule unit 'sample'"):
-        StepConfig(micro_batch=4, batch_schedule=ramp, lr_schedule=lr)
-    ok = StepConfig(micro_batch=4, batch_schedule=RampupBatchSchedule(start=4, increment=4, ramp=1_000, final=16),
-                    lr_schedule=lr)
-    assert ok.lr_schedule is lr and ok.batch_schedule.unit == lr.unit == "token"
+    lr = LRSchedule(peak_lr=1e-3, total=10_000)
+    ramp = RampupBatchSchedule(start=4, increment=4, ramp=1_000, final=16)
+    cfg = StepConfig(micro_batch=4, batch_schedule=ramp, lr_schedule=lr, unit="sample")
+    assert cfg.position_unit == "sample" and lr.unit is None and ramp.unit is None
+    assert StepConfig(micro_batch=4, batch_schedule=ramp, lr_schedule=lr).position_unit == "token"
+    # the old way: a unit on each schedule (and a name that said "token") still works for one release, warned
+    with pytest.warns(FutureWarning, match="unit= on RampupBatchSchedule is deprecated"):
+        old_ramp = RampupBatchSchedule(start=4, increment=4, ramp=1_000, final=16, unit="sample")
+    with pytest.warns(FutureWarning, match="TokenLRSchedule is deprecated: use LRSchedule"):
+        old_lr = TokenLRSchedule(peak_lr=1e-3, total=10_000, unit="token")
+    assert isinstance(old_lr, LRSchedule) and old_lr.lr_at(5_000) == lr.lr_at(5_000)
+    with pytest.raises(ValueError, match="lr_schedule unit 'token' is not allowed; allowed: batch_schedule unit 'sample'"):
+        StepConfig(micro_batch=4, batch_schedule=old_ramp, lr_schedule=old_lr)
+    assert StepConfig(micro_batch=4, batch_schedule=old_ramp).position_unit == "sample"  # honoured as before
+    with pytest.warns(FutureWarning, match="loss_unit"):
+        assert StepConfig(micro_batch=4, global_batch=8, loss_unit="sample").unit == "sample"
+    with pytest.raises(ValueError, match="unit 'epoch' is not allowed; allowed: token, sample"):
+        StepConfig(micro_batch=4, global_batch=8, unit="epoch")
 
 
 def test_driver_lr_schedule_argument_is_a_deprecated_alias():
@@ -265,8 +277,8 @@ def test_driver_lr_schedule_argument_is_a_deprecated_alias():
 
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    lr = TokenLRSchedule(peak_lr=1e-3, total=10_000)
-    with pytest.warns(DeprecationWarning, match="StepConfig"):
+    lr = LRSchedule(peak_lr=1e-3, total=10_000)
+    with pytest.warns(FutureWarning, match="StepConfig"):
         drv = StepDriver(model, opt, StepConfig(micro_batch=1, global_batch=2), lr_schedule=lr)
     assert drv.config.lr_schedule is lr and drv.lr_schedule is lr
     with pytest.raises(ValueError, match="StepConfig.lr_schedule only"):

@@ -60,7 +60,7 @@ def test_driver_refuses_schedule_batch_that_does_not_divide():
     (dict(micro_batch=0, global_batch=4), "micro_batch 0"),
     (dict(micro_batch=2), "exactly one"),
     (dict(micro_batch=2, global_batch=4, batch_schedule=parse_step_schedule("0:4")), "exactly one"),
-    (dict(micro_batch=2, global_batch=4, max_grad_norm=0.0), "max_grad_norm 0.0"),
+    (dict(micro_batch=2, global_batch=4, max_grad_norm=0.0), "max_grad_norm 0 is not allowed"),
     (dict(micro_batch=2, global_batch=4, max_consecutive_skips=0), "max_consecutive_skips 0"),
     (dict(micro_batch=2, batch_schedule="0:4"), "parse strings"),
 ])
@@ -243,7 +243,8 @@ def test_window_larger_than_the_global_batch_is_refused_before_the_step(use_scal
                                          r"batch 4; allowed: at most the planned global batch") as info:
         drv.run_window(too_big, sc.loss_fn)
     assert "\n" not in str(info.value)
-    with pytest.raises(ValueError, match="window 2 has 5 samples"):  # one micro-batch declared as 5 samples
+    with pytest.raises(ValueError, match=r"samples 5 is not allowed; allowed: a whole number in \[0, "
+                                         r"StepConfig.micro_batch 2\]"):  # a micro-batch above the configured size
         drv.run_window(sc.micro_batches(seqs[10:12], 2)[:1], sc.loss_fn, samples_per_micro=[5])
     # nothing moved: parameters, optimizer state, counters, loss scale; gradients cleared
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
@@ -413,7 +414,7 @@ def test_example_checkpoint_resume_is_bitwise(tmp_path, capsys):
     main(_TINY + ["--steps", "2", "--checkpoint", str(b), "--checkpoint-every", "2"])
     main(_TINY + ["--steps", "4", "--resume", str(b), "--checkpoint", str(c), "--checkpoint-every", "4"])
     out = capsys.readouterr().out
-    assert "global 16 seq = 1 ranks × 8 accum × 2 seq" in out and "resumed from" in out
+    assert "globalbatch: global batch 16 seq = 1 ranks × 8 accum × 2 seq" in out and "resumed from" in out
     sa, sc_ = _ck(a), _ck(c)
     assert sa["model"].keys() == sc_["model"].keys()
     assert all(torch.equal(sa["model"][k], sc_["model"][k]) for k in sa["model"])
@@ -456,7 +457,7 @@ def test_example_two_ranks_matches_single_process(tmp_path, capsys):
     single, ddp = tmp_path / "single.pt", tmp_path / "ddp.pt"
     _example_main()(_TINY + ["--steps", "3", "--checkpoint", str(single), "--checkpoint-every", "3"])
     proc = run_torchrun(_EXAMPLE, *_TINY, "--steps", "3", "--checkpoint", str(ddp), "--checkpoint-every", "3")
-    assert "global 16 seq = 2 ranks × 4 accum × 2 seq" in proc.stdout
+    assert "globalbatch: global batch 16 seq = 2 ranks × 4 accum × 2 seq" in proc.stdout
     s1, s2 = _ck(single), _ck(ddp)
     assert s1["driver"]["consumed_units"] == s2["driver"]["consumed_units"]  # the same samples were drawn
     for k in s1["model"]:  # float32: summation order differs between 1 and 2 ranks

@@ -7,7 +7,7 @@ none either)::
     import globalbatch as gb
 
     driver = gb.StepDriver(model, opt, gb.StepConfig(micro_batch=2, global_batch=16,
-                                                     lr_schedule=gb.TokenLRSchedule(peak_lr=3e-4, total="2B")))
+                                                     lr_schedule=gb.LRSchedule(peak_lr=3e-4, total="2B")))
 
 Layers: the core (``plan``, ``schedule``, ``step``, ``checkpoint``, ``optim``, ``nn``), the
 measurements (``noise``, ``probe``, ``critical``), the lab that runs experiments
@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "scale_lr": "globalbatch.plan",
     "parse_count": "globalbatch.plan",
     # schedules
+    "LRSchedule": "globalbatch.schedule",
     "TokenLRSchedule": "globalbatch.schedule",
     "StepBatchSchedule": "globalbatch.schedule",
     "RampupBatchSchedule": "globalbatch.schedule",
@@ -39,6 +40,10 @@ _EXPORTS: dict[str, str] = {
     "StepResult": "globalbatch.step",
     "NonFiniteError": "globalbatch.step",
     "plan_for_world": "globalbatch.step",
+    "StepCallback": "globalbatch.step",
+    "rank_windows": "globalbatch.windows",
+    "MicroBatches": "globalbatch.windows",
+    "causal_lm_loss": "globalbatch.losses",
     "causal_lm_loss_sum": "globalbatch.losses",
     "save_checkpoint": "globalbatch.checkpoint",
     "load_checkpoint": "globalbatch.checkpoint",

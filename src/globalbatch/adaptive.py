@@ -45,6 +45,7 @@ Pure Python except the collectives (torch imported lazily); no lab imports.
 
 from __future__ import annotations
 
+from globalbatch.errors import SettingError
 import logging
 import math
 from dataclasses import asdict, dataclass, field
@@ -95,7 +96,7 @@ def lr_multiplier(rule: str, batch: float, base_batch: float, b_noise: float = m
         return 1.0
     if rule == "adascale":
         return adascale_gain(batch, b_noise, base_batch) if math.isfinite(b_noise) and b_noise >= 0 else math.sqrt(s)
-    raise ValueError(f"lr_rule {rule!r} is not allowed; allowed: {', '.join(ADAPTIVE_LR_RULES)}")
+    raise SettingError("lr_rule", rule, ", ".join(ADAPTIVE_LR_RULES))
 
 
 def _usable(b_noise: float) -> bool:
@@ -105,7 +106,7 @@ def _usable(b_noise: float) -> bool:
 
 def _whole(value: Any, name: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} {value!r} is not allowed; allowed: a whole number >= {minimum}")
+        raise SettingError(name, value, f"a whole number >= {minimum}")
     return value
 
 
@@ -130,7 +131,7 @@ class FeasibleBatches:
         _whole(self.min_batch, "min_batch", 1)
         _whole(self.max_batch, "max_batch", 1)
         if self.max_batch < self.min_batch:
-            raise ValueError(f"max_batch {self.max_batch} is not allowed; allowed: >= min_batch {self.min_batch}")
+            raise SettingError("max_batch", self.max_batch, f">= min_batch {self.min_batch}")
         if not self.candidates():
             raise ValueError(
                 f"no feasible global batch in [{self.min_batch}, {self.max_batch}] divisible by micro_batch "
@@ -236,7 +237,7 @@ class NoiseTrackingPolicy:
 
     def __post_init__(self) -> None:
         if not (self.c > 0 and math.isfinite(self.c)):
-            raise ValueError(f"c {self.c!r} is not allowed; allowed: a finite number > 0")
+            raise SettingError("c", self.c, "a finite number > 0")
 
     def propose(self, obs: Observation, feasible: FeasibleBatches) -> Proposal:
         cur = obs.global_batch
@@ -278,11 +279,11 @@ class GoodputPolicy:
     def __post_init__(self) -> None:
         self.throughput = {int(k): float(v) for k, v in self.throughput.items()}
         if any(not (v > 0 and math.isfinite(v)) for v in self.throughput.values()):
-            raise ValueError(f"throughput {self.throughput!r} is not allowed; allowed: samples/s > 0 per batch")
+            raise SettingError("throughput", self.throughput, "samples/s > 0 per batch")
         if not 0 < self.online_weight <= 1:
-            raise ValueError(f"online_weight {self.online_weight!r} is not allowed; allowed: 0 < w <= 1")
+            raise SettingError("online_weight", self.online_weight, "0 < w <= 1")
         if not self.min_gain >= 0:
-            raise ValueError(f"min_gain {self.min_gain!r} is not allowed; allowed: >= 0")
+            raise SettingError("min_gain", self.min_gain, ">= 0")
 
     def samples_per_s(self, batch: int) -> float:
         """Interpolated throughput (log-log between measured batches, flat beyond them; NaN with none)."""
@@ -346,16 +347,19 @@ class BatchChange:
 
 
 class AdaptiveBatchSchedule(BatchSchedule):
-    """A batch schedule decided online by a policy; also a StepDriver callback (``on_step_end``).
+    """A batch schedule decided online by a policy; the driver calls its ``on_step_end`` after its callbacks.
+
+    Pass it once, as ``StepConfig(batch_schedule=...)``, with the noise monitor among the driver's callbacks.
 
     Args:
         policy: a :class:`BatchPolicy`.
         feasible: the allowed batches (its ``quantum`` must match the driver's micro-batch × DP).
         initial_batch: the first batch B₀ (must be feasible).
         monitor: an object with ``estimate()`` returning ``b_simple``, ``low``, ``high``, ``unit`` and ``ok``
-            (a :class:`~globalbatch.noise.NoiseScaleMonitor`); may be attached later with :meth:`attach`.
+            (a :class:`~globalbatch.noise.NoiseScaleMonitor`); None: the driver gives it the noise monitor
+            among its callbacks.
         lr_rule: ``sqrt``, ``linear``, ``adascale`` or ``none``.
-        unit: what positions count (``token`` or ``sample``).
+        unit: deprecated (FutureWarning): positions count the run's unit, ``StepConfig.unit``.
         decide_every: applied steps between decisions.
         min_interval_steps: applied steps between two changes.
         patience: consecutive decisions in the same direction before a change (hysteresis).
@@ -363,13 +367,13 @@ class AdaptiveBatchSchedule(BatchSchedule):
     """
 
     def __init__(self, policy: BatchPolicy, feasible: FeasibleBatches, initial_batch: int, *, monitor: Any = None,
-                 lr_rule: str = "sqrt", unit: str = "token", decide_every: int = 10, min_interval_steps: int = 50,
+                 lr_rule: str = "sqrt", unit: Optional[str] = None, decide_every: int = 10, min_interval_steps: int = 50,
                  patience: int = 2, allow_decrease: bool = False) -> None:
-        _check_unit(unit)
+        _check_unit(unit, "AdaptiveBatchSchedule")
         if lr_rule not in ADAPTIVE_LR_RULES:
-            raise ValueError(f"lr_rule {lr_rule!r} is not allowed; allowed: {', '.join(ADAPTIVE_LR_RULES)}")
+            raise SettingError("lr_rule", lr_rule, ", ".join(ADAPTIVE_LR_RULES))
         if not callable(getattr(policy, "propose", None)):
-            raise ValueError(f"policy {policy!r} is not allowed; allowed: an object with propose(observation, feasible)")
+            raise SettingError("policy", policy, "an object with propose(observation, feasible)")
         if not feasible.contains(initial_batch):
             raise ValueError(f"initial_batch {initial_batch!r} is not allowed; allowed: a feasible batch, one of "
                              f"{feasible.candidates()}")
@@ -391,7 +395,8 @@ class AdaptiveBatchSchedule(BatchSchedule):
         self.last_local: list[float] = []
 
     def attach(self, monitor: Any) -> "AdaptiveBatchSchedule":
-        """Set the noise monitor (built after the model); returns self, for ``callbacks=[monitor, sched.attach(monitor)]``."""
+        """Set the noise monitor explicitly; returns self. Usually not needed: the driver gives a schedule
+        without a monitor the noise monitor among its callbacks."""
         self.monitor = monitor
         return self
 
@@ -408,7 +413,7 @@ class AdaptiveBatchSchedule(BatchSchedule):
 
     def batch_at(self, position: int) -> int:
         if position < 0:
-            raise ValueError(f"position {position} is not allowed; allowed: >= 0")
+            raise SettingError("position", position, ">= 0")
         ch = self._current(position)
         return ch.new_batch if ch is not None else self.initial_batch
 
@@ -530,6 +535,6 @@ class AdaptiveBatchSchedule(BatchSchedule):
         name = getattr(self.policy, "name", type(self.policy).__name__)
         c = getattr(self.policy, "c", None)
         return (f"AdaptiveBatchSchedule(policy={name}{f', c={c!r}' if c is not None else ''}, feasible={self.feasible!r}, "
-                f"initial_batch={self.initial_batch}, lr_rule={self.lr_rule}, unit={self.unit}, "
+                f"initial_batch={self.initial_batch}, lr_rule={self.lr_rule}, "
                 f"decide_every={self.decide_every}, min_interval_steps={self.min_interval_steps}, "
                 f"patience={self.patience}, allow_decrease={self.allow_decrease})")

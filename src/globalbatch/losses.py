@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["IGNORE_INDEX", "causal_lm_targets", "causal_lm_loss_sum", "count_causal_lm_targets", "LossHead",
-           "causal_lm_head", "token_head", "sequence_classification_head", "logits_of"]
+           "causal_lm_head", "token_head", "sequence_classification_head", "logits_of", "model_loss", "causal_lm_loss"]
 
 IGNORE_INDEX = -100
 """PyTorch's and Hugging Face's default label for "no loss here" (padding, prompts)."""
@@ -181,3 +181,31 @@ def sequence_classification_head(*, ignore_index: int = IGNORE_INDEX,
         return (_labels(batch) != ignore_index).sum()
 
     return LossHead(loss_sum=loss_sum, count=count, name="sequence_classification")
+
+
+def model_loss(head: LossHead) -> Callable[[Any, Any], tuple[torch.Tensor, Any]]:
+    """A ``loss_fn(model, batch) -> (loss_sum, count)`` for :meth:`globalbatch.step.StepDriver.run_window`, from a head.
+
+    The model gets the batch minus the head's label keys: ``model(input_ids)`` when ``input_ids`` is the only
+    input (any module taking token ids), else ``model(**inputs)`` (Hugging Face: ``input_ids``,
+    ``attention_mask``, …). The head scores the outputs (``logits``, a ``ModelOutput`` or a tuple) against the
+    batch's labels."""
+    if head.decoder_inputs_from_labels:
+        raise ValueError(f"head {head.name!r} is not allowed here; allowed: a head without decoder_inputs_from_labels "
+                         "(build the decoder inputs in the collate function)")
+    keys = set(head.label_keys)
+
+    def loss_fn(model: Any, batch: Mapping[str, Any]) -> tuple[torch.Tensor, Any]:
+        inputs = {k: v for k, v in batch.items() if k not in keys}
+        outputs = model(inputs["input_ids"]) if list(inputs) == ["input_ids"] else model(**inputs)
+        return head.loss_sum(outputs, batch)
+
+    loss_fn.__name__ = f"{head.name}_loss"
+    loss_fn.__doc__ = f"Summed {head.name} loss of ``model`` on ``batch`` and its count (from :func:`model_loss`)."
+    return loss_fn
+
+
+causal_lm_loss = model_loss(causal_lm_head())
+"""The ready causal-LM ``loss_fn`` for ``driver.run_window``: batches with ``input_ids`` (and any other model
+inputs) and ``labels`` in the Hugging Face convention (``labels = input_ids``, ``-100`` at padding; the model's
+logit at ``t`` is scored against ``labels[t + 1]``). Returns the summed cross-entropy and its count of targets."""

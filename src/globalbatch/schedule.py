@@ -31,10 +31,12 @@ Pure Python, no torch import.
 
 from __future__ import annotations
 
+from globalbatch.errors import SettingError
 import math
 import re
+import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from globalbatch.plan import LR_RULES, fmt_int, parse_count, scale_lr
 
@@ -48,24 +50,31 @@ __all__ = [
     "format_batch_change",
     "format_lr",
     "format_lrs",
+    "LRSchedule",
     "TokenLRSchedule",
     "LR_SHAPES",
     "list_lr_shapes",
 ]
 
 SCHEDULE_UNITS = ("token", "sample")
-"""What a schedule position counts: loss-bearing tokens or samples (sequences)."""
+"""What a schedule position counts: loss-bearing tokens or samples (sequences). Said once, in
+``StepConfig.unit``; the schedules themselves carry no unit."""
 
 
-def _check_unit(unit: str) -> None:
+def _check_unit(unit: Optional[str], owner: str = "a schedule") -> None:
+    """The deprecated per-schedule ``unit=``: None (the run's unit, ``StepConfig.unit``) or a warned legacy value."""
+    if unit is None:
+        return
     if unit not in SCHEDULE_UNITS:
-        raise ValueError(f"unit {unit!r} is not allowed; allowed: {', '.join(SCHEDULE_UNITS)}")
+        raise SettingError("unit", unit, ", ".join(SCHEDULE_UNITS))
+    warnings.warn(f"unit= on {owner} is deprecated: say the unit once, in StepConfig(unit={unit!r}); the schedule "
+                  "then counts the run's unit", FutureWarning, stacklevel=4)
 
 
 def _whole_count(value: object, field_name: str, allowed: str) -> int:
     """An int as is; an integral float or a count string (``"2B"``, ``"375M"``) via ``plan.parse_count``."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"{field_name} {value!r} is not allowed; allowed: {allowed}")
+        raise SettingError(field_name, value, allowed)
     if isinstance(value, int):
         return value
     return parse_count(value, field_name)
@@ -73,7 +82,7 @@ def _whole_count(value: object, field_name: str, allowed: str) -> int:
 
 def _check_rule(rule: str) -> None:
     if rule not in LR_RULES:
-        raise ValueError(f"lr_rule {rule!r} is not allowed; allowed: {', '.join(LR_RULES)}")
+        raise SettingError("lr_rule", rule, ", ".join(LR_RULES))
 
 
 def _fixed_ok(lr: float) -> bool:
@@ -129,8 +138,8 @@ class BatchSchedule:
     and :meth:`all_batches`.
     """
 
-    unit: str
-    """``"token"`` (loss-bearing tokens) or ``"sample"``: what positions count."""
+    unit: Optional[str]
+    """Deprecated: None — positions count the run's unit (``StepConfig.unit``)."""
     lr_rule: str
     """How the LR follows the batch: ``"sqrt"``, ``"linear"`` or ``"none"``."""
 
@@ -158,13 +167,13 @@ class StepBatchSchedule(BatchSchedule):
 
     steps: tuple[tuple[int, int], ...]
     """``(threshold, global_batch)`` pairs: from ``threshold`` consumed units on, use ``global_batch``."""
-    unit: str = "token"
-    """What thresholds count: ``"token"`` (loss-bearing tokens) or ``"sample"``."""
+    unit: Optional[str] = None
+    """Deprecated (FutureWarning): thresholds count the run's unit, ``StepConfig.unit``."""
     lr_rule: str = "sqrt"
     """LR rule applied at each change: ``"sqrt"`` (Adam-type), ``"linear"`` (SGD) or ``"none"``."""
 
     def __post_init__(self) -> None:
-        _check_unit(self.unit)
+        _check_unit(self.unit, "StepBatchSchedule")
         _check_rule(self.lr_rule)
         if not self.steps:
             raise ValueError("batch schedule is empty; allowed: at least one THRESHOLD:BATCH entry starting at 0")
@@ -187,7 +196,7 @@ class StepBatchSchedule(BatchSchedule):
 
     def batch_at(self, position: int) -> int:
         if position < 0:
-            raise ValueError(f"position {position} is not allowed; allowed: >= 0")
+            raise SettingError("position", position, ">= 0")
         batch = self.steps[0][1]
         for threshold, b in self.steps:
             if position >= threshold:
@@ -206,10 +215,11 @@ class StepBatchSchedule(BatchSchedule):
 _ENTRY = re.compile(r"^\s*([^:\s]+)\s*:\s*([^:\s]+)\s*$")
 
 
-def parse_step_schedule(text: str, *, unit: str = "token", lr_rule: str = "sqrt") -> StepBatchSchedule:
+def parse_step_schedule(text: str, *, unit: Optional[str] = None, lr_rule: str = "sqrt") -> StepBatchSchedule:
     """Parse ``"0:256 2B:512 8B:1024"`` (spaces or commas between entries).
 
-    Thresholds accept K/M/B/T decimal suffixes; batches are whole samples.
+    Thresholds accept K/M/B/T decimal suffixes and count the run's unit (``StepConfig.unit``; ``unit=`` is
+    deprecated); batches are whole samples.
     Raises a one-line ``ValueError`` naming the offending entry.
     """
     if not isinstance(text, str) or not text.strip():
@@ -227,7 +237,7 @@ def parse_step_schedule(text: str, *, unit: str = "token", lr_rule: str = "sqrt"
     return StepBatchSchedule(steps=tuple(steps), unit=unit, lr_rule=lr_rule)
 
 
-def constant_batch(global_batch: int, *, unit: str = "token") -> StepBatchSchedule:
+def constant_batch(global_batch: int, *, unit: Optional[str] = None) -> StepBatchSchedule:
     """A schedule that never changes: ``0:global_batch``."""
     return StepBatchSchedule(steps=((0, global_batch),), unit=unit, lr_rule="none")
 
@@ -241,17 +251,17 @@ class RampupBatchSchedule(BatchSchedule):
     increment: int
     """Samples added at each ramp step."""
     ramp: int
-    """Units (tokens or samples) over which the batch grows from ``start`` to ``final``.
+    """Units of the run (``StepConfig.unit``: tokens or samples) over which the batch grows from ``start`` to ``final``.
     All four numbers also take a count string (``"300K"``) or an integral float, stored as an int."""
     final: int
     """Global batch from ``ramp`` units on."""
-    unit: str = "token"
-    """What ``ramp`` counts: ``"token"`` (loss-bearing tokens) or ``"sample"``."""
+    unit: Optional[str] = None
+    """Deprecated (FutureWarning): ``ramp`` counts the run's unit, ``StepConfig.unit``."""
     lr_rule: str = "sqrt"
     """LR rule applied at each change: ``"sqrt"``, ``"linear"`` or ``"none"``."""
 
     def __post_init__(self) -> None:
-        _check_unit(self.unit)
+        _check_unit(self.unit, "RampupBatchSchedule")
         _check_rule(self.lr_rule)
         for name in ("start", "increment", "ramp", "final"):
             allowed = "a whole number >= 1 (or a count such as '300K')"
@@ -274,7 +284,7 @@ class RampupBatchSchedule(BatchSchedule):
 
     def batch_at(self, position: int) -> int:
         if position < 0:
-            raise ValueError(f"position {position} is not allowed; allowed: >= 0")
+            raise SettingError("position", position, ">= 0")
         if position >= self.ramp:
             return self.final
         # floor(position / (ramp / n)) in exact integer arithmetic
@@ -325,8 +335,9 @@ def list_lr_shapes() -> list[str]:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TokenLRSchedule:
-    """Learning rate as a function of trained tokens (or samples), not optimizer steps.
+class LRSchedule:
+    """Learning rate as a function of the trained units of the run (tokens or samples: ``StepConfig.unit``),
+    not of optimizer steps.
 
     ``lr_at(p)``: linear warmup ``peak_lr × p / warmup`` for ``p < warmup``; then
     ``peak_lr × (r + (1 − r) × shape(progress))`` with ``r = min_lr_ratio`` and
@@ -348,34 +359,34 @@ class TokenLRSchedule:
     """Final LR as a fraction of ``peak_lr``."""
     decay_fraction: float = 0.2
     """WSD only: fraction of the post-warmup span spent decaying (linearly) at the end."""
-    unit: str = "token"
-    """What positions count: ``"token"`` (loss-bearing tokens) or ``"sample"``."""
+    unit: Optional[str] = None
+    """Deprecated (FutureWarning): positions count the run's unit, ``StepConfig.unit``."""
 
     def __post_init__(self) -> None:
-        _check_unit(self.unit)
+        _check_unit(self.unit, "the LR schedule")
         if self.shape not in LR_SHAPES:
             raise ValueError(f"lr shape {self.shape!r} is not allowed; allowed: {', '.join(list_lr_shapes())}")
         if not (isinstance(self.peak_lr, (int, float)) and self.peak_lr > 0 and math.isfinite(self.peak_lr)):
-            raise ValueError(f"peak_lr {self.peak_lr!r} is not allowed; allowed: a finite number > 0")
+            raise SettingError("peak_lr", self.peak_lr, "a finite number > 0")
         for name in ("total", "warmup"):
-            allowed = f"a whole number of {self.unit}s >= 0 (or a count such as '2B' or '375M')"
+            allowed = "a whole number of units >= 0 (or a count such as '2B' or '375M')"
             v = _whole_count(getattr(self, name), name, allowed)
             if v < 0:
-                raise ValueError(f"{name} {v!r} is not allowed; allowed: {allowed}")
+                raise SettingError(name, v, allowed)
             object.__setattr__(self, name, v)  # frozen: store the parsed int
         if self.total < 1:
-            raise ValueError(f"total {self.total} is not allowed; allowed: >= 1 {self.unit}")
+            raise SettingError("total", self.total, ">= 1")
         if self.warmup > self.total:
-            raise ValueError(f"warmup {fmt_int(self.warmup)} is not allowed; allowed: <= total {fmt_int(self.total)}")
+            raise SettingError("warmup", fmt_int(self.warmup), f"<= total {fmt_int(self.total)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio {self.min_lr_ratio} is not allowed; allowed: 0 <= ratio <= 1")
+            raise SettingError("min_lr_ratio", self.min_lr_ratio, "0 <= ratio <= 1")
         if not 0.0 < self.decay_fraction <= 1.0:
-            raise ValueError(f"decay_fraction {self.decay_fraction} is not allowed; allowed: 0 < fraction <= 1")
+            raise SettingError("decay_fraction", self.decay_fraction, "0 < fraction <= 1")
 
     def factor_at(self, position: float) -> float:
         """``lr_at(position) / peak_lr``."""
         if position < 0:
-            raise ValueError(f"position {position} is not allowed; allowed: >= 0")
+            raise SettingError("position", position, ">= 0")
         if position < self.warmup:
             return position / self.warmup
         span = self.total - self.warmup
@@ -387,3 +398,14 @@ class TokenLRSchedule:
         """The learning rate once ``position`` units have been trained on."""
         return self.peak_lr * self.factor_at(position)
 
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenLRSchedule(LRSchedule):
+    """Deprecated name of :class:`LRSchedule` (FutureWarning): its positions count the run's unit, which may be
+    samples, so the name no longer says it."""
+
+    def __post_init__(self) -> None:
+        warnings.warn("TokenLRSchedule is deprecated: use LRSchedule (its positions count the run's unit, "
+                      "StepConfig.unit)", FutureWarning, stacklevel=3)
+        LRSchedule.__post_init__(self)

@@ -20,14 +20,16 @@ Per window the driver
 1. runs micro-steps 0..M−2 without gradient sync (DDP ``no_sync`` around forward
    *and* backward, FSDP2 ``set_requires_gradient_sync(False)``) and syncs on the last;
 2. back-propagates the summed loss, so ``.grad`` accumulates Σ ∇loss_sum;
-3. all-reduces once a float64 vector ``[count, loss sum, samples]`` (a non-finite
-   loss anywhere makes the global sum non-finite: it is the flag)
-   over the DP group (kept on the device), then multiplies the gradients by
+3. under DP, all-reduces once a float64 vector ``[count, loss sum, samples, flops]`` (a non-finite
+   loss anywhere makes the global sum non-finite: it is the flag; a rank without a FLOPs count
+   sends −inf) over the DP group (kept on the device), then multiplies the gradients by
    ``dp_world_size / global_count`` with one ``torch._foreach_mul_`` (DDP/FSDP2
    averaged over ranks, which the factor undoes) — the gradient of the global
    token-mean loss;
-4. unscales (GradScaler), calls ``on_window_end`` callbacks, clips once;
-5. reads **one** small tensor to the host (``[count, loss, samples, grad_norm]``):
+4. unscales (GradScaler), calls ``on_window_end`` callbacks, clips once; under DP a second,
+   one-element all-reduce sums the flag "this rank's gradient norm is non-finite", so every
+   rank skips or none does;
+5. reads **one** small tensor to the host (``[count, loss, samples, flops, grad_norm]``):
    the skip decision needs it, exactly as ``GradScaler.step`` does. This is the only
    host sync per step; the reported numbers ride along with it;
 6. refuses a window of more samples (all ranks) than the planned global batch with a
@@ -50,22 +52,27 @@ import warnings
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from globalbatch.errors import Raw, SettingError
 from globalbatch.parallel import inspect_parallel, unwrap_model
-from globalbatch.plan import BatchGeometry, solve_geometry
+from globalbatch.plan import BatchGeometry, fmt_int, solve_geometry
 from globalbatch.schedule import (
+    SCHEDULE_UNITS,
     BatchSchedule,
-    TokenLRSchedule,
+    LRSchedule,
     constant_batch,
     format_batch_change,
 )
+from globalbatch.validate import choice, number, whole
 
 __all__ = [
+    "StepCallback",
+    "CALLBACK_HOOKS",
     "StepConfig",
     "StepDriver",
     "StepResult",
@@ -94,67 +101,89 @@ def plan_for_world(global_batch: int, micro_batch: int, dp_world_size: int) -> B
 
 @dataclass(kw_only=True, slots=True)
 class StepConfig:
-    """How the driver forms one optimizer step."""
+    """How the driver forms one optimizer step: every quantity of the batch is given here, once."""
 
     micro_batch: int
-    """Samples (sequences) per forward/backward on one DP rank."""
+    """Samples (sequences) per forward/backward on one DP rank: the most any micro-batch may hold
+    (:func:`globalbatch.windows.rank_windows` cuts windows to it; ``backward(samples=)`` above it is an error)."""
     global_batch: Optional[int] = None
     """Samples per optimizer step over all ranks and micro-steps (fixed). Give this or ``batch_schedule``."""
     batch_schedule: Optional[BatchSchedule] = None
-    """A global batch that grows with trained tokens/samples (see :mod:`globalbatch.schedule`)."""
-    lr_schedule: Optional[TokenLRSchedule] = None
-    """The LR over trained tokens/samples; sets every param group's LR before each step (groups keep
-    their initial LR ratios to the first group). Its unit must match the batch schedule's."""
+    """A global batch that grows with the trained units (see :mod:`globalbatch.schedule`); an adaptive
+    schedule (:mod:`globalbatch.adaptive`) is also the driver's last ``on_step_end`` callback: pass it here only."""
+    lr_schedule: Optional[LRSchedule] = None
+    """The LR over trained units; sets every param group's LR before each step (groups keep
+    their initial LR ratios to the first group)."""
+    unit: str = "token"
+    """The run's unit, said once: what ``count`` counts (``"token"``: the loss-bearing tokens, and
+    ``valid_tokens_per_s`` is reported; ``"sample"``: a per-sample loss) and what the positions of both
+    schedules count."""
     max_grad_norm: Optional[float] = None
     """Clip the global gradient norm (after accumulation and unscaling) to this; None: no clipping."""
     max_consecutive_skips: int = 8
     """Raise :class:`NonFiniteError` when this many windows in a row were skipped."""
-    loss_unit: str = "token"
-    """What ``count`` counts: ``"token"`` (non-padding tokens: ``valid_tokens_per_s`` is reported) or
-    ``"sample"``."""
     flops_per_sample: Optional[float] = None
     """Model FLOPs (forward + backward) per sample, for micro-batches whose ``backward`` gets no
     ``flops=`` (e.g. ``globalbatch.flops.transformer_flops_per_token(...) × seq_len``, or a
     :class:`globalbatch.flops.FlopsCounter` count ÷ micro_batch); None: no FLOPs unless given per micro-batch."""
     peak_flops_per_s: Optional[float] = None
     """Peak FLOP/s of one device (``globalbatch.flops.peak_flops_per_s``); with FLOPs it gives ``mfu``."""
+    seq_len: Optional[int] = None
+    """Token slots per sample (the padded context), for the batch arithmetic printed at start; None: not shown."""
+    print_geometry: bool = True
+    """Print the batch arithmetic once, on rank 0, when the first window starts
+    (``global batch 16 seq = 2 ranks × 4 accum × 2 seq; tokens per step ≤ …``). False: silent (it is also
+    logged at INFO on ``globalbatch.step``)."""
+    check_summed_loss: bool = True
+    """Refuse a loss whose last operation is a mean (``.mean()``, a ``reduction="mean"`` loss such as
+    ``F.cross_entropy``'s default, a division such as ``loss_sum / count``): the driver needs the sum. Read from
+    the autograd graph (no host sync). False: no check (a loss that legitimately ends in a division)."""
+    loss_unit: Optional[str] = None
+    """Deprecated alias of ``unit`` (FutureWarning)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.micro_batch, bool) or not isinstance(self.micro_batch, int) or self.micro_batch < 1:
-            raise ValueError(f"micro_batch {self.micro_batch!r} is not allowed; allowed: a whole number >= 1")
+        whole(self.micro_batch, "micro_batch")
         if (self.global_batch is None) == (self.batch_schedule is None):
-            raise ValueError(
-                f"global_batch {self.global_batch!r} and batch_schedule {self.batch_schedule!r}: "
-                "allowed: exactly one of them"
-            )
-        if self.global_batch is not None and (
-            isinstance(self.global_batch, bool) or not isinstance(self.global_batch, int) or self.global_batch < 1
-        ):
-            raise ValueError(f"global_batch {self.global_batch!r} is not allowed; allowed: a whole number >= 1")
+            raise SettingError("global_batch", self.global_batch,
+                               "exactly one of global_batch and batch_schedule", why=f"batch_schedule {self.batch_schedule!r}")
+        if self.global_batch is not None:
+            whole(self.global_batch, "global_batch")
         if self.batch_schedule is not None and not isinstance(self.batch_schedule, BatchSchedule):
-            raise ValueError(
-                f"batch_schedule {self.batch_schedule!r} is not allowed; allowed: a BatchSchedule "
-                "(parse strings with globalbatch.schedule.parse_step_schedule)"
-            )
-        if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
-            raise ValueError(f"max_grad_norm {self.max_grad_norm!r} is not allowed; allowed: a finite number > 0 or None")
-        if self.lr_schedule is not None and not isinstance(self.lr_schedule, TokenLRSchedule):
-            raise ValueError(f"lr_schedule {self.lr_schedule!r} is not allowed; allowed: a TokenLRSchedule or None")
-        if self.lr_schedule is not None and self.batch_schedule is not None \
-                and self.lr_schedule.unit != self.batch_schedule.unit:
-            raise ValueError(
-                f"lr_schedule unit {self.lr_schedule.unit!r} and batch_schedule unit {self.batch_schedule.unit!r} "
-                "differ; allowed: the same unit for both (token, the default, or sample)")
-        k = self.max_consecutive_skips
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"max_consecutive_skips {k!r} is not allowed; allowed: a whole number >= 1")
-        if self.loss_unit not in ("token", "sample"):
-            raise ValueError(f"loss_unit {self.loss_unit!r} is not allowed; allowed: 'token' or 'sample'")
+            raise SettingError("batch_schedule", self.batch_schedule,
+                               "a BatchSchedule (parse strings with globalbatch.schedule.parse_step_schedule)")
+        if self.max_grad_norm is not None:
+            number(self.max_grad_norm, "max_grad_norm", low=0.0, low_open=True, allowed="a finite number > 0 or None")
+        if self.lr_schedule is not None and not isinstance(self.lr_schedule, LRSchedule):
+            raise SettingError("lr_schedule", self.lr_schedule, "an LRSchedule or None")
+        if self.loss_unit is not None:
+            warnings.warn("StepConfig(loss_unit=...) is deprecated; use StepConfig(unit=...): one unit for the loss "
+                          "count and the schedules", FutureWarning, stacklevel=3)
+            if self.unit != "token" and self.unit != self.loss_unit:
+                raise SettingError("loss_unit", self.loss_unit, f"the same as unit {self.unit!r} (loss_unit is its "
+                                   "deprecated alias)")
+            self.unit = self.loss_unit
+            self.loss_unit = None
+        choice(self.unit, "unit", SCHEDULE_UNITS)
+        legacy = [(name, s.unit) for name, s in (("lr_schedule", self.lr_schedule), ("batch_schedule", self.batch_schedule))
+                  if s is not None and s.unit is not None]
+        if len(legacy) == 2 and legacy[0][1] != legacy[1][1]:
+            raise SettingError("lr_schedule unit", legacy[0][1], f"batch_schedule unit {legacy[1][1]!r} (one unit for "
+                               "both: say it once, in StepConfig.unit)")
+        whole(self.max_consecutive_skips, "max_consecutive_skips")
         for name in ("flops_per_sample", "peak_flops_per_s"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
-                                  or not math.isfinite(v)):
-                raise ValueError(f"{name} {v!r} is not allowed; allowed: a finite number > 0 or None")
+            if v is not None:
+                number(v, name, low=0.0, low_open=True, allowed="a finite number > 0 or None")
+        if self.seq_len is not None:
+            whole(self.seq_len, "seq_len")
+
+    @property
+    def position_unit(self) -> str:
+        """What the schedule positions count: ``unit``, or the deprecated ``unit=`` a schedule was built with."""
+        for s in (self.lr_schedule, self.batch_schedule):
+            if s is not None and s.unit is not None:
+                return s.unit
+        return self.unit
 
     def schedule(self) -> BatchSchedule:
         """The batch schedule (a constant one for a fixed ``global_batch``)."""
@@ -188,7 +217,7 @@ class StepResult:
     consumed_units: int
     """Loss-bearing units drawn so far, skipped windows included."""
     valid_tokens_per_s: Optional[float] = None
-    """Non-padding tokens per second, all ranks (= ``units_per_s`` when ``StepConfig.loss_unit`` is
+    """Non-padding tokens per second, all ranks (= ``units_per_s`` when ``StepConfig.unit`` is
     ``"token"``; None for a per-sample loss)."""
     model_flops: Optional[float] = None
     """Model FLOPs of this window, all ranks (forward + backward; None when no FLOPs were supplied)."""
@@ -196,6 +225,104 @@ class StepResult:
     """``model_flops`` over the seconds since the previous step returned."""
     mfu: Optional[float] = None
     """Model FLOPs utilization: ``model_flops_per_s / (dp_world_size × peak_flops_per_s)`` (needs both)."""
+
+
+_PASS_THROUGH = frozenset({"ToCopyBackward0", "CloneBackward0", "ViewBackward0", "ReshapeAliasBackward0",
+                           "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "UnsqueezeBackward0",
+                           "AliasBackward0", "SelectBackward0"})
+_MEAN_REDUCTION = 1  # at::Reduction::Mean, as saved by the loss nodes (None 0, Mean 1, Sum 2)
+
+
+def mean_reduction(loss: torch.Tensor) -> Optional[str]:
+    """How ``loss`` was averaged, read from its autograd graph (no host sync), or None when it was not.
+
+    Looks through casts and views at the last operation: ``.mean()`` (``MeanBackward``), a loss built with
+    ``reduction="mean"`` (``F.cross_entropy``'s and ``F.mse_loss``'s default, and every loss node that saves
+    its reduction), or a division (``loss_sum / count``, ``kl_div(reduction="batchmean")``). A summed loss,
+    a product or anything else is None."""
+    node = loss.grad_fn
+    for _ in range(8):
+        if node is None:
+            return None
+        name = type(node).__name__
+        if name not in _PASS_THROUGH:
+            break
+        nxt = [f for f, _ in node.next_functions if f is not None]
+        node = nxt[0] if len(nxt) == 1 else None
+    if node is None:
+        return None
+    name = type(node).__name__
+    if name.startswith("MeanBackward"):
+        return "a .mean()"
+    if getattr(node, "_saved_reduction", None) == _MEAN_REDUCTION:
+        return f"a reduction='mean' loss ({name})"
+    if name.startswith("DivBackward"):
+        return "a division (e.g. loss_sum / count)"
+    return None
+
+
+def batch_samples(batch: Any) -> Optional[int]:
+    """Samples in a collated micro-batch: the first dimension of a tensor, or of every tensor of a dict
+    or tuple when they agree; None when it cannot be read."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else None
+    values = list(batch.values()) if isinstance(batch, Mapping) else list(batch) if isinstance(batch, tuple) else []
+    sizes = {int(v.shape[0]) for v in values if isinstance(v, torch.Tensor) and v.dim()}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+CALLBACK_HOOKS = ("on_micro_backward", "on_window_end", "on_step_end")
+"""The hooks a :class:`StepCallback` may implement; the driver calls those a callback has."""
+
+
+@runtime_checkable
+class StepCallback(Protocol):
+    """What a driver callback may implement: any of the three hooks (the driver calls the ones it has).
+
+    :class:`~globalbatch.noise.NoiseScaleMonitor` implements all three; an adaptive batch schedule
+    (:class:`~globalbatch.adaptive.AdaptiveBatchSchedule`) ``on_step_end`` only. A callback with
+    ``state_dict()``/``load_state_dict()`` is saved and restored by
+    :func:`globalbatch.checkpoint.save_checkpoint`/``load_checkpoint``. A method named ``on_…`` that is
+    not one of the hooks is refused when the callback is added (a misspelled hook would never run).
+
+    The driver's loop, per window, on every rank (``driver.run_window`` does exactly this)::
+
+        for m, micro in enumerate(micro_batches):            # this rank's micro-batches
+            with driver.micro_step(last=m == M - 1):           # no DP sync before the last
+                loss_sum, count = loss_fn(model, micro)
+                driver.backward(loss_sum, count, samples=…)    # backward of the SUM
+                #   -> cb.on_micro_backward(driver, m, count)   .grad: this rank's running sum
+        driver.step():
+            all-reduce [count, loss, samples, flops]; grads *= W / N; unscale
+            #   -> cb.on_window_end(driver, N, local_count)     .grad: the global token-mean gradient
+            clip once; one host read; skip, or set the LR and optimizer.step()
+            #   -> cb.on_step_end(driver, result)              .grad: None; result.skipped
+            #   -> the batch schedule's on_step_end (adaptive), always last
+
+    ``docs/step.md`` has the state of ``.grad`` at each hook under DDP and FSDP2.
+    """
+
+    def on_micro_backward(self, driver: "StepDriver", micro_index: int, local_count: Any) -> None:
+        """After each micro-batch's backward (``local_count``: its count as a tensor; the host number as
+        given is ``driver.last_micro_count``, its samples ``driver.last_micro_samples``)."""
+
+    def on_window_end(self, driver: "StepDriver", global_count: torch.Tensor, local_window_count: torch.Tensor) -> None:
+        """After the sync, normalization and unscale, before clipping (0-d float64 device tensors: no sync)."""
+
+    def on_step_end(self, driver: "StepDriver", result: "StepResult") -> None:
+        """After the step or the skip (``result.skipped``)."""
+
+
+def _check_callback(cb: Any) -> None:
+    hooks = [h for h in CALLBACK_HOOKS if callable(getattr(cb, h, None))]
+    odd = sorted(n for n in dir(type(cb)) if n.startswith("on_") and n not in CALLBACK_HOOKS
+                 and callable(getattr(cb, n, None)))
+    if odd:
+        raise SettingError("callbacks", Raw(f"{type(cb).__name__} with {', '.join(odd)}"),
+                           f"hooks named {', '.join(CALLBACK_HOOKS)} (StepCallback)")
+    if not hooks:
+        raise SettingError("callbacks", Raw(type(cb).__name__), f"an object with any of {', '.join(CALLBACK_HOOKS)} "
+                           "(StepCallback)")
 
 
 class _CallbackList(list):
@@ -239,9 +366,10 @@ class StepDriver:
             the batch schedule in the config).
         lr_scheduler: optional step-based torch LR scheduler, stepped after applied steps only.
         scaler: optional ``torch.amp.GradScaler``; the driver scales, unscales and steps through it.
-        callbacks: objects with optional ``on_micro_backward(driver, micro_index, local_count)``,
-            ``on_window_end(driver, global_count, local_window_count)`` and
-            ``on_step_end(driver, result)`` methods.
+        callbacks: :class:`StepCallback` objects (any of ``on_micro_backward``, ``on_window_end``,
+            ``on_step_end``), called in order; an adaptive batch schedule is not one of them (it is
+            called after them, from ``config.batch_schedule``), and it takes its noise monitor from
+            here when it has none (the one callback with ``estimate()``).
         dp_group: process group of the data-parallel ranks; default: DDP's group, or the
             default group for FSDP2. A plain module is one replica (dp_world_size 1).
     """
@@ -252,7 +380,7 @@ class StepDriver:
         optimizer: torch.optim.Optimizer,
         config: StepConfig,
         *,
-        lr_schedule: Optional[TokenLRSchedule] = None,
+        lr_schedule: Optional[LRSchedule] = None,
         lr_scheduler: Any = None,
         scaler: Any = None,
         callbacks: Sequence[Any] = (),
@@ -260,10 +388,10 @@ class StepDriver:
     ) -> None:
         if lr_schedule is not None:
             if config.lr_schedule is not None:
-                raise ValueError("lr_schedule is set in StepConfig and as a StepDriver argument; allowed: "
-                                 "StepConfig.lr_schedule only (the argument is a deprecated alias)")
+                raise SettingError("lr_schedule", Raw("in StepConfig and as a StepDriver argument"),
+                                   "StepConfig.lr_schedule only (the argument is a deprecated alias)")
             warnings.warn("StepDriver(lr_schedule=...) is deprecated; use StepConfig(lr_schedule=...)",
-                          DeprecationWarning, stacklevel=2)
+                          FutureWarning, stacklevel=2)
             config = dataclasses.replace(config, lr_schedule=lr_schedule)
         lr_schedule = config.lr_schedule
         if lr_schedule is not None and lr_scheduler is not None:
@@ -274,6 +402,25 @@ class StepDriver:
         self.lr_schedule = lr_schedule
         self.lr_scheduler = lr_scheduler
         self.scaler = scaler if (scaler is not None and scaler.is_enabled()) else None
+        self.schedule = config.schedule()
+        self.position_unit = config.position_unit
+        """What the schedule positions count (``config.unit``)."""
+        # A stateful batch schedule with a step-end hook (adaptive) is called after every callback. Passing it in
+        # ``callbacks`` as well (the old way) still works for one release: it is then called there, in its place.
+        self._schedule_hook = getattr(self.schedule, "on_step_end", None)
+        callbacks = list(callbacks)
+        if self._schedule_hook is not None and any(c is self.schedule for c in callbacks):
+            warnings.warn("the batch schedule is also in callbacks: pass it once, as StepConfig.batch_schedule "
+                          "(the driver calls it after the callbacks)", FutureWarning, stacklevel=2)
+            self._schedule_hook = None
+        if getattr(self.schedule, "monitor", False) is None:  # an adaptive schedule without its monitor
+            monitors = [c for c in callbacks if callable(getattr(c, "estimate", None))]
+            if len(monitors) > 1:
+                raise SettingError("callbacks", Raw(f"{len(monitors)} noise monitors"),
+                                   "at most one for an adaptive batch schedule without a monitor (or attach one: "
+                                   "AdaptiveBatchSchedule(..., monitor=...))")
+            if monitors:
+                self.schedule.monitor = monitors[0]
         self._callbacks = _CallbackList(self, callbacks)
         self._refresh_callbacks()
 
@@ -304,8 +451,9 @@ class StepDriver:
                 logger.warning(msg)
                 warnings.warn(msg, stacklevel=2)
         self.dp_world_size = dist.get_world_size(self.dp_group) if self.parallel != "none" else 1
+        self.dp_rank = dist.get_rank(self.dp_group) if self.parallel != "none" else 0
+        """This rank's index in the DP group (0 for a plain module: one replica)."""
 
-        self.schedule = config.schedule()
         for gb in self.schedule.all_batches():  # every batch the run can reach must divide: fail now
             plan_for_world(gb, config.micro_batch, self.dp_world_size)
 
@@ -325,6 +473,8 @@ class StepDriver:
         self.batch_lr_mult = 1.0
         self.last_micro_samples = config.micro_batch
         self.last_micro_count: Any = None
+        self._geometry_shown = not config.print_geometry
+        self._warned_samples = False
 
         self._reset_window()
         self._batchnorm_checked = False
@@ -348,6 +498,8 @@ class StepDriver:
 
     def _refresh_callbacks(self) -> None:
         cbs = self._callbacks
+        for c in cbs:
+            _check_callback(c)
         self._cb_micro = [c.on_micro_backward for c in cbs if hasattr(c, "on_micro_backward")]
         self._cb_window = [c.on_window_end for c in cbs if hasattr(c, "on_window_end")]
         self._cb_step = [c.on_step_end for c in cbs if hasattr(c, "on_step_end")]
@@ -359,10 +511,28 @@ class StepDriver:
         """The planned geometry of the next window (global batch from the schedule position)."""
         return plan_for_world(self.global_batch, self.config.micro_batch, self.dp_world_size)
 
+    def describe(self) -> str:
+        """The batch arithmetic in one line (printed once at the first window on rank 0 unless
+        ``StepConfig.print_geometry`` is False)::
+
+            globalbatch: global batch 16 seq = 2 ranks × 4 accum × 2 seq; tokens per step ≤ 8,192 = 16 seq × 512 seq_len
+        """
+        g = self.geometry
+        line = f"globalbatch: global batch {g.arithmetic()}"
+        if self.config.seq_len is not None:
+            line += (f"; tokens per step ≤ {fmt_int(g.tokens(self.config.seq_len))} = {fmt_int(g.global_batch)} seq × "
+                     f"{fmt_int(self.config.seq_len)} seq_len (padding included)")
+        batches = self.schedule.all_batches()
+        if len(batches) > 1:
+            line += (f"; batch schedule over trained {self.position_unit}s, {fmt_int(batches[0])}…"
+                     f"{fmt_int(batches[-1])} seq")
+        unit = "loss-bearing tokens" if self.config.unit == "token" else "samples"
+        return line + f"; loss normalized by the {unit} of the whole window"
+
     @property
     def schedule_position(self) -> int:
-        """Trained units in the batch schedule's unit (tokens or samples)."""
-        return self.trained_units if self.schedule.unit == "token" else self.trained_samples
+        """Trained units in the run's unit (tokens or samples: ``position_unit``)."""
+        return self.trained_units if self.position_unit == "token" else self.trained_samples
 
     # ------------------------------------------------------------ micro-steps
 
@@ -408,6 +578,12 @@ class StepDriver:
         # Clear whatever .grad the user or the last window left (cheap: sets None).
         for p in self._params:
             p.grad = None
+        if not self._geometry_shown:
+            self._geometry_shown = True
+            if self._log:
+                line = self.describe()
+                logger.info(line)
+                print(line, flush=True)
         if self._t_last is None:
             self._t_last = time.perf_counter()
 
@@ -423,13 +599,32 @@ class StepDriver:
                 sequence than ``labels != ignore_index``; take both from
                 :func:`globalbatch.losses.causal_lm_loss_sum`. A device tensor avoids a
                 host-to-device copy.
-            samples: samples (sequences) in this micro-batch; default ``config.micro_batch``.
+            samples: samples (sequences) in this micro-batch, at most ``config.micro_batch``
+                (:meth:`run_window` passes them). Omitted: ``config.micro_batch`` is assumed, with a
+                FutureWarning (it becomes required: a short micro-batch would be miscounted).
             flops: model FLOPs (forward + backward) of this micro-batch, a host number (e.g. from
                 :class:`globalbatch.flops.FlopsCounter`, cached per shape); default
                 ``config.flops_per_sample × samples``.
         """
         if loss_sum.dim() != 0:
-            raise ValueError(f"loss_sum shape {tuple(loss_sum.shape)} is not allowed; allowed: a 0-d summed loss")
+            raise SettingError("loss_sum shape", tuple(loss_sum.shape), "a 0-d summed loss")
+        if self.config.check_summed_loss:
+            how = mean_reduction(loss_sum)
+            if how is not None:
+                raise SettingError("loss_sum", Raw(f"from {how}"), "the SUM of the per-unit losses "
+                                   "(reduction='sum'; with its count: globalbatch.losses.causal_lm_loss_sum), or "
+                                   "StepConfig(check_summed_loss=False) for a loss that really ends in a division",
+                                   why="the driver divides by the global count: a mean would be divided twice")
+        if samples is None:
+            if not self._warned_samples:
+                self._warned_samples = True
+                warnings.warn(f"backward() without samples= assumes a full micro-batch of StepConfig.micro_batch "
+                              f"{self.config.micro_batch} samples; pass samples= (it will be required), or use "
+                              "run_window / globalbatch.windows.rank_windows", FutureWarning, stacklevel=2)
+            samples = self.config.micro_batch
+        elif isinstance(samples, bool) or not isinstance(samples, int) or not 0 <= samples <= self.config.micro_batch:
+            raise SettingError("samples", samples, f"a whole number in [0, StepConfig.micro_batch "
+                               f"{self.config.micro_batch}] (the samples of this micro-batch)")
         if self._micro_index == 0 and not self._in_micro:
             self._begin_window()
         loss_d = loss_sum.detach()
@@ -443,7 +638,7 @@ class StepDriver:
                 count_t = count_t.to(loss_d.device, non_blocking=True)
         else:
             if isinstance(count, bool) or not isinstance(count, (int, float)) or count < 0:
-                raise ValueError(f"count {count!r} is not allowed; allowed: a number >= 0 of loss-bearing units")
+                raise SettingError("count", count, "a number >= 0 of loss-bearing units")
             # A host number stays on the host: torch.tensor(int, device=cuda) would copy from
             # pageable memory and synchronize the stream on every micro-batch.
             self._units_host += count
@@ -460,12 +655,12 @@ class StepDriver:
                 self._acc_units = count_t.to(torch.float64, copy=True)
             else:
                 self._acc_units.add_(count_t)
-        self.last_micro_samples = self.config.micro_batch if samples is None else int(samples)  # for callbacks
+        self.last_micro_samples = samples  # for callbacks
         self.last_micro_count = count  # for callbacks: the host number as given (no tensor to read back)
         self._samples_local += self.last_micro_samples
         if flops is not None:
             if isinstance(flops, bool) or not isinstance(flops, (int, float)) or not flops >= 0:
-                raise ValueError(f"flops {flops!r} is not allowed; allowed: a host number >= 0 (FLOPs of this micro-batch)")
+                raise SettingError("flops", flops, "a host number >= 0 (FLOPs of this micro-batch)")
             self._flops_local += float(flops)
             if self._micro_index == 0:
                 self._flops_known = True
@@ -613,13 +808,15 @@ class StepDriver:
             global_batch=planned_batch,
             units_per_s=ups,
             consumed_units=self.consumed_units,
-            valid_tokens_per_s=ups if self.config.loss_unit == "token" else None,
+            valid_tokens_per_s=ups if self.config.unit == "token" else None,
             model_flops=flops_window,
             model_flops_per_s=flops_per_s,
             mfu=flops_per_s / (self.dp_world_size * peak) if flops_per_s is not None and peak else None,
         )
         for cb in self._cb_step:
             cb(self, result)
+        if self._schedule_hook is not None:
+            self._schedule_hook(self, result)
         if self.consecutive_skips >= self.config.max_consecutive_skips:
             raise NonFiniteError(
                 f"{self.consecutive_skips} consecutive windows skipped (max_consecutive_skips "
@@ -670,7 +867,7 @@ class StepDriver:
         after_units = self.trained_units + units
         after_samples = self.trained_samples + samples
         if self.lr_schedule is not None:
-            pos = after_units if self.lr_schedule.unit == "token" else after_samples
+            pos = after_units if self.position_unit == "token" else after_samples
             lr = self.lr_schedule.lr_at(pos) * self.batch_lr_mult
             # Groups keep their initial LR ratios to the first group with a non-zero LR;
             # a group that started at lr 0 (frozen) stays at 0.
@@ -709,7 +906,7 @@ class StepDriver:
         ratio = new_mult / self.batch_lr_mult
         lr_old = float(self.optimizer.param_groups[0]["lr"])
         if self.lr_schedule is not None:
-            unit_pos = self.trained_units if self.lr_schedule.unit == "token" else self.trained_samples
+            unit_pos = self.schedule_position
             lr_old = self.lr_schedule.lr_at(unit_pos) * self.batch_lr_mult
             lr_new = self.lr_schedule.lr_at(unit_pos) * new_mult
         else:
@@ -722,7 +919,7 @@ class StepDriver:
             lr_new = float(self.optimizer.param_groups[0]["lr"])
         if self._log:
             logger.info(format_batch_change(
-                self.global_batch, new_batch, pos, self.schedule.unit, lr_old, lr_new, self.schedule.lr_rule))
+                self.global_batch, new_batch, pos, self.position_unit, lr_old, lr_new, self.schedule.lr_rule))
         self.global_batch = new_batch
         self.batch_lr_mult = new_mult
 
@@ -736,18 +933,27 @@ class StepDriver:
         samples_per_micro: Optional[Sequence[int]] = None,
         flops_per_micro: Optional[Sequence[float]] = None,
     ) -> StepResult:
-        """One whole window: ``loss_fn(model, micro)`` → ``(loss_sum, count)`` per micro-batch, then :meth:`step`."""
+        """One whole window: ``loss_fn(model, micro)`` → ``(loss_sum, count)`` per micro-batch, then :meth:`step`.
+
+        The samples of each micro-batch come from ``samples_per_micro``, else from ``micro_batches.samples``
+        (a :class:`globalbatch.windows.MicroBatches`, what :func:`~globalbatch.windows.rank_windows` yields),
+        else from the micro-batch itself (the first dimension of a tensor, or of a dict's or tuple's tensors
+        when they agree); a micro-batch whose size cannot be read counts as a full ``micro_batch``."""
         n = len(micro_batches)
         if n == 0:
-            raise ValueError("micro_batches is empty; allowed: at least one micro-batch per window")
+            raise SettingError("micro_batches", Raw("[]"), "at least one micro-batch per window")
+        if samples_per_micro is None:
+            samples_per_micro = getattr(micro_batches, "samples", None)
         if samples_per_micro is not None and len(samples_per_micro) != n:
-            raise ValueError(f"samples_per_micro has {len(samples_per_micro)} entries for {n} micro-batches")
+            raise SettingError("samples_per_micro", Raw(f"{len(samples_per_micro)} entries"),
+                               f"one per micro-batch ({n})")
         if flops_per_micro is not None and len(flops_per_micro) != n:
-            raise ValueError(f"flops_per_micro has {len(flops_per_micro)} entries for {n} micro-batches")
+            raise SettingError("flops_per_micro", Raw(f"{len(flops_per_micro)} entries"), f"one per micro-batch ({n})")
         for i, micro in enumerate(micro_batches):
             with self.micro_step(last=i == n - 1):
                 loss_sum, count = loss_fn(self.model, micro)
-                self.backward(loss_sum, count, samples=None if samples_per_micro is None else samples_per_micro[i],
+                samples = samples_per_micro[i] if samples_per_micro is not None else batch_samples(micro)
+                self.backward(loss_sum, count, samples=self.config.micro_batch if samples is None else samples,
                               flops=None if flops_per_micro is None else flops_per_micro[i])
         return self.step()
 
@@ -790,7 +996,7 @@ class StepDriver:
         if self.global_batch != int(state["global_batch"]):
             logger.warning(
                 "checkpoint global batch %d differs from the schedule's %d at %d %ss; using the schedule",
-                int(state["global_batch"]), self.global_batch, self.schedule_position, self.schedule.unit,
+                int(state["global_batch"]), self.global_batch, self.schedule_position, self.position_unit,
             )
         self._reset_window()
         self._t_last = None

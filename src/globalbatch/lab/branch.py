@@ -398,7 +398,7 @@ def _run_locked(config: BranchConfig, out: Path, task: Any, *, threads: Optional
 
     from globalbatch.checkpoint import load_checkpoint, save_checkpoint
     from globalbatch.lab.loop import Experiment
-    from globalbatch.schedule import TokenLRSchedule
+    from globalbatch.schedule import LRSchedule
 
     check_manifest(out, config.manifest(), section="branch", mutable=("seeds",))
     if threads is not None:
@@ -422,13 +422,13 @@ def _run_locked(config: BranchConfig, out: Path, task: Any, *, threads: Optional
     missing_ckpts = [p for p in config.branch_at if not (ckpt_dir / f"ckpt_{p}.pt").is_file()]
     if missing_ckpts:
         warm = config.base_warmup_units()
-        sched = TokenLRSchedule(peak_lr=config.lr, total=config.branch_at[-1], warmup=warm, shape="constant", unit=unit)
+        sched = LRSchedule(peak_lr=config.lr, total=config.branch_at[-1], warmup=warm, shape="constant")  # in the task's unit
         exp = fresh(config.base_batch, config.lr, sched)
         model, opt, driver = exp.model, exp.optimizer, exp.driver
         order = task.sample_order(config.seed)
         done = [p for p in config.branch_at if p not in missing_ckpts]
         if done:  # resume the base run from its latest checkpoint
-            extra = load_checkpoint(ckpt_dir / f"ckpt_{done[-1]}.pt", model, opt, driver, map_location=exp.device)
+            extra = load_checkpoint(ckpt_dir / f"ckpt_{done[-1]}.pt", driver, map_location=exp.device)
             for _ in range(int(extra["samples_drawn"])):
                 next(order)
         for p in config.branch_at:
@@ -437,7 +437,7 @@ def _run_locked(config: BranchConfig, out: Path, task: Any, *, threads: Optional
             _, secs, _ = _train(exp, order, config.base_batch, until_units=p)
             base_meta["train_s"] += secs
             base_meta["units_per_sample"] = driver.trained_units / max(driver.trained_samples, 1)
-            save_checkpoint(ckpt_dir / f"ckpt_{p}.pt", model, opt, driver,
+            save_checkpoint(ckpt_dir / f"ckpt_{p}.pt", driver,
                             extra={"samples_drawn": driver.consumed_samples, "trained_units": driver.trained_units})
             atomic_write_json(base_meta_path, base_meta)
     bar.advance()

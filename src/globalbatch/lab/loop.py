@@ -12,9 +12,9 @@ same device and precision, and read the same held-out loss:
    accumulation, clipping after accumulation, whole-window skip), the forward pass under
    the precision's autocast, fp16 through a ``GradScaler``;
 4. :meth:`Experiment.train_window` draws the driver's current global batch from a sample
-   order and splits it the same way for every world size: accumulation step ``a`` takes
-   the next ``micro × dp`` samples, rank ``r`` its ``r``-th micro-batch of them — so one
-   process and two ranks train on the same samples in the same windows;
+   order and cuts it with :func:`globalbatch.windows.cut_window`, the library's one cut: accumulation
+   step ``a`` takes the next ``micro × dp`` samples, rank ``r`` its ``r``-th micro-batch of them — so
+   one process and two ranks train on the same samples in the same windows;
 5. :meth:`Experiment.evaluate` reads the held-out loss per unit under
    ``torch.inference_mode`` in eval mode, with a large evaluation batch.
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -32,8 +33,9 @@ import torch.distributed as dist
 from globalbatch.lab.device import Precision, resolve_device
 from globalbatch.lab.tasks import to_device
 from globalbatch.optim import build_optimizer
-from globalbatch.schedule import BatchSchedule, TokenLRSchedule
+from globalbatch.schedule import BatchSchedule, LRSchedule
 from globalbatch.step import StepConfig, StepDriver, StepResult
+from globalbatch.windows import cut_window
 
 __all__ = ["Experiment", "Window", "EVAL_BATCH", "default_micro_batch", "evaluate"]
 
@@ -69,7 +71,7 @@ class Experiment:
         optimizer, lr, weight_decay: the registry name and its settings.
         max_grad_norm: clip after accumulation (None: no clipping).
         seed: model initialisation (the data order is the caller's: ``task.sample_order(seed)``).
-        lr_schedule: a :class:`TokenLRSchedule` over trained units.
+        lr_schedule: an :class:`LRSchedule` over trained units (the task's unit).
         batch_schedule: a :class:`BatchSchedule` instead of a fixed ``batch``.
         callbacks: ``(model, optimizer) -> [callbacks]``: driver callbacks built on this
             experiment's model and optimizer (e.g. a :class:`~globalbatch.noise.NoiseScaleMonitor`).
@@ -91,7 +93,7 @@ class Experiment:
         weight_decay: float = 0.0,
         max_grad_norm: Optional[float] = None,
         seed: int = 0,
-        lr_schedule: Optional[TokenLRSchedule] = None,
+        lr_schedule: Optional[LRSchedule] = None,
         batch_schedule: Optional[BatchSchedule] = None,
         callbacks: Optional[Callable[[torch.nn.Module, torch.optim.Optimizer], Sequence[Any]]] = None,
         device: Any = "cpu",
@@ -125,8 +127,9 @@ class Experiment:
             model, self.optimizer,
             StepConfig(micro_batch=micro_batch, global_batch=None if batch_schedule is not None else batch,
                        batch_schedule=batch_schedule, max_grad_norm=max_grad_norm, lr_schedule=lr_schedule,
-                       loss_unit="token" if getattr(task, "unit", "token") == "token" else "sample",
-                       peak_flops_per_s=None if self.peak is None else self.peak.flops_per_s),
+                       unit="token" if getattr(task, "unit", "token") == "token" else "sample",
+                       peak_flops_per_s=None if self.peak is None else self.peak.flops_per_s,
+                       print_geometry=False),  # the lab's commands print their own tables (and --json)
             scaler=self.precision.grad_scaler(self.device),
             callbacks=list(callbacks(model, self.optimizer)) if callbacks is not None else (),
         )
@@ -141,20 +144,16 @@ class Experiment:
         return loss_sum.float(), count
 
     def split(self, indices: Sequence[int]) -> list[list[int]]:
-        """This rank's micro-batches of one window's ``indices`` (all ranks' samples, in draw order)."""
-        m, w, r = self.micro_batch, self.world, self.rank
-        out = []
-        for a in range(0, len(indices), m * w):
-            mine = list(indices[a + r * m:a + (r + 1) * m])
-            if mine:
-                out.append(mine)
-        return out
+        """Deprecated (FutureWarning): :func:`globalbatch.windows.cut_window` with this experiment's geometry."""
+        warnings.warn("Experiment.split is deprecated; use globalbatch.windows.cut_window(indices, micro_batch, "
+                      "dp_world_size, rank)", FutureWarning, stacklevel=2)
+        return cut_window(indices, self.micro_batch, self.world, self.rank)
 
     def train_window(self, order: Iterator[int], batch: Optional[int] = None) -> Window:
         """Draw one global batch (``batch``, default the driver's current one) from ``order`` and train on it."""
         n = batch if batch is not None else self.driver.global_batch
         drawn = [int(i) for i in itertools.islice(order, n)]
-        micros = self.split(drawn)
+        micros = cut_window(drawn, self.micro_batch, self.world, self.rank)
         batches = [self.task.collate(ix, self.device) for ix in micros]
         flops = None if self.flops_of is None else [self.flops_of(b, len(ix)) for b, ix in zip(batches, micros)]
         result = self.driver.run_window(batches, self.loss_fn, samples_per_micro=[len(ix) for ix in micros],
