@@ -149,5 +149,6 @@ def test_trainer_two_gloo_ranks(tmp_path):
     from conftest import run_torchrun
 
     proc = run_torchrun(Path(__file__).parents[1] / "dist" / "integrations_ddp.py", str(tmp_path))
-    for check in ("hf-ddp-exact", "hf-ddp-pinned", "hf-ddp-noise", "lightning-ddp-exact", "lightning-ddp-noise"):
+    for check in ("hf-ddp-exact", "hf-ddp-pinned", "hf-ddp-noise", "lightning-ddp-exact", "lightning-ddp-bf16",
+                  "lightning-ddp-noise"):
         assert f"PASS {check}" in proc.stdout, proc.stdout[-3000:]
