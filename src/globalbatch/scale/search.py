@@ -318,9 +318,12 @@ def scale(conv: ConvergenceModel, model: ModelSpec, cluster: Cluster, curve: Thr
         if conv.loss_range is not None:
             notes.append(f"target {loss:g} is outside the fitted losses {conv.loss_range[0]:.4g}–{conv.loss_range[1]:.4g}:"
                          " extrapolated; the intervals widen with the fit's standard errors")
-        else:
-            notes.append(f"target {loss:g} comes from a {conv.kind} ({conv.source}) with no stated uncertainty: "
+        elif conv.kind == "prior":
+            notes.append(f"target {loss:g} comes from a prior ({conv.source}) with no stated uncertainty: "
                          f"every number is an extrapolation ({conv.conditions})")
+        else:
+            notes.append(f"the fit was moved to another model size ({conv.source}): every number is an "
+                         "extrapolation under Kaplan's transfer assumptions")
     if best is None:
         notes.append("no GPU count meets the deadline / GPU-hour budget")
     ramp = None
