@@ -110,8 +110,8 @@ def measure_matmul_peak(dtype: str = "fp32", *, size: int = 512, repeats: int = 
 def peak_flops_per_s(*, device: str = "cpu", dtype: str = "fp32", override: Optional[float] = None) -> PeakFlops:
     """The peak to divide by: ``override`` if given, else the table (CUDA), else a measured CPU matmul.
 
-    On CUDA the device name comes from ``torch.cuda.get_device_name`` (untested here: no GPU in
-    this session); an accelerator missing from the table needs ``override``.
+    On CUDA the device name comes from ``torch.cuda.get_device_name`` (not yet run on a
+    GPU); an accelerator missing from the table needs ``override``.
     """
     if override is not None:
         if isinstance(override, bool) or not isinstance(override, (int, float)) or not override > 0 \

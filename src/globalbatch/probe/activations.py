@@ -32,7 +32,7 @@ def forward_backward_peak(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Mo
     model.train()
     device = next(model.parameters()).device
     try:
-        if device.type == "cuda":  # written for CUDA, not run here (no GPU in this session)
+        if device.type == "cuda":  # written for CUDA, not yet run on a GPU
             torch.cuda.synchronize(device)  # host sync: measurement boundary, not a training loop
             torch.cuda.reset_peak_memory_stats(device)
             loss_fn(model, batch).backward()
