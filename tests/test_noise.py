@@ -1122,3 +1122,35 @@ def test_host_weights_leave_count_zero_micro_batches_out():
     assert w_units == [8 / 64, 0.0, 4 / 16] and w_samples == [2 / 64, 0.0, 1 / 16]
     _, (w_units, _), _ = _host_weights([8, 3], [8.0, 0.0], None)
     assert _math.isnan(w_units[1])
+
+
+def test_monitor_built_before_it_is_fed_leaves_out_the_stale_window():
+    """A monitor built windows before it is appended to the driver's callbacks: its hooks saw backward passes
+    nobody fed it, and their norms used to land in the first fed window (tr(Σ) 6.20 instead of 3.12 here).
+    That window is now left out: the estimate equals a monitor built at the next window."""
+    from globalbatch.step import StepConfig, StepDriver
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    x, y = torch.randn(256, 6), torch.randint(0, 3, (256,))
+    gen = torch.Generator().manual_seed(1)
+    wins = [[torch.randint(0, 256, (8,), generator=gen) for _ in range(3)] for _ in range(6)]
+    got = []
+    for built_at, appended_at in ((0, 2), (3, 3)):
+        m = copy.deepcopy(base)
+        driver = StepDriver(m, torch.optim.SGD(m.parameters(), lr=0.0), StepConfig(micro_batch=8, global_batch=24))
+        mon = None
+        for w, idxs in enumerate(wins):
+            if w == built_at:
+                mon = NoiseScaleMonitor(m, unit="sample", config=NoiseConfig(half_life=math.inf))
+            if w == appended_at:
+                driver.callbacks.append(mon)
+            for i, idx in enumerate(idxs):
+                with driver.micro_step(last=i == 2):
+                    driver.backward(torch.nn.functional.cross_entropy(m(x[idx]), y[idx], reduction="sum"), 8,
+                                    samples=8)
+            driver.step()
+        got.append(mon.estimate())
+    a, b = got
+    assert a.windows == b.windows == 3
+    assert a.tr_sigma == pytest.approx(b.tr_sigma, rel=1e-9) and a.g_sq == pytest.approx(b.g_sq, rel=1e-9)

@@ -328,6 +328,11 @@ class NoiseScaleMonitor:
 
     def _start_window(self, *, usable: bool = True) -> None:
         self._in_window = True
+        if self._installed and self._slots.n - self._slots.mark > len(self._hooks):
+            # More norms than one backward writes: backward passes ran with the hooks in place before this
+            # window while nobody fed the monitor (built, then appended to a driver's callbacks later).
+            # Their norms are not this window's: it is left out, and the next one starts clean.
+            usable = False
         self._measuring = self._armed and usable
 
     def _ensure_precond(self) -> bool:
