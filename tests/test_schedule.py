@@ -184,12 +184,12 @@ def test_token_warmup_is_identical_across_batch_sizes():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(peak_lr=0.0, total=10), "peak_lr 0.0"),
+    (dict(peak_lr=0.0, total=10), "peak_lr 0 is not allowed"),
     (dict(peak_lr=1e-3, total=10, warmup=11), "warmup 11 is not allowed; allowed: <= total 10"),
     (dict(peak_lr=1e-3, total=0), "total 0"),
     (dict(peak_lr=1e-3, total=10, shape="step"), "lr shape 'step' is not allowed; allowed: constant, cosine, linear, wsd"),
     (dict(peak_lr=1e-3, total=10, min_lr_ratio=1.5), "min_lr_ratio 1.5"),
-    (dict(peak_lr=1e-3, total=10, decay_fraction=0.0), "decay_fraction 0.0"),
+    (dict(peak_lr=1e-3, total=10, decay_fraction=0.0), "decay_fraction 0 is not allowed"),
     (dict(peak_lr=1e-3, total=10, unit="step"), "unit 'step'"),
 ])
 def test_lr_schedule_errors(kw, match):

@@ -31,13 +31,13 @@ Pure Python, no torch import.
 
 from __future__ import annotations
 
-from globalbatch.errors import SettingError
 import math
 import re
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from globalbatch.errors import Raw, SettingError
 from globalbatch.plan import LR_RULES, fmt_int, parse_count, scale_lr
 
 __all__ = [
@@ -377,7 +377,7 @@ class LRSchedule:
         if self.total < 1:
             raise SettingError("total", self.total, ">= 1")
         if self.warmup > self.total:
-            raise SettingError("warmup", fmt_int(self.warmup), f"<= total {fmt_int(self.total)}")
+            raise SettingError("warmup", Raw(fmt_int(self.warmup)), f"<= total {fmt_int(self.total)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise SettingError("min_lr_ratio", self.min_lr_ratio, "0 <= ratio <= 1")
         if not 0.0 < self.decay_fraction <= 1.0:
