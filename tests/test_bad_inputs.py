@@ -288,6 +288,11 @@ CASES = [
     _c("sweep-device-cuda99", SWEEP + ["--device", "cuda:99"], "--device"),
     _c("sweep-precision", SWEEP + ["--precision", "fp8"], "--precision"),
     _c("sweep-seed-word", SWEEP + ["--seed", "x"], "--seed"),
+    _c("sweep-budget-zero", SWEEP + ["--budget", "0"], "--budget"),
+    _c("sweep-budget-word", SWEEP + ["--budget", "cheap"], "--budget"),
+    _c("sweep-budget-nan", SWEEP + ["--budget", "nan"], "--budget"),
+    _c("sweep-budget-fraction-above-1", SWEEP + ["--budget", "1.5"], "--budget"),
+    _c("sweep-budget-too-small", SWEEP + ["--seeds", "0,1", "--lrs", "1e-3,2e-3", "--budget", "1%"], "--budget"),
     # sweep: tasks
     _c("sweep-task-unknown", SWEEP + ["--task", "nosuch"], "--task"),
     _c("sweep-task-syntax-error", SWEEP[:-len(TINY)] + ["--task", "syn.py:make_task"], "--task", "syn"),

@@ -61,8 +61,9 @@ def test_world_size_change_from_config_keeps_the_global_batch():
     bad = cli("plan", "--config", cfg, "--dp", "96")
     assert bad.returncode == 2
     assert bad.stderr.strip() == (
-        "error: global batch 1024 is not divisible by micro_batch 2 × dp 96 = 192; "
-        "nearest valid global batches: 960 or 1152; pass --round-down to drop the remainder explicitly"
+        "error: --dp 96 is not allowed (global batch 1024 is not divisible by micro_batch 2 × dp 96 = 192; "
+        "nearest valid global batches: 960 or 1152); allowed: a world size where micro_batch 2 × dp divides 1024, "
+        "or --round-down to drop the remainder explicitly"
     )
     ok = json.loads(cli("plan", "--config", cfg, "--dp", "96", "--round-down", "--json").stdout)
     assert ok["global_batch_sequences"] == 960 and ok["dp_change"]["dropped_samples_per_step"] == 64

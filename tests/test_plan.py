@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from globalbatch import plan as P
+from globalbatch.errors import SettingError
 
 ints = st.integers(min_value=1, max_value=4096)
 
@@ -64,7 +65,8 @@ def test_solve_accum_errors_exactly_when_not_divisible(g, m, d):
 
 
 def test_error_messages_quote_the_numbers():
-    with pytest.raises(ValueError, match=r"^global batch 1000 is not divisible by micro_batch 4 × dp 64 = 256; nearest valid global batches: 768 or 1024$"):
+    with pytest.raises(ValueError, match=r"^global_batch 1000 is not allowed \(global batch 1000 is not divisible by micro_batch 4 × dp 64 = 256; "
+                       r"nearest valid global batches: 768 or 1024\); allowed: a multiple of 256$"):
         P.solve_geometry(global_batch=1000, micro_batch=4, dp_world_size=64)
     with pytest.raises(ValueError, match=r"global batch 1000 != micro_batch 4 × grad_accum 4 × dp 64 = 1024"):
         P.solve_geometry(global_batch=1000, micro_batch=4, grad_accum_steps=4, dp_world_size=64)
@@ -95,7 +97,7 @@ def test_rescale_dp_keeps_the_global_batch_or_errors(m, a, d, d2):
         assert res.geometry.micro_batch == m and res.geometry.dp_world_size == d2
         assert res.dropped_samples_per_step == 0
     else:
-        with pytest.raises(ValueError, match="--round-down"):
+        with pytest.raises(SettingError, match="round_down=True"):  # the library names its parameter
             P.rescale_dp(geo, d2)
         if geo.global_batch >= m * d2:
             res = P.rescale_dp(geo, d2, round_down=True)
@@ -120,7 +122,7 @@ def test_lr_rules():
     assert P.scale_lr(1e-3, 256, 1024, "linear") == pytest.approx(4e-3, rel=1e-15)
     assert P.scale_lr(1e-3, 256, 1024, "sqrt") == pytest.approx(2e-3, rel=1e-15)
     assert P.scale_lr(1e-3, 256, 1024, "none") == 1e-3
-    with pytest.raises(ValueError, match="lr rule 'cubic' is not allowed; allowed: linear, sqrt, none"):
+    with pytest.raises(ValueError, match="lr_rule 'cubic' is not allowed; allowed: linear, sqrt, none"):
         P.scale_lr(1e-3, 1, 2, "cubic")
     with pytest.raises(ValueError, match="from_batch 0"):
         P.scale_lr(1e-3, 0, 2, "sqrt")

@@ -40,16 +40,29 @@ class SettingError(ValueError):
     """A bad setting: ``<name> <value> is not allowed; allowed: <allowed>``.
 
     ``field`` is the library's name of the setting; :func:`flag_names` renames it to the
-    command-line flag the user typed (``budget`` → ``--tokens``).
+    command-line flag the user typed (``budget`` → ``--tokens``). ``see`` names other settings the
+    message mentions: ``{"round_down=True": "round_down"}`` — that spelling in ``allowed`` or ``why``
+    is the library's; :meth:`text` with ``names`` writes the flag there instead (``--round-down``).
     """
 
-    def __init__(self, field: str, value: Any, allowed: str, *, why: str = "", flag: bool = False) -> None:
+    def __init__(self, field: str, value: Any, allowed: str, *, why: str = "", flag: bool = False,
+                 see: Mapping[str, str] | None = None) -> None:
         self.field, self.value, self.allowed, self.why = field, value, allowed, why
+        self.see = dict(see or {})
         super().__init__(self.text(field, flag=flag))
 
-    def text(self, name: str, *, flag: bool = True) -> str:
-        why = f" ({self.why})" if self.why else ""
-        return f"{name} {_show(self.value, flag)} is not allowed{why}; allowed: {self.allowed}"
+    def text(self, name: str, *, flag: bool = True, names: Mapping[str, str] | None = None) -> str:
+        """The line naming the setting ``name``; ``names`` (field → flag) renames the settings of ``see``."""
+        allowed, why = self._renamed(names)
+        why = f" ({why})" if why else ""
+        return f"{name} {_show(self.value, flag)} is not allowed{why}; allowed: {allowed}"
+
+    def _renamed(self, names: Mapping[str, str] | None) -> tuple[str, str]:
+        allowed, why = self.allowed, self.why
+        for spelled, field in self.see.items():
+            if names and field in names:
+                allowed, why = allowed.replace(spelled, names[field]), why.replace(spelled, names[field])
+        return allowed, why
 
 
 @contextmanager
@@ -60,4 +73,5 @@ def flag_names(names: Mapping[str, str]) -> Iterator[None]:
     except SettingError as exc:
         if exc.field not in names:
             raise
-        raise SettingError(names[exc.field], exc.value, exc.allowed, why=exc.why, flag=True) from None
+        allowed, why = exc._renamed(names)
+        raise SettingError(names[exc.field], exc.value, allowed, why=why, flag=True) from None

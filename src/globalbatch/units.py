@@ -9,6 +9,8 @@ import math
 import re
 from decimal import Decimal, InvalidOperation
 
+from globalbatch.errors import SettingError
+
 __all__ = ["parse_count", "parse_bytes", "fmt_int"]
 
 
@@ -48,12 +50,12 @@ _MAX_EXPONENT = 30
 def _parse(text: object, field_name: str, table: dict[str, int], allowed: str) -> Decimal:
     """Parse exactly (Decimal): ``'4.1B'`` is 4,100,000,000, not 4,099,999,999.9999995."""
     if isinstance(text, bool):
-        raise ValueError(f"{field_name} {text!r} is not allowed; allowed: {allowed}")
+        raise SettingError(field_name, text, allowed)
     if isinstance(text, int):
         value = Decimal(text)
     elif isinstance(text, float):
         if not math.isfinite(text) or abs(text) >= 10.0 ** (_MAX_EXPONENT + 1):
-            raise ValueError(f"{field_name} {text!r} is not allowed; allowed: {allowed}, at most 1e{_MAX_EXPONENT}")
+            raise SettingError(field_name, text, f"{allowed}, at most 1e{_MAX_EXPONENT}")
         value = Decimal(repr(text))
     else:
         match = _QTY.match(str(text))
@@ -68,7 +70,7 @@ def _parse(text: object, field_name: str, table: dict[str, int], allowed: str) -
         except InvalidOperation:  # pragma: no cover - the regex admits only valid numbers
             raise ValueError(f"{field_name} {text!r} is not a quantity; allowed: {allowed}") from None
     if value < 0:
-        raise ValueError(f"{field_name} {text!r} is not allowed; allowed: {allowed}")
+        raise SettingError(field_name, text, allowed)
     if value != 0 and value.adjusted() > _MAX_EXPONENT:
         raise ValueError(f"{field_name} {text!r} is too large; allowed: {allowed}, at most 1e{_MAX_EXPONENT}")
     return value

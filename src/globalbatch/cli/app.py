@@ -104,11 +104,11 @@ def setting_line(exc: Exception, command_name: Optional[str]) -> str:
     field = getattr(exc, "field", "")
     if command_name and not field.startswith("-"):
         try:
-            flag = flag_names_of(command_name).get(field)
+            names = flag_names_of(command_name)
         except KeyError:
-            flag = None
-        if flag is not None:
-            return exc.text(flag)  # type: ignore[attr-defined]
+            names = {}
+        if field in names:
+            return exc.text(names[field], names=names)  # type: ignore[attr-defined]
     return str(exc)
 
 

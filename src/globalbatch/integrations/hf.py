@@ -42,6 +42,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from globalbatch.errors import SettingError
 from globalbatch.integrations import require
 from globalbatch.integrations._common import WindowMeter, check_plan, derive_grad_accum_steps, noise_metrics, plan_line
 from globalbatch.losses import IGNORE_INDEX, LossHead, causal_lm_head
@@ -80,7 +81,7 @@ class GlobalBatchCallback(TrainerCallback):
     def __init__(self, *, global_batch: Optional[int] = None, noise: bool = True, noise_config: Any = None) -> None:
         if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
                                          or global_batch < 1):
-            raise ValueError(f"global_batch {global_batch!r} is not allowed; allowed: a whole number >= 1 or None")
+            raise SettingError("global_batch", global_batch, "a whole number >= 1 or None")
         self.global_batch = global_batch
         self.noise = bool(noise)
         self.noise_config = noise_config

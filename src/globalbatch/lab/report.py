@@ -34,7 +34,7 @@ import numpy as np
 
 from globalbatch.critical import Analysis, ema_smooth
 from globalbatch._util import atomic_write, atomic_write_json, atomic_write_text
-from globalbatch.critical.seeds import SeedAnalysis, seed_analysis_json
+from globalbatch.critical.seeds import SeedAnalysis, lr_selection_text, seed_analysis_json
 from globalbatch.lab.sweep import SweepData, analyze_sweep, analyze_sweep_seeds
 
 __all__ = ["ReportResult", "write_report", "analysis_table", "batch_label", "render_html"]
@@ -448,7 +448,17 @@ def seed_json(data: SweepData, sa: SeedAnalysis) -> dict:
     doc = seed_analysis_json(sa, lambda u: _samples(data, u))
     doc["grid"] = data.config.manifest()["grid"]
     doc["missing"] = data.missing
+    doc["design"] = {"name": data.config.design, "statement": _design_text(data)}
     return doc
+
+
+def _design_text(data: SweepData) -> str:
+    """The sweep's design (a cheaper one than the full grid says so, with its measured agreement)."""
+    from globalbatch.lab.sweep.designs import design_statement
+
+    cfg = data.config
+    n_seeds = len(cfg.seeds) if cfg.seeds is not None else 1
+    return design_statement(cfg.design, len(cfg.batches), len(cfg.lrs), n_seeds)
 
 
 # ---------------------------------------------------------------------------
@@ -490,6 +500,8 @@ def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, 
             "target); fits per seed (non-monotone cells flagged and left out), the median "
             "over seeds with the seed range and a bootstrap over seeds, and one joint fit of B_crit(L) = B_ref·(L/L_ref)^k "
             "across targets and seeds.</p>"
+            + f"<p>{html.escape(lr_selection_text(sa))}</p>"
+            + (f"<p class='warn'>{html.escape(_design_text(data))}</p>" if _design_text(data) else "")
             + _table_html(STEPS_HEADER, _steps_rows(data, sa)) + _table_html(SEED_HEADER, _seed_rows(data, sa))
             + "".join(f"<p class='warn'>{html.escape(w)}</p>" for w in sa.warnings if w not in analysis.warnings)
             + ("".join(f"<p>B_simple at loss {t:.4f} (chosen-LR trials; depends on the LR): local "

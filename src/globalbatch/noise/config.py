@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from globalbatch.errors import SettingError
 from globalbatch.validate import number
 
 __all__ = ["SOURCES", "NoiseConfig"]
@@ -14,7 +15,7 @@ SOURCES = ("micro", "rank")
 
 def _check_every(every: Any) -> int:
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"every {every!r} is not allowed; allowed: a whole number ≥ 1 (measure one window in n)")
+        raise SettingError("every", every, "a whole number ≥ 1 (measure one window in n)")
     return every
 
 
@@ -60,21 +61,21 @@ class NoiseConfig:
             self.sources = (self.sources,)
         bad = [s for s in self.sources if s not in SOURCES]
         if bad or not self.sources:
-            raise ValueError(f"sources {self.sources!r} is not allowed; allowed: a non-empty subset of {SOURCES}")
+            raise SettingError("sources", self.sources, f"a non-empty subset of {SOURCES}")
         if self.half_life is not None and not self.half_life > 0:
-            raise ValueError(f"half_life {self.half_life!r} is not allowed; allowed: > 0 units, None or math.inf")
+            raise SettingError("half_life", self.half_life, "> 0 units, None or math.inf")
         if not self.half_life_windows > 0:
-            raise ValueError(f"half_life_windows {self.half_life_windows!r} is not allowed; allowed: > 0")
+            raise SettingError("half_life_windows", self.half_life_windows, "> 0")
         _check_every(self.every)
         if self.budget is not None:
             number(self.budget, "budget", low=0.0, high=1.0, low_open=True, high_open=True,
                    allowed="a fraction of the step time, 0 < budget < 1 (0.02: 2 %), or None")
         if not 0.0 < self.confidence < 1.0:
-            raise ValueError(f"confidence {self.confidence!r} is not allowed; allowed: 0 < confidence < 1")
+            raise SettingError("confidence", self.confidence, "0 < confidence < 1")
         if isinstance(self.min_windows, bool) or not isinstance(self.min_windows, int) or self.min_windows < 2:
-            raise ValueError(f"min_windows {self.min_windows!r} is not allowed; allowed: an int ≥ 2")
+            raise SettingError("min_windows", self.min_windows, "an int ≥ 2")
         if not self.max_relative_stderr > 0:
-            raise ValueError(f"max_relative_stderr {self.max_relative_stderr!r} is not allowed; allowed: > 0")
+            raise SettingError("max_relative_stderr", self.max_relative_stderr, "> 0")
         if not self.max_interval_ratio > 1:
             raise ValueError(f"max_interval_ratio {self.max_interval_ratio!r} is not allowed; allowed: > 1 "
                              "(or math.inf)")

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from globalbatch.errors import SettingError
+
 __all__ = [
     "NEEDS_TWO_BATCH_SIZES",
     "WindowStats",
@@ -84,7 +86,7 @@ def window_estimates(small_sq_norms: Any, small_counts: Any, big_sq_norm: Any, b
     big = total if big_count is None else _as_tensor(big_count, sq.device).reshape(())
     if counts.device.type == "cpu" and big.device.type == "cpu":  # validation only where it costs no sync
         if bool((counts <= 0).any()):
-            raise ValueError(f"small_counts {counts.tolist()} is not allowed; allowed: every count > 0")
+            raise SettingError("small_counts", counts.tolist(), "every count > 0")
         if not math.isclose(float(total), float(big), rel_tol=1e-9):
             raise ValueError(f"big_count {float(big):g} is not allowed; allowed: sum(small_counts) = {float(total):g} "
                              "(the small batches partition the big one)")
@@ -249,19 +251,19 @@ class NoiseScaleEstimator:
                  max_interval_ratio: float = 2.0, device: torch.device | str | None = None,
                  state: torch.Tensor | None = None) -> None:
         if unit not in ("token", "sample"):
-            raise ValueError(f"unit {unit!r} is not allowed; allowed: 'token' or 'sample'")
+            raise SettingError("unit", unit, "'token' or 'sample'")
         if half_life is not None and not half_life > 0:
-            raise ValueError(f"half_life {half_life!r} is not allowed; allowed: > 0 units, None or math.inf")
+            raise SettingError("half_life", half_life, "> 0 units, None or math.inf")
         if not half_life_windows > 0:
-            raise ValueError(f"half_life_windows {half_life_windows!r} is not allowed; allowed: > 0")
+            raise SettingError("half_life_windows", half_life_windows, "> 0")
         if not 0.0 < confidence < 1.0:
-            raise ValueError(f"confidence {confidence!r} is not allowed; allowed: 0 < confidence < 1")
+            raise SettingError("confidence", confidence, "0 < confidence < 1")
         if min_windows < 2:
-            raise ValueError(f"min_windows {min_windows!r} is not allowed; allowed: ≥ 2 (a variance needs two windows)")
+            raise SettingError("min_windows", min_windows, "≥ 2 (a variance needs two windows)")
         if not max_relative_stderr > 0:
-            raise ValueError(f"max_relative_stderr {max_relative_stderr!r} is not allowed; allowed: > 0")
+            raise SettingError("max_relative_stderr", max_relative_stderr, "> 0")
         if not max_interval_ratio > 1:
-            raise ValueError(f"max_interval_ratio {max_interval_ratio!r} is not allowed; allowed: > 1 (or math.inf)")
+            raise SettingError("max_interval_ratio", max_interval_ratio, "> 1 (or math.inf)")
         self.unit = unit
         self.half_life = half_life
         self.half_life_windows = float(half_life_windows)

@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import torch
 
+from globalbatch.errors import SettingError
 from globalbatch.noise.estimator import (
     _B0,
     _STATE_LEN,
@@ -119,7 +120,7 @@ class NoiseScaleMonitor:
         self._every_changes: list[tuple[int, int]] = []
         self._arm_s = self._arm_mark = self._arm_carry = 0.0  # seconds spent adding and removing hooks
         if unit not in (None, "token", "sample"):
-            raise ValueError(f"unit {unit!r} is not allowed; allowed: 'token', 'sample' or None (follow the loss)")
+            raise SettingError("unit", unit, "'token', 'sample' or None (follow the loss)")
         self._unit = unit
         self.optimizer = optimizer
         if self.config.adam and optimizer is None:

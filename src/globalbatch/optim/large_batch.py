@@ -46,6 +46,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from globalbatch.errors import SettingError
+
 __all__ = ["LARS", "LAMB"]
 
 
@@ -53,7 +55,7 @@ def _check(name: str, value: float, low: float, high: float = float("inf"), *, o
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not number or ((value <= low) if open_low else (value < low)) or value > high:
         rng = f"{'>' if open_low else '>='} {low}" + ("" if high == float("inf") else f" and <= {high}")
-        raise ValueError(f"{name} {value!r} is not allowed; allowed: a number {rng}")
+        raise SettingError(name, value, f"a number {rng}")
 
 
 def _trust_ratio(numerator: torch.Tensor, denominator: torch.Tensor, coefficient: float = 1.0) -> torch.Tensor:
@@ -142,7 +144,7 @@ class LAMB(torch.optim.Optimizer):
                  max_weight_norm: Optional[float] = 10.0, exclude_1d: bool = True, trust_ratio: bool = True) -> None:
         _check("lr", lr, 0.0, open_low=True)
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"betas {betas!r} is not allowed; allowed: two numbers in [0, 1)")
+            raise SettingError("betas", betas, "two numbers in [0, 1)")
         for i, b in enumerate(betas):
             _check(f"betas[{i}]", b, 0.0, 1.0)
             if b == 1.0:

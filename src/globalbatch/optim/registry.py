@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from globalbatch.errors import SettingError
+
 __all__ = ["OptimizerRecipe", "OPTIMIZERS", "optimizer_names", "register_optimizer", "build_optimizer",
            "decay_param_groups", "lr_scaling_rule", "lr_for_batch"]
 
@@ -45,7 +47,7 @@ OPTIMIZERS: dict[str, OptimizerRecipe] = {}
 def register_optimizer(recipe: OptimizerRecipe) -> OptimizerRecipe:
     """Add (or replace) a recipe; returns it."""
     if recipe.lr_scaling not in ("sqrt", "linear"):
-        raise ValueError(f"lr_scaling {recipe.lr_scaling!r} is not allowed; allowed: sqrt, linear")
+        raise SettingError("lr_scaling", recipe.lr_scaling, "sqrt, linear")
     OPTIMIZERS[recipe.name] = recipe
     return recipe
 
@@ -90,7 +92,7 @@ def _recipe(name: str) -> OptimizerRecipe:
     try:
         return OPTIMIZERS[name]
     except KeyError:
-        raise ValueError(f"optimizer {name!r} is not allowed; allowed: {', '.join(OPTIMIZERS)}") from None
+        raise SettingError("optimizer", name, ", ".join(OPTIMIZERS)) from None
 
 
 def decay_param_groups(params_or_model: Any, weight_decay: float) -> list[dict[str, Any]]:

@@ -57,9 +57,9 @@ def _positive_int(name: str, value: object) -> int:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
-            raise ValueError(f"{name} {value!r} is not an integer; allowed: a whole number ≥ 1")
+            raise SettingError(name, value, "a whole number ≥ 1")
     if value < 1:
-        raise ValueError(f"{name} {value} is not allowed; allowed: a whole number ≥ 1")
+        raise SettingError(name, value, "a whole number ≥ 1")
     return value
 
 
@@ -86,10 +86,9 @@ class BatchGeometry:
             _positive_int(name, getattr(self, name))
         product = self.micro_batch * self.grad_accum_steps * self.dp_world_size
         if product != self.global_batch:
-            raise ValueError(
-                f"global batch {self.global_batch} != micro_batch {self.micro_batch} × "
-                f"grad_accum {self.grad_accum_steps} × dp {self.dp_world_size} = {product}"
-            )
+            raise SettingError("global_batch", self.global_batch, f"micro_batch × grad_accum_steps × dp_world_size = {product}",
+                               why=f"global batch {self.global_batch} != micro_batch {self.micro_batch} × "
+                                   f"grad_accum {self.grad_accum_steps} × dp {self.dp_world_size} = {product}")
 
     @property
     def samples_per_rank_per_step(self) -> int:
@@ -131,10 +130,8 @@ def solve_geometry(
             given[name] = _positive_int(name, value)
     missing = [k for k, v in given.items() if v is None]
     if len(missing) > 1:
-        raise ValueError(
-            f"cannot solve the batch geometry: {', '.join(missing)} are missing; "
-            "allowed: give at least three of global_batch, micro_batch, grad_accum_steps, dp_world_size"
-        )
+        raise SettingError(missing[0], None, "at least three of global_batch, micro_batch, grad_accum_steps, dp_world_size",
+                           why=f"cannot solve the batch geometry: {', '.join(missing)} are missing")
     g, m, a, d = (given[k] for k in ("global_batch", "micro_batch", "grad_accum_steps", "dp_world_size"))
     if not missing:
         return BatchGeometry(global_batch=g, micro_batch=m, grad_accum_steps=a, dp_world_size=d)
@@ -149,9 +146,9 @@ def solve_geometry(
         (name1, f1), (name2, f2) = factors
         denom = f1 * f2
         if g % denom:
-            raise ValueError(
-                f"global batch {g} is not divisible by {name1} {f1} × {name2} {f2} = {denom}" + _nearest_hint(g, denom)
-            )
+            raise SettingError("global_batch", g, f"a multiple of {denom}",
+                               why=f"global batch {g} is not divisible by {name1} {f1} × {name2} {f2} = {denom}"
+                                   + _nearest_hint(g, denom))
         solved = g // denom
         m, a, d = (solved if key == target else v for key, v in
                    (("micro_batch", m), ("grad_accum_steps", a), ("dp_world_size", d)))
@@ -192,17 +189,14 @@ def rescale_dp(
         new = solve_geometry(global_batch=g, micro_batch=m, dp_world_size=dp)
         return DpRescale(geometry=new, requested_global_batch=g, dropped_samples_per_step=0)
     if not round_down:
-        raise ValueError(
-            f"global batch {g} is not divisible by micro_batch {m} × dp {dp} = {per_accum}"
-            + _nearest_hint(g, per_accum)
-            + "; pass --round-down to drop the remainder explicitly"
-        )
+        raise SettingError("dp_world_size", dp, f"a world size where micro_batch {m} × dp divides {g}, or round_down=True "
+                           "to drop the remainder explicitly", see={"round_down=True": "round_down"},
+                           why=f"global batch {g} is not divisible by micro_batch {m} × dp {dp} = {per_accum}"
+                               + _nearest_hint(g, per_accum))
     accum = g // per_accum
     if accum < 1:
-        raise ValueError(
-            f"global batch {g} is smaller than micro_batch {m} × dp {dp} = {per_accum}; "
-            "allowed: a smaller micro_batch or dp"
-        )
+        raise SettingError("dp_world_size", dp, "a smaller micro_batch or dp",
+                           why=f"global batch {g} is smaller than micro_batch {m} × dp {dp} = {per_accum}")
     new = solve_geometry(micro_batch=m, grad_accum_steps=accum, dp_world_size=dp)
     return DpRescale(
         geometry=new, requested_global_batch=g, dropped_samples_per_step=g - new.global_batch
@@ -220,9 +214,9 @@ def optimizer_steps(total_tokens: float, tokens_per_step: float) -> int:
     Use valid (non-padding) tokens for both when they are known.
     """
     if not total_tokens > 0:
-        raise ValueError(f"total_tokens {total_tokens} is not allowed; allowed: > 0")
+        raise SettingError("total_tokens", total_tokens, "> 0")
     if not tokens_per_step > 0:
-        raise ValueError(f"tokens_per_step {tokens_per_step} is not allowed; allowed: > 0")
+        raise SettingError("tokens_per_step", tokens_per_step, "> 0")
     # Exact rational arithmetic: whole token counts divide exactly, and a budget smaller
     # than one step still needs one step.
     steps = Fraction(total_tokens) / Fraction(tokens_per_step)
@@ -236,12 +230,12 @@ def scale_lr(lr: float, from_batch: float, to_batch: float, rule: str) -> float:
     (Krizhevsky 2014; Adam-type); ``none``: unchanged.
     """
     if rule not in LR_RULES:
-        raise ValueError(f"lr rule {rule!r} is not allowed; allowed: {', '.join(LR_RULES)}")
+        raise SettingError("lr_rule", rule, ", ".join(LR_RULES))
     if not lr > 0:
-        raise ValueError(f"lr {lr} is not allowed; allowed: > 0")
+        raise SettingError("lr", lr, "> 0")
     for name, b in (("from_batch", from_batch), ("to_batch", to_batch)):
         if not b > 0:
-            raise ValueError(f"{name} {b} is not allowed; allowed: > 0")
+            raise SettingError(name, b, "> 0")
     ratio = to_batch / from_batch
     if rule == "linear":
         return lr * ratio
@@ -253,7 +247,7 @@ def scale_lr(lr: float, from_batch: float, to_batch: float, rule: str) -> float:
 def warmup_tokens_to_steps(warmup_tokens: float, tokens_per_step: float) -> int:
     """Warmup length in optimizer steps for a batch of ``tokens_per_step`` (ceil)."""
     if warmup_tokens < 0:
-        raise ValueError(f"warmup_tokens {warmup_tokens} is not allowed; allowed: ≥ 0")
+        raise SettingError("warmup_tokens", warmup_tokens, "≥ 0")
     if warmup_tokens == 0:
         return 0
     return optimizer_steps(warmup_tokens, tokens_per_step)
@@ -262,9 +256,9 @@ def warmup_tokens_to_steps(warmup_tokens: float, tokens_per_step: float) -> int:
 def warmup_steps_to_tokens(warmup_steps: int, tokens_per_step: float) -> float:
     """Warmup length in tokens for ``warmup_steps`` steps of ``tokens_per_step``."""
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps {warmup_steps!r} is not allowed; allowed: a whole number ≥ 0")
+        raise SettingError("warmup_steps", warmup_steps, "a whole number ≥ 0")
     if not tokens_per_step > 0:
-        raise ValueError(f"tokens_per_step {tokens_per_step} is not allowed; allowed: > 0")
+        raise SettingError("tokens_per_step", tokens_per_step, "> 0")
     return warmup_steps * tokens_per_step
 
 
@@ -325,7 +319,7 @@ def min_global_batch_for_bubble(
     m ≥ (p − 1) / (v · target), global = m × micro × dp.
     """
     if not 0 < max_bubble_fraction:
-        raise ValueError(f"max_bubble_fraction {max_bubble_fraction} is not allowed; allowed: > 0")
+        raise SettingError("max_bubble_fraction", max_bubble_fraction, "> 0")
     p = _positive_int("pp_stages", pp_stages)
     v = _positive_int("virtual_stages", virtual_stages)
     m = max(1, math.ceil((p - 1) / (v * max_bubble_fraction) - 1e-12))
@@ -344,7 +338,7 @@ def allreduce_bytes_per_rank(
     n = _positive_int("dp_world_size", dp_world_size)
     a = _positive_int("grad_accum_steps", grad_accum_steps)
     if grad_bytes < 0:
-        raise ValueError(f"grad_bytes {grad_bytes} is not allowed; allowed: ≥ 0")
+        raise SettingError("grad_bytes", grad_bytes, "≥ 0")
     syncs = 1 if no_sync else a
     return 2 * (n - 1) / n * grad_bytes * syncs
 
@@ -386,7 +380,7 @@ def scaling_law_priors(
     """
     for name, v in (("params", params), ("tokens", tokens), ("compute_flops", compute_flops), ("loss_nats", loss_nats)):
         if v is not None and not v > 0:
-            raise ValueError(f"{name} {v} is not allowed; allowed: > 0")
+            raise SettingError(name, v, "> 0")
     out: list[Prior] = []
     c = compute_flops if compute_flops is not None else (6 * params * tokens if params and tokens else None)
     if c is not None:

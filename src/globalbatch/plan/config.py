@@ -154,7 +154,7 @@ def _coerce(name: str, value: Any) -> Any:
         if isinstance(value, str) and value.strip().replace(",", "").replace("_", "").isdigit():
             value = P.parse_count(value, name)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name} {value!r} is not allowed; allowed: a whole number")
+            raise SettingError(name, value, "a whole number")
         return P._positive_int(name, value) if name != "warmup_steps" else _nonneg_int(name, value)
     if name in _FLOAT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -163,26 +163,26 @@ def _coerce(name: str, value: Any) -> Any:
             except ValueError:
                 raise ValueError(f"{name} {value!r} is not a number; allowed: a number") from None
         if not math.isfinite(value):
-            raise ValueError(f"{name} {value!r} is not allowed; allowed: a finite number")
+            raise SettingError(name, value, "a finite number")
         if name == "padding_fraction" and not 0 <= value < 1:
-            raise ValueError(f"{name} {value!r} is not allowed; allowed: 0 ≤ x < 1")
+            raise SettingError(name, value, "0 ≤ x < 1")
         if name != "padding_fraction" and value <= 0:
-            raise ValueError(f"{name} {value!r} is not allowed; allowed: a number > 0")
+            raise SettingError(name, value, "a number > 0")
         return float(value)
     if name in _BOOL_FIELDS:
         if not isinstance(value, bool):
-            raise ValueError(f"{name} {value!r} is not allowed; allowed: true or false")
+            raise SettingError(name, value, "true or false")
         return value
     if name == "lr_rule":
         if value not in P.LR_RULES:
-            raise ValueError(f"lr_rule {value!r} is not allowed; allowed: {', '.join(P.LR_RULES)}")
+            raise SettingError("lr_rule", value, ", ".join(P.LR_RULES))
         return str(value)
     raise ValueError(f"{name} is not a PlanConfig field")  # pragma: no cover
 
 
 def _nonneg_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} {value!r} is not allowed; allowed: a whole number ≥ 0")
+        raise SettingError(name, value, "a whole number ≥ 0")
     return value
 
 
@@ -392,7 +392,7 @@ def _file_lr(value: Any, name: str) -> float:
     """A learning rate read from another tool's file: a finite number > 0, never silently dropped."""
     lr = _number(value)
     if lr is None or not math.isfinite(lr) or lr <= 0:
-        raise ValueError(f"{name} {value!r} is not allowed; allowed: a finite number > 0 (or leave it out)")
+        raise SettingError(name, value, "a finite number > 0 (or leave it out)")
     return lr
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from globalbatch.errors import SettingError
 from globalbatch.probe import memory  # memory.release_memory() looked up per call: tests patch it
 from globalbatch.probe.memory import _CpuTensorPeak, _read_status_kib, _reset_peak_rss, _static_bytes, is_oom_error
 from globalbatch.probe.search import (
@@ -43,14 +44,14 @@ class TrialConfig:
     def __post_init__(self) -> None:
         if isinstance(self.steps_per_trial, bool) or not isinstance(self.steps_per_trial, int) \
                 or self.steps_per_trial < 1:
-            raise ValueError(f"steps_per_trial {self.steps_per_trial!r} is not allowed; allowed: an int ≥ 1")
+            raise SettingError("steps_per_trial", self.steps_per_trial, "an int ≥ 1")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 1:
             raise ValueError(f"warmup_steps {self.warmup_steps!r} is not allowed; allowed: an int ≥ 1 "
                              "(the first step allocates optimizer state)")
         if self.cpu_memory not in ("tensors", "rss"):
-            raise ValueError(f"cpu_memory {self.cpu_memory!r} is not allowed; allowed: 'tensors' or 'rss'")
+            raise SettingError("cpu_memory", self.cpu_memory, "'tensors' or 'rss'")
         if self.memory_limit_bytes is not None and self.memory_limit_bytes < 1:
-            raise ValueError(f"memory_limit_bytes {self.memory_limit_bytes} is not allowed; allowed: None or ≥ 1")
+            raise SettingError("memory_limit_bytes", self.memory_limit_bytes, "None or ≥ 1")
 
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from globalbatch.errors import SettingError
 from globalbatch.plan import BatchGeometry, solve_geometry
 from globalbatch.probe import memory  # memory.release_memory() looked up per call: tests patch it
 from globalbatch.probe.memory import MemoryModel, fit_memory_model, is_oom_error
@@ -110,7 +111,7 @@ class ProbeConfig:
         for name in ("max_micro_batch", "start_micro_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} {value!r} is not allowed; allowed: an int ≥ 1")
+                raise SettingError(name, value, "an int ≥ 1")
         # A start above the cap only moves the first trial: capping it keeps the search exact.
         self.start_micro_batch = min(self.start_micro_batch, self.max_micro_batch)
         if self.memory_limit_bytes is not None and (
@@ -119,9 +120,9 @@ class ProbeConfig:
             raise ValueError(f"memory_limit_bytes {self.memory_limit_bytes!r} is not allowed; "
                              "allowed: None or an int ≥ 1")
         if not (isinstance(self.tolerance, (int, float)) and 0 <= self.tolerance < 1):
-            raise ValueError(f"tolerance {self.tolerance!r} is not allowed; allowed: 0 ≤ tolerance < 1")
+            raise SettingError("tolerance", self.tolerance, "0 ≤ tolerance < 1")
         if self.max_prediction_misses < 0:
-            raise ValueError(f"max_prediction_misses {self.max_prediction_misses} is not allowed; allowed: ≥ 0")
+            raise SettingError("max_prediction_misses", self.max_prediction_misses, "≥ 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -467,7 +468,7 @@ def probe_micro_batch(
     """
     if global_batch is not None:
         if isinstance(dp_world_size, bool) or not isinstance(dp_world_size, int) or dp_world_size < 1:
-            raise ValueError(f"dp_world_size {dp_world_size!r} is not allowed; allowed: an int ≥ 1")
+            raise SettingError("dp_world_size", dp_world_size, "an int ≥ 1")
         if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch % dp_world_size \
                 or global_batch < 1:
             raise ValueError(f"global_batch {global_batch!r} is not allowed with dp {dp_world_size}; "

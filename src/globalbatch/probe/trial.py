@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import torch
 
+from globalbatch.errors import SettingError
+
 log = logging.getLogger(__name__)
 
 # The all-reduced per-trial record: flag, peak bytes, step seconds, tokens per step, −capacity.
@@ -89,7 +91,7 @@ class TrialResult:
 
     def __post_init__(self) -> None:
         if isinstance(self.micro_batch, bool) or not isinstance(self.micro_batch, int) or self.micro_batch < 1:
-            raise ValueError(f"micro_batch {self.micro_batch!r} is not allowed; allowed: an int ≥ 1")
+            raise SettingError("micro_batch", self.micro_batch, "an int ≥ 1")
 
     @property
     def fits(self) -> bool:
