@@ -443,8 +443,8 @@ def test_example_library_and_checkpoint_errors_are_one_line_exit_2(tmp_path, cap
     main = _example_main()
     assert main(_TINY + ["--steps", "1", "--micro-batch", "3"]) == 2  # found by the driver, after setup
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(
-        "train_tinygpt.py: error: global batch 16 is not divisible by micro_batch 3 × dp 1 = 3"), err
+    assert err.count("\n") == 1 and err.startswith("train_tinygpt.py: error: ") and (
+        "global batch 16 is not divisible by micro_batch 3 × dp 1 = 3") in err, err
     junk = tmp_path / "junk.pt"
     junk.write_text("not a checkpoint")
     assert main(_TINY + ["--steps", "1", "--resume", str(junk)]) == 2

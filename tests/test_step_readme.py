@@ -24,7 +24,7 @@ def readme_run(tmp_path_factory):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("check", ["glue-lines", "readme-loop-exact", "readme-loop-naive-gap",
+@pytest.mark.parametrize("check", ["glue-lines", "before-loop-exact", "readme-loop-exact", "readme-loop-naive-gap",
                                    "readme-loop-resume-bitwise"])
 def test_readme_loop_under_two_gloo_ranks(readme_run, check):
     assert f"PASS {check}" in readme_run.stdout, readme_run.stdout[-3000:]
@@ -34,4 +34,11 @@ def test_readme_loop_under_two_gloo_ranks(readme_run, check):
 def test_readme_loop_prints_its_batch_arithmetic_once_on_rank_0(readme_run):
     lines = [x for x in readme_run.stdout.splitlines() if x.startswith("globalbatch: global batch")]
     assert lines and lines[0].startswith("globalbatch: global batch 16 seq = 2 ranks × 4 accum × 2 seq"), lines
-    assert len(lines) == 3  # one per driver (three runs of the block), rank 0 only
+    assert len(lines) == 5  # one per driver (three runs of the block, two of the loop before), rank 0 only
+
+
+@pytest.mark.dist
+def test_the_loop_before_named_globalbatch_on_more_lines(readme_run):
+    line = next(x for x in readme_run.stdout.splitlines() if x.startswith("GLUE "))
+    before, after = (int(x.split("=")[1]) for x in line.split()[1:3])
+    assert after <= 8 < before, line

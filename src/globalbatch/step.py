@@ -52,7 +52,7 @@ import warnings
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, cast, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -187,7 +187,9 @@ class StepConfig:
 
     def schedule(self) -> BatchSchedule:
         """The batch schedule (a constant one for a fixed ``global_batch``)."""
-        return self.batch_schedule if self.batch_schedule is not None else constant_batch(self.global_batch)
+        if self.batch_schedule is not None:
+            return self.batch_schedule
+        return constant_batch(cast(int, self.global_batch))  # one of the two is set (checked in __post_init__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -420,14 +422,14 @@ class StepDriver:
                                    "at most one for an adaptive batch schedule without a monitor (or attach one: "
                                    "AdaptiveBatchSchedule(..., monitor=...))")
             if monitors:
-                self.schedule.monitor = monitors[0]
+                setattr(self.schedule, "monitor", monitors[0])  # noqa: B010 - any BatchSchedule with a monitor slot
         self._callbacks = _CallbackList(self, callbacks)
         self._refresh_callbacks()
 
         # One inspection of the wrappers (globalbatch.parallel): torch.compile(DDP(m)) or a compiled
         # fully_shard module must not pass for a plain module, or ranks would silently diverge.
         info = inspect_parallel(model)
-        self._sync_module = info.sync_module
+        self._sync_module: Any = info.sync_module  # DDP or the fully_shard module (their methods, untyped)
         if info.kind == "ddp":
             self.parallel = "ddp"
             self.dp_group = dp_group if dp_group is not None else info.process_group
@@ -543,7 +545,7 @@ class StepDriver:
         self._samples_local = 0  # host int
         self._flops_local = 0.0  # host float: model FLOPs of this rank's micro-batches so far
         self._flops_known = self.config.flops_per_sample is not None  # every micro-batch has a count
-        self._units_host = 0  # host number: counts passed as Python numbers
+        self._units_host: float = 0  # host number: counts passed as Python numbers
         self._unscaled = False
         self._last_synced = False
         self._in_micro = False
@@ -694,8 +696,8 @@ class StepDriver:
 
     def _local_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         if self.parallel == "fsdp2":  # DTensor gradients: scale the local shard in place
-            return [getattr(p.grad, "_local_tensor", p.grad) for p in params]
-        return [p.grad for p in params]
+            return [cast(torch.Tensor, getattr(p.grad, "_local_tensor", p.grad)) for p in params]
+        return [cast(torch.Tensor, p.grad) for p in params]  # params with a gradient (_params_with_grad)
 
     def step(self) -> StepResult:
         """Finish the window: sync counts, normalize, unscale, clip, then step or skip.
@@ -844,7 +846,7 @@ class StepDriver:
         if max_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         elif hasattr(torch.nn.utils, "get_total_norm"):
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            norm = torch.nn.utils.get_total_norm([cast(torch.Tensor, p.grad) for p in params], foreach=True)
         else:  # pragma: no cover - torch < 2.6
             norm = torch.nn.utils.clip_grad_norm_(params, float("inf"), foreach=True)
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
