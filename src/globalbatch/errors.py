@@ -1,9 +1,10 @@
 """The one error type of the library: :class:`SettingError` (field, value, allowed).
 
-Every error a user can cause — a bad argument, a bad config key, a damaged run directory — is a
-``SettingError`` naming the library's field, the value and what is allowed. The CLI renames the
-field to the flag the user typed (:func:`flag_names`, from its own typer definitions); nothing
-parses a message to find the field.
+A ``SettingError`` names the library's field, the value and what is allowed; the shared validators
+(:mod:`globalbatch.validate`) and the core raise it for the errors a user can cause. The CLI renames
+the field to the flag the user typed (:func:`flag_names`, from its own typer definitions), without
+reading the message. Some library errors are still plain ``ValueError``s, and two places still read a
+message to find the field: ``plan.config.config_error`` and ``lab.tasks.load_task_checked``.
 """
 
 from __future__ import annotations
