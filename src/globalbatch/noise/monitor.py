@@ -119,6 +119,8 @@ class NoiseScaleMonitor:
         self._cost_own = self._cost_step = 0.0         # over windows with a previous boundary
         self._every_changes: list[tuple[int, int]] = []
         self._arm_s = self._arm_mark = self._arm_carry = 0.0  # seconds spent adding and removing hooks
+        self._micros_seen = 0                          # micro-batch calls in this window (measured or not)
+        self._t_first = self._own_first = 0.0          # clock and own seconds at this window's first one
         if unit not in (None, "token", "sample"):
             raise SettingError("unit", unit, "'token', 'sample' or None (follow the loss)")
         self._unit = unit
@@ -387,6 +389,9 @@ class NoiseScaleMonitor:
             is_last: accepted for compatibility; no longer needed (there is no snapshot to save).
         """
         t0 = self._clock()
+        if not self._micros_seen:
+            self._t_first, self._own_first = t0, self._own
+        self._micros_seen += 1
         try:
             self._micro_backward(count, samples, grad_multiplier)
         finally:
@@ -475,7 +480,12 @@ class NoiseScaleMonitor:
         the windows that follow (it changes only after a measured window)."""
         own, fold = self._own - self._own_mark, self._fold_s - self._fold_mark
         self._own_mark, self._fold_mark = self._own, self._fold_s
-        step = None if self._boundary is None else max(now - self._boundary - own, 0.0)
+        k, self._micros_seen = self._micros_seen, 0
+        if k >= 2:  # the window's own compute: from its first micro-batch's end, scaled by k / (k − 1); what the
+            # loop does between steps (data, evaluation, another model) is no part of the step the budget is of
+            step = max(now - self._t_first - (self._own - self._own_first), 0.0) * k / (k - 1)
+        else:       # one micro-batch per rank: from the previous window's end
+            step = None if self._boundary is None else max(now - self._boundary - own, 0.0)
         self._boundary = now
         self._n_windows += 1
         self._n_measured += measured
@@ -811,6 +821,9 @@ class NoiseScaleMonitor:
         added in the middle of a window starts at the next one."""
         clock = self._clock
         t0 = clock()
+        if not self._micros_seen:
+            self._t_first, self._own_first = t0, self._own
+        self._micros_seen += 1
         counts = self._counts
         seen = len(counts) + self._empty_micros  # micro-batches of this window so far
         if self._fast_micro and self._measuring and self._in_window and self._installed and micro_index == seen:
