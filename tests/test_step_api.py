@@ -99,6 +99,12 @@ def test_rank_windows_follow_the_batch_schedule_skip_on_resume_and_end_with_a_sh
 
 def test_rank_windows_refuse_drawing_ahead_and_leave_out_a_tail_smaller_than_the_ranks(caplog):
     _, _, drv = _driver(micro=2, global_batch=4)
+    data = list(range(10))
+    with pytest.raises(ValueError, match="samples a DataLoader with batch_size 2 is not allowed"):
+        rank_windows(torch.utils.data.DataLoader(data, batch_size=2), drv)  # refused before anything is drawn
+    one_by_one = next(rank_windows(torch.utils.data.DataLoader(data, batch_size=None), drv))
+    assert [[int(x) for x in m] for m in one_by_one] == [[0, 1], [2, 3]]
+    drv.run_window([sc.collate(sc.make_sequences(2, seed=0))] * 2, sc.loss_fn)
     it = rank_windows(range(100), drv)
     next(it)
     with pytest.raises(RuntimeError, match="drawn before step"):

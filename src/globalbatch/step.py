@@ -99,7 +99,7 @@ def plan_for_world(global_batch: int, micro_batch: int, dp_world_size: int) -> B
     return solve_geometry(global_batch=global_batch, micro_batch=micro_batch, dp_world_size=dp_world_size)
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, frozen=True, slots=True)
 class StepConfig:
     """How the driver forms one optimizer step: every quantity of the batch is given here, once."""
 
@@ -161,8 +161,8 @@ class StepConfig:
             if self.unit != "token" and self.unit != self.loss_unit:
                 raise SettingError("loss_unit", self.loss_unit, f"the same as unit {self.unit!r} (loss_unit is its "
                                    "deprecated alias)")
-            self.unit = self.loss_unit
-            self.loss_unit = None
+            object.__setattr__(self, "unit", self.loss_unit)  # frozen: the alias becomes the one field
+            object.__setattr__(self, "loss_unit", None)
         choice(self.unit, "unit", SCHEDULE_UNITS)
         legacy = [(name, s.unit) for name, s in (("lr_schedule", self.lr_schedule), ("batch_schedule", self.batch_schedule))
                   if s is not None and s.unit is not None]

@@ -26,7 +26,7 @@ import logging
 import math
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVar
 
-from globalbatch.errors import SettingError
+from globalbatch.errors import Raw, SettingError
 from globalbatch.validate import whole
 
 __all__ = ["MicroBatches", "window_layout", "cut_window", "rank_windows"]
@@ -104,7 +104,8 @@ def rank_windows(samples: Iterable[T], driver: Any, *, collate: Optional[Callabl
     """This rank's collated micro-batches of each window, drawn at the driver's current global batch.
 
     Args:
-        samples: the same iterable on every rank (a dataset, a list, a seeded order of indices).
+        samples: the same iterable of single samples on every rank (a dataset, a list, a seeded order of
+            indices, a ``DataLoader(batch_size=None)``); a batching DataLoader is refused.
         driver: the :class:`~globalbatch.step.StepDriver`; its ``global_batch`` is read when each window is
             drawn (after the previous ``step()``), so batch schedules are followed; ``config.micro_batch``,
             ``dp_world_size`` and ``dp_rank`` fix the cut.
@@ -115,6 +116,16 @@ def rank_windows(samples: Iterable[T], driver: Any, *, collate: Optional[Callabl
     cut them all at one batch size, so it is a ``RuntimeError``.
     """
     start = whole(start, "start", minimum=0)
+    if getattr(samples, "batch_sampler", None) is not None and hasattr(samples, "dataset"):
+        # a torch DataLoader that batches: its items are batches, not samples
+        raise SettingError("samples", Raw(f"a DataLoader with batch_size {getattr(samples, 'batch_size', None)}"),
+                           "samples one at a time: the dataset, a seeded order of indices, or "
+                           "DataLoader(..., batch_size=None); rank_windows forms the micro-batches")
+    return _draw(samples, driver, collate, start)
+
+
+def _draw(samples: Iterable[T], driver: Any, collate: Optional[Callable[[list[T]], Any]], start: int
+          ) -> Iterator[MicroBatches]:
     it = iter(samples)
     if start:
         skipped = sum(1 for _ in itertools.islice(it, start))
@@ -135,11 +146,11 @@ def rank_windows(samples: Iterable[T], driver: Any, *, collate: Optional[Callabl
                 logger.warning("the last %d samples are fewer than the %d data-parallel ranks: left out (every "
                                "rank needs a micro-batch)", len(drawn), world)
             return
-        m = driver.config.micro_batch
+        micro = driver.config.micro_batch
         # a short window of one process keeps two micro-batches when full ones have them (two small batches:
         # what the noise monitor needs); full windows are always rows of micro_batch
-        two = world == 1 and len(drawn) < n and n >= 2 * m
-        mine = cut_window(drawn, m, world, driver.dp_rank, min_micro_steps=2 if two else 1)
+        two = world == 1 and len(drawn) < n and n >= 2 * micro
+        mine = cut_window(drawn, micro, world, driver.dp_rank, min_micro_steps=2 if two else 1)
         drawn_at = driver.windows
-        yield MicroBatches([collate(m) if collate is not None else m for m in mine],
-                           samples=[len(m) for m in mine], window_samples=len(drawn))
+        yield MicroBatches([collate(part) if collate is not None else part for part in mine],
+                           samples=[len(part) for part in mine], window_samples=len(drawn))
