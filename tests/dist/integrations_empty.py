@@ -3,14 +3,15 @@
 Launched by tests/integrations/test_empty_targets.py. Data and model: tests/integrations/masked_common.py
 (prompt-masked instruction rows on a tiny GPT-NeoX, float64; micro 2 × accumulation 2 × 2 ranks). Three
 windows: rank 1 has a count-0 micro-batch (window 0), rank 1's whole window is count 0 (window 1), one
-small batch with targets over all ranks (window 2). For each of the plain StepDriver + NoiseScaleMonitor,
+small batch with targets over all ranks (window 2), then a window with no target anywhere (window 3: the
+driver skips its step; the HF Trainer and Accelerate step on a zero gradient, the same under SGD). For each of the plain StepDriver + NoiseScaleMonitor,
 GlobalBatchTrainer (HF), ExactAccumulation (Accelerate) and the Lightning mixin:
 
-* exact: the parameters after the three SGD steps equal three steps on each whole window in one forward
-  (max-element relative difference ≤ 1e-10);
+* exact: the parameters after the SGD steps equal one step on each whole window with targets in one
+  forward (max-element relative difference ≤ 1e-10);
 * noise: no exception, and every rank holds the same estimate: windows 0 and 1 measured with the empty
   micro-batches left out (tr(Σ) and |G|² equal a one-process monitor fed the same micro-batches, to
-  1e-8), window 2 counted in ``skipped_windows``; the B_simple the framework logs is that estimate.
+  1e-8), windows 2 and 3 counted in ``skipped_windows``; the B_simple the framework logs is that estimate.
   The driver also runs the ``rank`` source (DDP comm hook): a window where a rank had no target is
   skipped there (it is no small batch, and that source's k is the ranks).
 
@@ -35,7 +36,7 @@ from globalbatch.noise import NoiseConfig, NoiseScaleMonitor  # noqa: E402
 from globalbatch.step import StepConfig, StepDriver  # noqa: E402
 
 LR = 0.5
-ROWS = mc.instruction_rows(3 * mc.WINDOW)
+ROWS = mc.instruction_rows(4 * mc.WINDOW)
 
 
 def say(text: str) -> None:
@@ -64,7 +65,7 @@ def same_on_all_ranks(x: float) -> bool:
     return (t[0] == x and t[1] == -x) or (math.isnan(x) and t.isnan().all())
 
 
-def check_estimate(name: str, est, ref, *, skipped: int = 1) -> None:
+def check_estimate(name: str, est, ref, *, skipped: int = 2) -> None:
     assert est.windows == ref.windows == 2, (name, est, ref)
     assert est.skipped_windows == skipped and ref.skipped_windows == 0, (name, est, ref)
     rel = max(abs(est.tr_sigma - ref.tr_sigma) / abs(ref.tr_sigma), abs(est.g_sq - ref.g_sq) / abs(ref.g_sq))
@@ -86,7 +87,7 @@ def check_driver(out: str) -> None:
     driver = StepDriver(model, opt, StepConfig(micro_batch=mc.MICRO, global_batch=mc.WINDOW), callbacks=[monitor])
     mine = mc.my_micro_batches(ROWS, rank)
     counts = []
-    for w in range(3):
+    for w in range(4):
         window = mine[w * mc.ACCUM:(w + 1) * mc.ACCUM]
         counts.append([int((b["labels"][:, 1:] != -100).sum()) for b in window])
         driver.run_window(window, mc.lm_loss_sum)
@@ -95,13 +96,15 @@ def check_driver(out: str) -> None:
     dist.all_gather_object(all_counts, counts)
     say(f"driver targets per micro-batch (rank 0, rank 1) by window: {list(zip(*all_counts))}")
     assert all_counts[1][0][0] == 0 and all_counts[1][1] == [0, 0] and all_counts[0][2][1] == 0, all_counts
+    assert all_counts[0][3] == all_counts[1][3] == [0, 0], all_counts
+    assert driver.skipped_windows == 1 and driver.optimizer_steps == 3, (driver.skipped_windows, driver.optimizer_steps)
     say(f"driver update error vs one full batch: {err:.2e}")
     assert err < 1e-10, err
     ref = reference_noise(NoiseConfig(sources=("micro",)), "right")
     check_estimate("driver micro", monitor.estimate("micro", "token"), ref["micro/token"])
     rank_est = monitor.estimate("rank", "token")
-    # the rank source: window 0 only (in windows 1 and 2 rank 1 had no target); sequences: the same rule
-    assert rank_est.windows == 1 and rank_est.skipped_windows == 2, rank_est
+    # the rank source: window 0 only (in windows 1–3 rank 1 had no target)
+    assert rank_est.windows == 1 and rank_est.skipped_windows == 3, rank_est
     assert same_on_all_ranks(rank_est.tr_sigma), rank_est
     say(f"driver rank source: {rank_est.windows} window, {rank_est.skipped_windows} skipped")
     say("PASS driver-empty")
@@ -124,15 +127,15 @@ def check_hf(out: str) -> None:
     trainer = GlobalBatchTrainer(model=model, args=args, train_dataset=mc.RowDataset(ROWS),
                                  data_collator=mc.hf_collator(side))
     trainer.train()
-    assert trainer.state.global_step == 3, trainer.state.global_step
+    assert trainer.state.global_step == 4, trainer.state.global_step  # the Trainer steps the empty window too
     err = ic.max_rel_diff([p.detach() - s for p, s in zip(model.parameters(), start)], ref_delta)
     say(f"hf update error vs one full batch (left padding): {err:.2e}")
     assert err < 1e-10, err
     est = trainer.gb_callback.monitor.estimate()
     check_estimate("hf", est, reference_noise(NoiseConfig(sources=("micro",)), side)["micro/token"])
     logged = [h for h in trainer.state.log_history if "noise/b_simple_tokens" in h]
-    assert len(logged) == 3 and [h["noise/windows"] for h in logged] == [1.0, 2.0, 2.0], logged
-    assert [h["noise/skipped_windows"] for h in logged] == [0.0, 0.0, 1.0], logged
+    assert len(logged) == 4 and [h["noise/windows"] for h in logged] == [1.0, 2.0, 2.0, 2.0], logged
+    assert [h["noise/skipped_windows"] for h in logged] == [0.0, 0.0, 1.0, 2.0], logged
     assert logged[-1]["noise/b_simple_tokens"] == est.b_simple, (logged[-1], est)
     say("PASS hf-empty")
 
@@ -196,7 +199,8 @@ def check_lightning(out: str) -> None:
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False, log_every_n_steps=1, logger=logger, callbacks=[cb])
     trainer.fit(module, loader)
-    assert trainer.global_step == 3, trainer.global_step
+    assert trainer.global_step == 3, trainer.global_step  # the driver skipped the window without a target
+    assert module.gb_driver.skipped_windows == 1
     err = ic.max_rel_diff([p.detach() - s for p, s in zip(module.model.parameters(), start)], ref_delta)
     say(f"lightning update error vs one full batch: {err:.2e}")
     assert err < 1e-10, err
@@ -204,8 +208,8 @@ def check_lightning(out: str) -> None:
     check_estimate("lightning", est, reference_noise(NoiseConfig(sources=("micro",)), "right")["micro/token"])
     if rank == 0:  # Lightning's loggers write on rank 0
         rows = ic.logged_per_window(logger, "noise/windows")
-        assert [m["noise/windows"] for m in rows] == [1.0, 2.0, 2.0], rows
-        assert [m["noise/skipped_windows"] for m in rows] == [0.0, 0.0, 1.0], rows
+        assert [m["noise/windows"] for m in rows] == [1.0, 2.0, 2.0, 2.0], rows
+        assert [m["noise/skipped_windows"] for m in rows] == [0.0, 0.0, 1.0, 2.0], rows
         assert rows[-1]["noise/b_simple_tokens"] == est.b_simple, (rows[-1], est)
     say("PASS lightning-empty")
 

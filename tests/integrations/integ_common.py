@@ -139,6 +139,6 @@ def list_logger():
 
 
 def logged_per_window(logger, key: str) -> list[dict]:
-    """One row per optimizer step (Lightning re-sends the latest values with every batch)."""
-    rows = {m["globalbatch/optimizer_step"]: m for _, m in logger.rows if key in m and "globalbatch/optimizer_step" in m}
+    """One row per window (Lightning re-sends the latest values with every batch)."""
+    rows = {m["globalbatch/window"]: m for _, m in logger.rows if key in m and "globalbatch/window" in m}
     return [rows[k] for k in sorted(rows)]

@@ -4,7 +4,8 @@ One torchrun launch runs all four cases (tests/dist/integrations_empty.py: promp
 on a tiny GPT-NeoX, float64): the plain StepDriver with NoiseScaleMonitor (micro and rank sources),
 GlobalBatchTrainer, ExactAccumulation under Accelerate and the Lightning mixin under Lightning's DDP.
 Each is exact against one full batch (≤ 1e-10) and logs B_simple from the windows it could use, with
-the window that had one small batch over all ranks counted as skipped, the same on every rank.
+the window that had one small batch over all ranks and the window with no target anywhere counted as
+skipped, the same on every rank.
 """
 
 from __future__ import annotations
@@ -26,4 +27,4 @@ def test_count_zero_micro_batches_and_rank_windows_on_two_ranks(tmp_path):
     proc = run_torchrun(Path(__file__).parents[1] / "dist" / "integrations_empty.py", str(tmp_path))
     for check in ("driver-empty", "hf-empty", "accelerate-empty", "lightning-empty"):
         assert f"PASS {check}" in proc.stdout, proc.stdout[-3000:]
-    assert "1 skipped" in proc.stdout and "ZeroDivisionError" not in proc.stderr
+    assert "2 windows, 2 skipped" in proc.stdout and "ZeroDivisionError" not in proc.stderr

@@ -101,7 +101,10 @@ class GlobalBatchCallback(pl.Callback):
         if self.meter.windows == 1 and pl_module.trainer.is_global_zero:
             print(self.meter.first_window_line(), flush=True)
         every = self.log_noise_every_n_steps or pl_module.trainer.log_every_n_steps or 1
-        metrics = {**self.meter.read(), "globalbatch/optimizer_step": float(result.step)}
+        # optimizer_step repeats for a window the driver skipped (no target anywhere, a non-finite loss): window
+        # tells every window apart
+        metrics = {**self.meter.read(), "globalbatch/optimizer_step": float(result.step),
+                   "globalbatch/window": float(self.meter.windows)}
         if self.monitor is not None and result.step % every == 0:
             metrics.update(noise_metrics(self.monitor))
         metrics = {k: v for k, v in metrics.items() if v == v}  # NaN-free (Lightning rejects nothing, but loggers do)
@@ -287,8 +290,9 @@ class ExactAccumulationMixin:
                 if alone is not None:
                     alone.attach()
             self.gb_last_result = result
-            self.log("train/loss_per_token", result.loss_per_unit, on_step=True, on_epoch=False, prog_bar=True,
-                     batch_size=int(result.global_samples))
+            if result.loss_per_unit == result.loss_per_unit:  # NaN for a window without any target: not logged
+                self.log("train/loss_per_token", result.loss_per_unit, on_step=True, on_epoch=False, prog_bar=True,
+                         batch_size=int(result.global_samples))
             if cb is not None:
                 cb.on_window_end(self, result, float(padded))
         return None
