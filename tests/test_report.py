@@ -24,7 +24,8 @@ TOKENS_PER_SAMPLE = 20
 B_CRIT_TOKENS = 1600.0  # = 80 samples × 20 tokens
 
 
-def write_synthetic_sweep(out: Path, *, with_noise_scale: bool = True, seed: int = 0) -> SweepConfig:
+def write_synthetic_sweep(out: Path, *, with_noise_scale: bool = True, seed: int = 0,
+                          seeds: list[int] | None = None) -> SweepConfig:
     """A sweep directory in sweep.py's format whose best-LR curves follow the hyperbola exactly.
 
     Loss = 2 + 3/(1 + s/τ), τ = 10·(1 + B_crit/B)·slowdown(lr) with B in tokens: steps to any
@@ -32,7 +33,8 @@ def write_synthetic_sweep(out: Path, *, with_noise_scale: bool = True, seed: int
     grows as √B, so wall-clock to target ∝ (1 + B/B_crit)/√B is lowest at B = B_crit.
     """
     rng = np.random.default_rng(seed)
-    cfg = SweepConfig(task="tinygpt", batches=[16, 32, 64, 128, 256, 512], lrs=[1e-3, 3e-3], budget=400_000, lr_rule="none")
+    cfg = SweepConfig(task="tinygpt", batches=[16, 32, 64, 128, 256, 512], lrs=[1e-3, 3e-3], budget=400_000, lr_rule="none",
+                      seeds=seeds)
     atomic_write_json(out / "manifest.json", cfg.manifest())
     slow = {1e-3: 1.0, 3e-3: 1.3}
     for t in cfg.trials():
@@ -57,7 +59,7 @@ def write_synthetic_sweep(out: Path, *, with_noise_scale: bool = True, seed: int
         d.mkdir(parents=True)
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
         atomic_write_json(d / "summary.json", {
-            "completed": True, "trial": t.name, "batch": t.batch, "lr": t.lr, "unit": "token", "steps": n,
+            "completed": True, "trial": t.name, "batch": t.batch, "lr": t.lr, "seed": t.seed, "unit": "token", "steps": n,
             "consumed": n * b_tok, "mean_batch_units": float(b_tok), "units_per_s": rate, "core_s_per_unit": 1 / rate,
             "skipped_windows": 0, "final_val_loss": float(loss[-1]), "train_time_s": n * b_tok / rate, "micro_batch": 16,
         })
@@ -257,3 +259,122 @@ def test_header_throughput_source_and_load_warning(tmp_path):
     res = write_report(tmp_path, tmp_path / "r2", n_targets=1)
     assert "(timed pass)" in res.analysis.recommendation.text() and "the timed pass is used" in res.analysis.warnings[0]
     assert "timing pass" in Path(res.html).read_text()
+
+
+class _Sections(HTMLParser):
+    """The text inside ``<section id="answer">``, inside each ``<details>`` (with its summary), and outside both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer, self.details, self.summaries, self.outside = [], [], [], []
+        self._in_answer = self._details_depth = 0
+        self._in_summary = False
+        self.answer_tables, self.answer_headers = 0, []
+        self._in_th = False
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "section" and a.get("id") == "answer":
+            self._in_answer = 1
+        elif tag == "details":
+            self._details_depth += 1
+            self.details.append("")
+        elif tag == "summary":
+            self._in_summary = True
+            self.summaries.append("")
+        elif tag == "table" and self._in_answer:
+            self.answer_tables += 1
+        elif tag == "th" and self._in_answer:
+            self._in_th = True
+            self.answer_headers.append("")
+
+    def handle_endtag(self, tag):
+        if tag == "section":
+            self._in_answer = 0
+        elif tag == "details":
+            self._details_depth -= 1
+        elif tag == "summary":
+            self._in_summary = False
+        elif tag == "th":
+            self._in_th = False
+
+    def handle_data(self, data):
+        if self._in_th:
+            self.answer_headers[-1] += data
+        if self._in_summary:
+            self.summaries[-1] += data
+        if self._in_answer:
+            self.answer.append(data)
+        elif self._details_depth:
+            self.details[-1] += data
+        else:
+            self.outside.append(data)
+
+
+@pytest.fixture(scope="module")
+def seeds_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep_seeds")
+    write_synthetic_sweep(out, seeds=[0, 1, 2], with_noise_scale=False)
+    return write_report(out, n_targets=3, readout="train")  # (its few held-out points share no loss range)
+
+
+def test_one_answer_per_page_comparisons_collapsed(seeds_report):
+    """One recommendation, in the lead section, from the analysis over seeds; the first seed's training-loss pick and
+    every per-seed table are collapsed and labelled; the lead has one B_crit column."""
+    res = seeds_report
+    assert res.seed_analysis is not None and res.seed_analysis.recommendation is not None
+    page = Path(res.html).read_text()
+    sec = _Sections()
+    sec.feed(page)
+    answer = "".join(sec.answer)
+    assert page.count("Recommended batch") == 1 and answer.count("Recommended batch") == 1
+    rec = res.seed_analysis.recommendation
+    assert f"Recommended batch: {res.data.label(rec.batch_size)} at lr {rec.lr:g}" in answer
+    assert "P(fastest)" not in answer and "bootstrap resamples of the 3 seed(s)" in answer  # how sure, in words
+    assert "From the training loss of 3 seed(s)" in answer
+    assert f"B_crit {res.seed_analysis.primary.b_crit:,.0f} tokens per step" in answer
+    assert sec.answer_tables == 1 and sum("B_crit" in h for h in sec.answer_headers) == 1
+    # comparisons: collapsed and labelled, nothing of them outside a <details>
+    comparison = [d for s, d in zip(sec.summaries, sec.details) if s.startswith("Comparison, not the answer")]
+    assert len(comparison) == 1 and "first seed's pick" in comparison[0] and "Recommended" not in comparison[0]
+    assert "CBS 20%" in comparison[0] and "CBS 20%" not in "".join(sec.outside) + answer
+    per_seed = [d for s, d in zip(sec.summaries, sec.details) if s.startswith("The numbers behind the answer")]
+    assert len(per_seed) == 1 and "steps to target per seed" in per_seed[0] and "joint fit (95%)" in per_seed[0]
+    assert "◀ recommended" in per_seed[0] and page.count("◀ recommended") == 1
+    # the first seed's plots go with its comparison, in page order
+    names = [Path(p).name for p in res.plots]
+    assert names == ["loss_vs_data.png", "b_crit_vs_loss.png", "steps_vs_examples.png", "batch_tradeoff.png"]
+    parser = _Images()
+    parser.feed(page)
+    for src, path in zip(parser.srcs, res.plots):
+        assert base64.b64decode(src.split(",", 1)[1]) == Path(path).read_bytes()
+
+
+def test_one_seed_page_leads_with_its_answer(report):
+    """Without an analysis over seeds the (one) training-loss analysis is the answer: one recommendation, one
+    B_crit column in the lead, the full tables collapsed."""
+    page = Path(report.html).read_text()
+    sec = _Sections()
+    sec.feed(page)
+    answer = "".join(sec.answer)
+    assert page.count("Recommended batch") == 1 and "Recommended batch: batch 64 (≈1,280 tokens)" in answer
+    assert sec.answer_tables == 1 and sum("B_crit" in h for h in sec.answer_headers) == 1
+    assert not any(s.startswith("Comparison") for s in sec.summaries)
+    assert any("CBS 20%" in d for d in sec.details)
+
+
+def test_loss_plot_legend_has_one_entry_per_batch(seeds_report, tmp_path, monkeypatch):
+    """36 trials (6 batches × 2 LRs × 3 seeds): one legend entry per batch, at its chosen LR, outside the axes."""
+    import globalbatch.lab.report as report_mod
+
+    figs = []
+    monkeypatch.setattr(report_mod, "_save", lambda fig, path: figs.append(fig) or str(path))
+    res = seeds_report
+    report_mod.plot_loss_vs_data(res.data, res.analysis, tmp_path / "l.png", chosen_lr=report_mod._chosen_lr(res.seed_analysis))
+    legend = figs[0].axes[0].get_legend()
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert len(res.data.trials) == 36 and len(texts) == 6
+    assert texts[0].startswith("batch 16 (≈320 tokens), lr ")
+    bbox = legend.get_window_extent()
+    assert bbox.x0 >= figs[0].axes[0].get_window_extent().x1  # outside the axes, right of them
+    report_mod._plt().close(figs[0])

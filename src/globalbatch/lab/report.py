@@ -110,10 +110,11 @@ def plot_loss_vs_data(data: SweepData, analysis: Analysis, path: Path,
     """``chosen_lr``: batch (units per step) → the LR drawn bold (the seed analysis' one LR per
     batch); default the first seed's best LR at its first target."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9.5, 5))
     units = data.batch_units()
     colors = dict(zip(units, _colors(len(units))))
     best = chosen_lr if chosen_lr else _best_lr_by_batch(analysis)
+    labelled: set[int] = set()  # one legend entry per batch: its chosen LR (every seed drawn alike)
     for name, recs in sorted(data.trials.items(), key=lambda kv: (data.summaries[kv[0]].batch, data.summaries[kv[0]].lr)):
         s = data.summaries[name]
         b, lr = s.batch, float(s.lr)
@@ -123,18 +124,25 @@ def plot_loss_vs_data(data: SweepData, analysis: Analysis, path: Path,
         x = np.array([r["consumed"] for r in steps], dtype=float)
         y, _ = ema_smooth(np.array([r["loss"] for r in steps], dtype=float), analysis.halflife_for(len(steps)))
         is_best = best.get(units[b]) == lr
-        ax.plot(x, y, color=colors[b], lw=2.0 if is_best else 0.8, alpha=1.0 if is_best else 0.35,
-                label=f"batch {b}, lr {lr:g}" if is_best else None)
+        label = None
+        if is_best and b not in labelled:
+            labelled.add(b)
+            label = f"{batch_label(data, units[b])}, lr {lr:g}"
+        ax.plot(x, y, color=colors[b], lw=1.8 if is_best else 0.6, alpha=0.9 if is_best else 0.25, label=label,
+                zorder=3 if is_best else 2)
         ev = [r for r in recs if "val_loss" in r and r["consumed"] > 0]
         if is_best and ev:
-            ax.plot([r["consumed"] for r in ev], [r["val_loss"] for r in ev], "o", ms=3.5, color=colors[b], mfc="white")
+            ax.plot([r["consumed"] for r in ev], [r["val_loss"] for r in ev], "o", ms=2.5, color=colors[b], mfc="white",
+                    mew=0.8, zorder=4)
     for t in analysis.targets:
         ax.axhline(t.target, color="grey", ls="--", lw=0.7)
     ax.set_xscale("log")
     ax.set_xlabel(f"{data.unit}s consumed")
     ax.set_ylabel("training loss (EMA) · validation ○")
-    ax.set_title("Loss against consumed data (bold: the LR of each batch; dashed: targets)")
-    _legend(ax, fontsize=8)
+    ax.set_title("Loss against consumed data (bold: each batch at its chosen LR, every seed; faint: the other LRs; "
+                 "dashed: targets)", fontsize=9)
+    _legend(ax, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False,
+            title="batch, chosen lr", title_fontsize=8)
     ax.grid(alpha=0.3)
     return _save(fig, path)
 
@@ -285,12 +293,12 @@ FIT_HEADER = ["target loss", "points", "B_crit ± SE (McCandlish)", "95% CI (one
               "CBS 20% ± SE (Zhang)", "S_min / E_min", "note"]
 
 
-def _point_rows(data: SweepData, analysis: Analysis) -> list[list[str]]:
+def _point_rows(data: SweepData, analysis: Analysis, pick: str = "◀ recommended") -> list[list[str]]:
     t = analysis.targets[0]
     rows = []
     rec = analysis.recommendation
     for p in t.points:
-        mark = "◀ recommended" if rec is not None and rec.batch_size == p.batch_size else ""
+        mark = pick if rec is not None and rec.batch_size == p.batch_size else ""
         rows.append([batch_label(data, p.batch_size), f"{p.lr:g}", f"{p.steps:,.1f}", f"{p.examples:,.0f}",
                      _fmt(p.examples_per_s), _pct(data.mfu_at(p.batch_size)), _fmt(_in_trial(data, p.batch_size)),
                      _fmt(p.time_s, ",.1f"), mark])
@@ -472,53 +480,166 @@ def _table_html(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _lead_seeds_html(data: SweepData, analysis: Analysis, sa: SeedAnalysis) -> str:
+    """The answer from the analysis over seeds: the batch, how sure (P(fastest), ties), B_crit(L) with its spread."""
+    rec, st = sa.recommendation, sa.primary
+    unit = html.escape(data.unit)
+    readout = "held-out" if sa.readout == "heldout" else "training"
+    n = len(sa.seeds)
+    if rec is None:
+        head = ("<p class='rec'>No recommendation: over the seeds, a batch missed the primary target or has no "
+                "throughput.</p>")
+    else:
+        name = lambda b: html.escape(batch_label(data, b))  # noqa: E731
+        p = rec.probability_fastest
+        others = ", ".join(f"{name(b)} in {p[b]:.0%}" for b in sorted(p, key=lambda b: -p[b])
+                           if p[b] > 0 and b != rec.batch_size)
+        t = rec.time_to_target.get(rec.batch_size)
+        per_seed = ", ".join(f"seed {s}: {name(b) if b else '–'}" for s, b in rec.per_seed.items())
+        if len(rec.tie) > 1:
+            tie = (f"A tie: {', '.join(name(b) for b in rec.tie)} cannot be separated (within the tolerance of the "
+                   f"fastest, or fastest in ≥ 20 % of the resamples); {name(rec.batch_size)} needs the fewest {unit}s "
+                   "of them.")
+        else:
+            tie = "No tie: every other batch is slower beyond the tolerance and fastest in under 20 % of the resamples."
+        head = (f"<p class='rec'>Recommended batch: <b>{name(rec.batch_size)}</b> at lr {rec.lr:g}</p><ul>"
+                f"<li>Fastest to {readout} loss {rec.target:.4f} in <b>{p.get(rec.batch_size, 0):.0%}</b> of 1,000 "
+                f"bootstrap resamples of the {n} seed(s)" + (f"; {others}" if others else "") + ". " + tie + "</li>"
+                + (f"<li>Time to target {t[0]:,.1f} s, {t[1]:,.1f}–{t[2]:,.1f} s over seeds; winner per seed: "
+                   f"{per_seed}.</li>" if t else ""))
+    iv = st.interval()
+    bc = (f"<li>Critical batch at loss {st.target:.4f}: <b>B_crit {_fmt(st.b_crit)} {unit}s per step</b>"
+          + (f", {_fmt(iv[0])}–{_fmt(iv[1])} (seed range ∪ bootstrap 95 %)" if iv else "")
+          + f"; median over the seeds whose steps to target fall with the batch ({sum(st.monotone.values())} of "
+          f"{len(st.monotone)}).</li>" if st.b_crit is not None else
+          f"<li>No B_crit at loss {st.target:.4f}: no seed gives a usable fit (see the per-seed numbers below).</li>")
+    trend = ""
+    if sa.joint is not None:
+        trend = (f"<li>Across targets B_crit(L) ∝ L^{sa.joint.k:.2f} (one joint fit over targets and seeds): "
+                 + ("it rises as the loss falls" if sa.joint.k < 0 else "it does not rise as the loss falls")
+                 + ".</li>")
+    head += bc + trend + ("</ul>" if rec is not None else "")
+    if rec is None:
+        head = head.replace("<li>", "<p>").replace("</li>", "</p>")
+    rows = []
+    for tgt in sa.targets:
+        iv = tgt.interval()
+        cell = _fmt(tgt.b_crit) + (f" [{_fmt(iv[0])}–{_fmt(iv[1])}]" if tgt.b_crit is not None and iv else "")
+        if tgt.b_crit is None:
+            cell = "– (no usable fit)"
+        rows.append([f"{tgt.target:.4f}" + (" (primary)" if tgt is st else ""), cell,
+                     f"{sum(tgt.monotone.values())} of {len(tgt.monotone)}"])
+    table = _table_html(["target loss (" + readout + ")", f"B_crit, {data.unit}s per step: median over seeds "
+                         "[seed range ∪ bootstrap 95%]", "seeds fitted (monotone)"], rows)
+    design = _design_text(data)
+    caveats = ([html.escape(design)] if design else []) \
+        + [html.escape(w) for w in sa.warnings if w not in analysis.warnings] \
+        + [html.escape("warning: " + w) for w in analysis.warnings if w.startswith(_READOUT_NOTE)]
+    return (head + table + "".join(f"<p class='warn'>{c}</p>" for c in caveats))
+
+
+_READOUT_NOTE = "this sweep has too few held-out evaluations"
+COMPARISON_PLOTS = ("steps_vs_examples.png", "batch_tradeoff.png")
+"""With an analysis over seeds, these plots (from the first seed's training loss) go with that comparison."""
+
+
+def _lead_first_seed_html(data: SweepData, analysis: Analysis) -> str:
+    """The answer when there is no analysis over seeds: the (first seed's) training-loss analysis."""
+    rec = analysis.recommendation
+    head = (f"<p class='rec'>Recommended batch: <b>{html.escape(batch_label(data, rec.batch_size))}</b> at lr "
+            f"{rec.lr:g}</p><pre>{html.escape(rec.text())}</pre>" if rec is not None else
+            "<p class='rec'>No recommendation: no batch reached the target, or no throughput was recorded.</p>")
+    rows = [[r[0], r[2], r[3]] for r in _fit_rows(data, analysis)]
+    table = _table_html(["target loss (training, EMA)", f"B_crit ± SE, {data.unit}s per step (McCandlish)",
+                         "95% CI (one-sided bound if extrapolated)"], rows)
+    warns = "".join(f"<p class='warn'>warning: {html.escape(w)}</p>" for w in analysis.warnings)
+    return head + "<p>One seed: no spread over seeds is known; the interval is the fit's alone.</p>" + table + warns
+
+
+def _first_seed_comparison_html(data: SweepData, analysis: Analysis, figures: str = "") -> str:
+    """The first seed's training-loss analysis, as a comparison with the answer (its own pick and B_crit)."""
+    rec = analysis.recommendation
+    text = "\n".join("first seed's pick: " + line[len("recommend "):] if line.startswith("recommend ") else line
+                     for line in rec.text().splitlines()) if rec is not None else ""
+    pick = (f"<p>On the first seed's training loss alone the pick would be "
+            f"{html.escape(batch_label(data, rec.batch_size))} at lr {rec.lr:g}.</p><pre>{html.escape(text)}</pre>"
+            if rec is not None else "<p>On the first seed's training loss alone no batch can be picked.</p>")
+    return pick + _numbers_html(data, analysis, pick="◀ first seed's pick") + figures
+
+
+def _numbers_html(data: SweepData, analysis: Analysis, pick: str = "◀ recommended") -> str:
+    return (f"<h3>At the primary target ({analysis.targets[0].target:.4f})</h3>"
+            + _table_html([h.replace('units', data.unit + 's') for h in POINT_HEADER], _point_rows(data, analysis, pick))
+            + "<h3>Critical batch at each loss target</h3>"
+            "<p>B_crit = E_min/S_min from the fit of S(B) = S_min(1 + B_crit/B) in log space (McCandlish et al. 2018); "
+            "SE from the fit covariance, CI with a Student-t quantile; when B_crit falls outside the swept batches only "
+            "a one-sided 95% bound is reported. CBS 20% = batch where steps exceed the linear-scaling ideal E_min/B by "
+            "20% (Zhang et al. 2024) = 0.2·B_crit. The two definitions differ by 5×. Units: "
+            f"{html.escape(data.unit)}s per step.</p>" + _table_html(FIT_HEADER, _fit_rows(data, analysis)))
+
+
+def _seed_details_html(data: SweepData, analysis: Analysis, sa: SeedAnalysis) -> str:
+    u = html.escape(data.unit)
+    return ("<p>Steps to each target from the monotone fit of the held-out loss (a fixed random held-out draw, "
+            "log-spaced evaluations), at one LR per batch for every seed and target (least median steps over seeds at "
+            "the primary target); fits per seed (non-monotone cells flagged and left out), the median over seeds with "
+            "the seed range and a bootstrap over seeds, and one joint fit of B_crit(L) = B_ref·(L/L_ref)^k across "
+            "targets and seeds.</p>"
+            + f"<p>{html.escape(lr_selection_text(sa))}</p>"
+            + (f"<pre>{html.escape(sa.recommendation.text())}</pre>" if sa.recommendation is not None else "")
+            + _table_html(STEPS_HEADER, _steps_rows(data, sa)) + _table_html(SEED_HEADER, _seed_rows(data, sa))
+            + "".join(f"<p>B_simple at loss {t:.4f} (chosen-LR trials; depends on the LR): local "
+                      f"{_fmt(v.get('local'))}, path-averaged {_fmt(v.get('path_averaged'))} {u}s</p>"
+                      for t, v in sa.b_simple.items()))
+
+
+def _details(summary: str, body: str, *, open_: bool = False) -> str:
+    return (f"<details{' open' if open_ else ''}><summary>{html.escape(summary)}</summary>"
+            f"<div class='inner'>{body}</div></details>")
+
+
 def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, str]], *, title: str = "globalbatch sweep report",
                 seed_analysis: Optional[SeedAnalysis] = None) -> str:
-    """The page: the recommendation, the tables and every plot as an inline base64 PNG.
+    """The page: one answer first (``<section id="answer">``: the recommended batch, how sure, B_crit(L) with its
+    spread), then the plots, then the numbers behind it and the comparisons, collapsed (``<details>``).
 
-    Every value that comes from the run directory is escaped (``html.escape``): a page never
-    runs what a directory says (a shared report with ``"unit": "<img onerror=…>"`` stays text).
+    The answer comes from the analysis over seeds when there is one; the first seed's training-loss analysis is
+    then a comparison (collapsed, labelled so). Every value that comes from the run directory is escaped
+    (``html.escape``): a page never runs what a directory says (a shared report with
+    ``"unit": "<img onerror=…>"`` stays text).
     """
     def esc(value: object) -> str:
         return html.escape(str(value), quote=True)
 
     u = esc(data.unit)
     cfg = data.config
-    rec = analysis.recommendation
     sa = seed_analysis
-    seeds_html = ""
-    if sa is not None:
-        srec = sa.recommendation
-        seeds_html = (
-            (f"<p class='rec'>Recommended batch: <b>{html.escape(batch_label(data, srec.batch_size))}</b> at lr {srec.lr:g}"
-             + (" (a tie: " + html.escape(", ".join(batch_label(data, b) for b in srec.tie)) + ")" if len(srec.tie) > 1 else "")
-             + f"</p><pre>{html.escape(srec.text())}</pre>" if srec is not None
-             else "<p class='rec'>No recommendation over seeds: a batch missed the primary target or has no throughput.</p>")
-            + f"<h2>Critical batch over seeds ({'held-out' if sa.readout == 'heldout' else 'training'} loss)</h2>"
-            "<p>Steps to each target from the monotone fit of the held-out loss (a fixed random held-out draw, log-spaced "
-            "evaluations), at one LR per batch for every seed and target (least median steps over seeds at the primary "
-            "target); fits per seed (non-monotone cells flagged and left out), the median "
-            "over seeds with the seed range and a bootstrap over seeds, and one joint fit of B_crit(L) = B_ref·(L/L_ref)^k "
-            "across targets and seeds.</p>"
-            + f"<p>{html.escape(lr_selection_text(sa))}</p>"
-            + (f"<p class='warn'>{html.escape(_design_text(data))}</p>" if _design_text(data) else "")
-            + _table_html(STEPS_HEADER, _steps_rows(data, sa)) + _table_html(SEED_HEADER, _seed_rows(data, sa))
-            + "".join(f"<p class='warn'>{html.escape(w)}</p>" for w in sa.warnings if w not in analysis.warnings)
-            + ("".join(f"<p>B_simple at loss {t:.4f} (chosen-LR trials; depends on the LR): local "
-                       f"{_fmt(v.get('local'))}, path-averaged {_fmt(v.get('path_averaged'))} {u}s</p>"
-                       for t, v in sa.b_simple.items()))
-            + "<h2>First seed alone (training-loss read-out, EMA; for comparison)</h2>")
-    rec_html = (
-        f"<p class='rec'>Recommended batch: <b>{html.escape(batch_label(data, rec.batch_size))}</b> at lr {rec.lr:g}</p>"
-        f"<pre>{html.escape(rec.text())}</pre>"
-        if rec is not None else "<p class='rec'>No recommendation: no batch reached the target, or no throughput was recorded.</p>"
-    )
-    imgs = []
+    imgs: list[str] = []
+    comparison_imgs: list[str] = []
     for caption, path in plots:
         b64 = base64.b64encode(Path(path).read_bytes()).decode("ascii")
-        imgs.append(f"<figure><img alt='{html.escape(caption)}' src='data:image/png;base64,{b64}'>"
-                    f"<figcaption>{html.escape(caption)}</figcaption></figure>")
-    warns = "".join(f"<p class='warn'>warning: {html.escape(w)}</p>" for w in analysis.warnings)
+        fig = (f"<figure><img alt='{html.escape(caption)}' src='data:image/png;base64,{b64}'>"
+               f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+        (comparison_imgs if sa is not None and Path(path).name in COMPARISON_PLOTS else imgs).append(fig)
+    notes = [w for w in analysis.warnings if sa is None or not w.startswith(_READOUT_NOTE)]
+    notes_html = ("" if sa is None or not notes else  # (without seeds the lead shows them)
+                  "<div class='notes'>" + "".join(f"<p class='warn'>warning: {html.escape(w)}</p>" for w in notes)
+                  + "</div>")
+    if sa is not None:
+        readout = "held-out" if sa.readout == "heldout" else "training"
+        lead = _lead_seeds_html(data, analysis, sa)
+        source = (f"From the {readout} loss of {len(sa.seeds)} seed(s) ({esc(', '.join(map(str, sa.seeds)))}); "
+                  "the numbers behind it and the comparisons are below the plots.")
+        below = (_details(f"The numbers behind the answer: steps to target and B_crit per seed ({readout} loss)",
+                          _seed_details_html(data, analysis, sa))
+                 + _details("Comparison, not the answer: the first seed alone, training-loss read-out (EMA)",
+                            _first_seed_comparison_html(data, analysis, "".join(comparison_imgs))))
+    else:
+        lead = _lead_first_seed_html(data, analysis)
+        source = "From the training loss (EMA) of one seed; the numbers behind it are below the plots."
+        below = _details("The numbers behind the answer: steps to target and B_crit per target",
+                         _numbers_html(data, analysis))
+    below += _details("All trials", _table_html([h.replace('unit', data.unit) for h in TRIAL_HEADER], _trial_rows(data)))
     missing = (f"<p class='warn'>{len(data.missing)} trial(s) not finished: {html.escape(', '.join(data.missing))}</p>"
                if data.missing else "")
     overrides = f" {html.escape(json.dumps(cfg.task_overrides))}" if cfg.task_overrides else ""
@@ -533,27 +654,26 @@ def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, 
     css = ("body{font-family:sans-serif;max-width:1200px;margin:2em auto;color:#222}"
            "table{border-collapse:collapse;margin:1em 0;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
            "th{background:#f3f3f3}figure{margin:1.5em 0}img{max-width:100%;border:1px solid #ddd}"
+           "#answer{border:2px solid #4a7;border-radius:6px;padding:0.2em 1.2em 0.6em;background:#f6fbf7}"
+           "details{margin:0.8em 0;border:1px solid #ddd;border-radius:4px;padding:0.4em 0.8em}"
+           "summary{cursor:pointer;font-weight:bold}.inner{margin-top:0.6em}.grid{color:#555;font-size:0.9em}.notes{font-size:0.85em}"
            ".rec{font-size:1.3em}.warn{color:#a60}pre{background:#f7f7f7;padding:0.8em;white-space:pre-wrap}")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title><style>{css}</style></head>
 <body>
 <h1>{html.escape(title)}</h1>
-<p>{grid}</p>
-{missing}{warns}
-<h2>Recommendation</h2>
-{seeds_html}{rec_html}
-<h2>At the primary target</h2>
-{_table_html([h.replace('units', data.unit + 's') for h in POINT_HEADER], _point_rows(data, analysis))}
-<h2>Critical batch at each loss target</h2>
-<p>B_crit = E_min/S_min from the fit of S(B) = S_min(1 + B_crit/B) in log space (McCandlish et al. 2018);
-SE from the fit covariance, CI with a Student-t quantile; when B_crit falls outside the swept batches only a
-one-sided 95% bound is reported. CBS 20% = batch where steps exceed the linear-scaling
-ideal E_min/B by 20% (Zhang et al. 2024) = 0.2·B_crit. The two definitions differ by 5×. Units: {u}s per step.</p>
-{_table_html(FIT_HEADER, _fit_rows(data, analysis))}
+{missing}
+<section id="answer">
+<h2>The answer</h2>
+{lead}
+<p class="grid">{source}</p>
+</section>
+<p class="grid">{grid}</p>
+{notes_html}
 <h2>Plots</h2>
 {''.join(imgs)}
-<h2>Trials</h2>
-{_table_html([h.replace('unit', data.unit) for h in TRIAL_HEADER], _trial_rows(data))}
+<h2>The numbers behind it, and comparisons</h2>
+{below}
 <p id="img-check" class="foot">images rendered: checking…</p>
 <script>
 // Self-check for headless browsers: count the embedded plots the browser actually decoded.
@@ -577,19 +697,23 @@ def _throughput_note(data: SweepData) -> str:
             "while trials shared the machine.")
 
 
-def seed_analysis_or_note(run_dir: str | os.PathLike, *, targets: Optional[Sequence[float]] = None,
-                          readout: str = "heldout", objective: str = "time",
-                          tolerance: float = 0.05) -> tuple[Optional[SeedAnalysis], Optional[str]]:
+def seed_analysis_or_note(run_dir: str | os.PathLike, *, settings=None, targets: Optional[Sequence[float]] = None,
+                          readout: Optional[str] = None, objective: Optional[str] = None,
+                          tolerance: Optional[float] = None) -> tuple[Optional[SeedAnalysis], Optional[str]]:
     """The analysis over seeds, falling back to the training read-out for a sweep without enough held-out
-    evaluations (older sweeps, ``--eval-every`` runs); ``(None, why)`` when there is none."""
+    evaluations (older sweeps, ``--eval-every`` runs); ``(None, why)`` when there is none. ``settings``: a
+    :class:`globalbatch.critical.AnalysisSettings`; the keywords, when given, override its fields."""
+    from dataclasses import replace
+
+    from globalbatch.critical.settings import settings_from
+
+    s = settings_from(settings, targets=targets, readout=readout, objective=objective, tolerance=tolerance)
     try:
-        return analyze_sweep_seeds(run_dir, targets=targets, readout=readout, objective=objective,
-                                   tolerance=tolerance)[1], None
+        return analyze_sweep_seeds(run_dir, settings=s)[1], None
     except ValueError as exc:
-        if readout == "heldout" and "too few held-out evaluations" in str(exc):
+        if s.readout == "heldout" and "too few held-out evaluations" in str(exc):
             try:
-                _, sa = analyze_sweep_seeds(run_dir, targets=targets, readout="train", objective=objective,
-                                            tolerance=tolerance)
+                _, sa = analyze_sweep_seeds(run_dir, settings=replace(s, readout="train"))
                 return sa, "this sweep has too few held-out evaluations: the analysis over seeds reads the training loss"
             except ValueError as exc2:
                 return None, f"no analysis over seeds: {exc2}"
@@ -600,14 +724,15 @@ def write_report(
     run_dir: str | os.PathLike,
     out_dir: Optional[str | os.PathLike] = None,
     *,
+    settings=None,
     targets: Optional[Sequence[float]] = None,
-    n_targets: int = 4,
-    n_tighter: int = 2,
-    ema_fraction: float = 0.05,
+    n_targets: Optional[int] = None,
+    n_tighter: Optional[int] = None,
+    ema_fraction: Optional[float] = None,
     halflife_steps: Optional[float] = None,
-    objective: str = "time",
-    tolerance: float = 0.05,
-    readout: str = "heldout",
+    objective: Optional[str] = None,
+    tolerance: Optional[float] = None,
+    readout: Optional[str] = None,
     seed_targets: Optional[Sequence[float]] = None,
 ) -> ReportResult:
     """Analyse the sweep in ``run_dir`` and write the plots, ``analysis.json`` and ``report.html``.
@@ -616,19 +741,26 @@ def write_report(
         out_dir: where to write; default ``run_dir/report``.
         readout, seed_targets: of the analysis over seeds (:func:`analyze_sweep_seeds`); the
             other settings are the first seed's training-loss analysis.
+        settings: a :class:`globalbatch.critical.AnalysisSettings` for both analyses; the keywords, when
+            given, override its fields (``targets``/``n_targets`` are its ``first_seed_`` ones, ``seed_targets``
+            its ``targets``).
     """
-    seed_analysis, seed_note = seed_analysis_or_note(run_dir, targets=seed_targets, readout=readout,
-                                                     objective=objective, tolerance=tolerance)
-    data, analysis = analyze_sweep(run_dir, targets=targets, n_targets=n_targets, n_tighter=n_tighter, ema_fraction=ema_fraction,
-                                   halflife_steps=halflife_steps,
-                                   objective=objective, tolerance=tolerance)
+    from globalbatch.critical.settings import settings_from
+
+    s = settings_from(settings, first_seed_targets=targets, first_seed_n_targets=n_targets, n_tighter=n_tighter,
+                      ema_fraction=ema_fraction, halflife_steps=halflife_steps, objective=objective,
+                      tolerance=tolerance, readout=readout, targets=seed_targets)
+    seed_analysis, seed_note = seed_analysis_or_note(run_dir, settings=s)
+    data, analysis = analyze_sweep(run_dir, settings=s)
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
     plots: list[tuple[str, str]] = [
         ("Loss against consumed data per batch", plot_loss_vs_data(data, analysis, out / "loss_vs_data.png",
                                                                    chosen_lr=_chosen_lr(seed_analysis))),
-        ("Steps against examples with the fitted hyperbola", plot_steps_vs_examples(data, analysis, out / "steps_vs_examples.png")),
-        ("Units to target, throughput and wall-clock against batch", plot_batch_tradeoff(data, analysis, out / "batch_tradeoff.png")),
+        ("Steps against examples with the fitted hyperbola (first seed, training-loss read-out)",
+         plot_steps_vs_examples(data, analysis, out / "steps_vs_examples.png")),
+        ("Units to target, throughput and wall-clock against batch (first seed, training-loss read-out)",
+         plot_batch_tradeoff(data, analysis, out / "batch_tradeoff.png")),
     ]
     if seed_note is not None:
         analysis.warnings.append(seed_note)
@@ -638,6 +770,8 @@ def write_report(
     noise = plot_noise_scale(data, out / "noise_scale.png")
     if noise is not None:
         plots.append(("Gradient noise scale against consumed data", noise))
+    if seed_analysis is not None:  # page order: the first seed's plots sit with that comparison, at the end
+        plots.sort(key=lambda cp: Path(cp[1]).name in COMPARISON_PLOTS)
     summary = {"analysis": analysis.to_dict(), "batch_units": data.batch_units(), "missing": data.missing,
                "grid": data.config.manifest()["grid"],
                "seeds": seed_json(data, seed_analysis) if seed_analysis is not None else None}
