@@ -25,3 +25,25 @@ def test_trainer_under_fsdp2_is_exact_and_logs_the_ddp_noise_scale(tmp_path):
     proc = run_torchrun(Path(__file__).parents[1] / "dist" / "integrations_fsdp.py", str(tmp_path))
     for check in ("hf-fsdp-exact", "hf-fsdp-noise"):
         assert f"PASS {check}" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.parametrize("dt, fsdp_version, match", [
+    ("DEEPSPEED", None, "engine.backward divides each loss by its gradient_accumulation_steps"),
+    ("FSDP", 1, "fsdp_version 1 is not allowed; allowed: 2"),
+])
+def test_deepspeed_and_fsdp1_are_refused_naming_why(monkeypatch, dt, fsdp_version, match):
+    """The refusals at construction (the Trainer's own __init__ replaced: deepspeed is not installed here)."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from globalbatch.integrations.hf import GlobalBatchTrainer
+
+    def fake_init(self, *args, **kwargs):
+        self.accelerator = SimpleNamespace(distributed_type=dt,
+                                           state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version)))
+        self.args = SimpleNamespace(n_gpu=1)
+
+    monkeypatch.setattr(transformers.Trainer, "__init__", fake_init)
+    with pytest.raises(ValueError, match=match):
+        GlobalBatchTrainer(model=None)
