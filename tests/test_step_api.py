@@ -74,7 +74,7 @@ def test_cut_window_is_the_labs_row_by_row_cut_and_covers_every_sample_once():
         cut_window([0], 2, 2, 0)
 
 
-def test_rank_windows_follow_the_batch_schedule_skip_on_resume_and_end_with_a_short_window():
+def test_rank_windows_follow_the_batch_schedule_skip_on_resume_and_end_with_a_short_window(caplog):
     model = sc.build_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = parse_step_schedule("0:4 60:8")
@@ -95,6 +95,9 @@ def test_rank_windows_follow_the_batch_schedule_skip_on_resume_and_end_with_a_sh
     tail = next(rank_windows(docs, drv, collate=None, start=27))  # 3 left: still two micro-batches (noise monitor)
     assert tail.samples == [2, 1]
     assert next(rank_windows(docs, drv, start=28)).samples == [1, 1]
+    with caplog.at_level(logging.WARNING, logger="globalbatch.windows"):
+        assert list(rank_windows(docs, drv, start=29)) == []  # one sample: one small batch, left out
+    assert "the last sample is left out: alone it is one micro-batch" in caplog.text
 
 
 def test_rank_windows_refuse_drawing_ahead_and_leave_out_a_tail_smaller_than_the_ranks(caplog):

@@ -14,7 +14,9 @@ micro-batches. The cut is fixed by ``(samples in the window, micro_batch, dp_wor
   ``micro_batch ≥ 2``), laid out row by row as a full window is; on one process at least two
   micro-batches when the full windows have two or more (the noise monitor needs two small batches);
 * a tail of fewer samples than ranks cannot give every rank a micro-batch (a rank without one
-  would leave the others waiting in the gradient all-reduce): it is left out, with a warning naming it.
+  would leave the others waiting in the gradient all-reduce): it is left out, with a warning naming it;
+  so is a last single sample on one process whose full windows have two or more micro-batches (one
+  small batch: the noise monitor refuses such a window).
 
 Ragged samples are the collate function's business: each micro-batch is collated (padded) on its own.
 """
@@ -141,12 +143,15 @@ def _draw(samples: Iterable[T], driver: Any, collate: Optional[Callable[[list[T]
         if not drawn:
             return
         world = driver.dp_world_size
-        if len(drawn) < world:
-            if getattr(driver, "_log", True):
-                logger.warning("the last %d samples are fewer than the %d data-parallel ranks: left out (every "
-                               "rank needs a micro-batch)", len(drawn), world)
-            return
         micro = driver.config.micro_batch
+        if len(drawn) < world or (world == 1 and len(drawn) == 1 and n >= 2 * micro):
+            if getattr(driver, "_log", True) and world > 1:
+                logger.warning("the last %d samples are fewer than the %d data-parallel ranks: left out (every rank "
+                               "needs a micro-batch)", len(drawn), world)
+            elif getattr(driver, "_log", True):
+                logger.warning("the last sample is left out: alone it is one micro-batch, and every full window has "
+                               "two or more (the noise scale needs two small batches)")
+            return
         # a short window of one process keeps two micro-batches when full ones have them (two small batches:
         # what the noise monitor needs); full windows are always rows of micro_batch
         two = world == 1 and len(drawn) < n and n >= 2 * micro
