@@ -40,7 +40,7 @@ def _choices_of(param: Any) -> tuple:
     return ()
 
 
-def _usage_error_line(exc: Exception, argv: list[str]) -> str:
+def _usage_error_line(exc: Any, argv: list[str]) -> str:
     """click's BadParameter as ``--dp 'abc' is not allowed; allowed: a whole number``."""
     param = getattr(exc, "param", None)
     opts = list(getattr(param, "opts", []) or [])
@@ -92,7 +92,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         if not hasattr(exc, "format_message"):
             raise
         if type(exc).__name__ == "NoArgsIsHelpError" and getattr(exc, "ctx", None) is not None:
-            typer.echo(exc.ctx.get_help())
+            typer.echo(exc.ctx.get_help())  # type: ignore[attr-defined]  # click's NoArgsIsHelpError
             sys.exit(0)
         typer.echo(f"error: {_usage_error_line(exc, args)}", err=True)
         sys.exit(getattr(exc, "exit_code", 2) or 2)

@@ -15,7 +15,7 @@ line names the flag instead, found in the command's own typer parameters
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import typer
 
@@ -26,7 +26,10 @@ OPTIMIZERS_HELP = ", ".join(optimizer_names())
 
 # Fixed choices as Literal types: typer shows them in --help (``--objective <time|cost>``) and refuses
 # any other value before the command runs (one line, see _usage_error_line).
-OptimizerName = Literal.__getitem__(tuple(optimizer_names()))  # the registry's names, whatever they are
+if TYPE_CHECKING:  # a Literal built at run time is no static type: the checker sees a str
+    OptimizerName = str
+else:
+    OptimizerName = Literal.__getitem__(tuple(optimizer_names()))  # the registry's names, whatever they are
 PrecisionName = Literal["fp32", "bf16", "fp16"]
 Backend = Literal["local", "ray"]
 Objective = Literal["time", "cost"]

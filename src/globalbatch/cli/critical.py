@@ -148,7 +148,7 @@ def report_cmd(
 
     with flag_names(flag_names_of("report")):
         V.existing_dir(run_dir, "run_dir", allowed="a sweep directory (written by globalbatch sweep)")
-        target_list = None if targets is None else V.number_list(targets, "targets", positive_only=False)
+        target_list = None if targets is None else tuple(V.number_list(targets, "targets", positive_only=False))
         with V.created_out_dir(out if out is not None else str(Path(run_dir) / "report"), "out"):
             res = write_report(run_dir, out, targets=target_list, objective=objective, tolerance=tolerance,
                                ema_fraction=ema_fraction, halflife_steps=half_life_steps, readout=readout,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import Any, Optional, cast
 
 import typer
 
@@ -69,7 +69,7 @@ def plan_cmd(
                 raise SettingError("--optimizer", optimizer, ", ".join(dict.fromkeys(
                     [*optimizer_names(), *OPTIMIZER_STATES])), flag=True)
         if lr_rule is None and optimizer in optimizer_names():
-            lr_rule = lr_scaling_rule(optimizer)
+            lr_rule = cast(LrRule, lr_scaling_rule(optimizer))
 
     memory_flags = {"--precision": precision, "--sharding": sharding,
                     "--activation-bytes-per-sample": activation_bytes, "--checkpoint-divisor": checkpoint_divisor,
@@ -164,13 +164,14 @@ def _memory_inputs(memory: str, *, params: Optional[str], dp: Optional[int], opt
             raise ValueError(f"--activation-bytes-per-sample {activation_bytes} is not allowed; allowed: at least 1 byte")
     names = {"params": "--params", "optimizer": "--optimizer", "precision": "--precision", "sharding": "--sharding",
              "dp_world_size": "--dp", "checkpoint_divisor": "--checkpoint-divisor"}
-    common = dict(optimizer=optimizer or "adamw", precision=precision or "fp32", sharding=sharding or "none",
+    common: dict[str, Any] = dict(optimizer=optimizer or "adamw", precision=precision or "fp32", sharding=sharding or "none",
                   dp_world_size=1 if dp is None else dp,
                   checkpoint_divisor=1.0 if checkpoint_divisor is None else checkpoint_divisor)
     with flag_names(names):
         MemoryConfig(params=1 if params is None else parse_count(params, "--params"), **common)  # check the flags
     if task is None:
         cfg = MemoryConfig(params=parse_count(params, "--params"), **common)
+        assert per_sample is not None  # without --task, --activation-bytes-per-sample was required above
         return device_bytes, cfg, Activations(bytes_per_sample=float(per_sample), source="given")
     from .. import validate as V
     from ..lab.tasks import load_task_checked

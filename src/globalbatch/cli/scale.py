@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Literal, Optional
+from typing import Any, Literal, Optional, cast
 
 import typer
 
@@ -77,7 +77,7 @@ def convergence_from_sweep(run_dir: str):
         raise SettingError("run_dir", run_dir, "a sweep whose joint B_crit(L) fit succeeded",
                            why=getattr(a, "joint_error", "") or "no joint fit")
     law = BCritLaw(b_ref_tokens=float(j.b_ref), loss_ref=float(j.loss_ref), k=float(j.k),
-                   cov=tuple(tuple(float(v) for v in row) for row in j.cov), dof=int(j.dof),
+                   cov=cast(Any, tuple(tuple(float(v) for v in row) for row in j.cov)), dof=int(j.dof),
                    boot=tuple(zip(j.boot_log_b_ref, j.boot_k)))
     pts = [(st.target, s, b, st.steps[b][s]) for st in a.targets for s in a.seeds if st.monotone[s]
            for b in st.steps if st.steps[b][s] is not None]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, cast
 
 import numpy as np
 
@@ -184,7 +184,7 @@ def steps_to_target(
 
         if curve.eval_loss is None:
             raise ValueError(f"readout: 'heldout' needs held-out evaluations; curve {curve.label!r} has none")
-        c = heldout_crossing(curve.eval_examples, curve.eval_steps, curve.eval_loss, target)
+        c = heldout_crossing(cast(np.ndarray, curve.eval_examples), cast(np.ndarray, curve.eval_steps), curve.eval_loss, target)
         return None if c is None else (c.steps, c.examples)
     if curve.loss.size == 0:
         return None

@@ -37,7 +37,7 @@ clipping, which the Trainer does not offer.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -107,7 +107,13 @@ class GlobalBatchCallback(TrainerCallback):
         return {**self.meter.read(), **noise_metrics(self.monitor)}
 
 
-class GlobalBatchTrainerMixin:
+if TYPE_CHECKING:  # the checker reads the mixin as the Trainer it is mixed into
+    _TrainerHost = Trainer
+else:
+    _TrainerHost = object
+
+
+class GlobalBatchTrainerMixin(_TrainerHost):
     """Put before ``Trainer`` (``class MyTrainer(GlobalBatchTrainerMixin, Trainer)``): exact accumulation.
 
     Keyword arguments (the rest go to the Trainer):
@@ -275,7 +281,7 @@ class GlobalBatchTrainerMixin:
             if last:
                 scaler = getattr(self.accelerator, "scaler", None)
                 scale = getattr(scaler, "_scale", None) if scaler is not None else None
-                monitor.window_end(loss_scale=scale, lr=self.optimizer.param_groups[0]["lr"])
+                monitor.window_end(loss_scale=scale, lr=self.optimizer.param_groups[0]["lr"])  # type: ignore[union-attr]  # built by now
         if last and self._gb_window is not None:
             # HOST SYNC, once per optimizer step: three numbers already all-reduced in get_batch_samples
             # (read after the window's backward passes, so they do not stall the compute).

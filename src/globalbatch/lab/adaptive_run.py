@@ -442,7 +442,7 @@ def _crossing(evals: list[dict], target: float) -> tuple[float, float]:
     return math.nan, math.nan
 
 
-def _t_interval(values: list[float], log: bool = False) -> dict[str, float]:
+def _t_interval(values: list[float], log: bool = False) -> dict[str, Any]:
     """Mean (geometric with ``log``) and 95 % t-interval over seeds; NaN when any value is NaN or fewer than 2."""
     import numpy as np
     from scipy import stats
@@ -586,7 +586,7 @@ def analyze_adaptive(out: str | os.PathLike, *, target: Optional[float] = None, 
                   "steps": _t_interval([cross[a][s][1] for s in seeds]), "final_loss": final[a]}
     reached = [a for a in fixed if math.isfinite(per[a]["tokens"]["mean"])]
     best = min(reached, key=lambda a: per[a]["tokens"]["mean"]) if reached else None
-    nan = {"mean": math.nan, "low": math.nan, "high": math.nan, "n": len(seeds), "values": []}
+    nan: dict[str, Any] = {"mean": math.nan, "low": math.nan, "high": math.nan, "n": len(seeds), "values": []}
     tok_r, stp_r, front_r = dict(nan), dict(nan), dict(nan)
     dominated: dict[int, list[str]] = {}
     if best is not None:

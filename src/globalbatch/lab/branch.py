@@ -429,7 +429,7 @@ def _run_locked(config: BranchConfig, out: Path, task: Any, *, threads: Optional
         done = [p for p in config.branch_at if p not in missing_ckpts]
         if done:  # resume the base run from its latest checkpoint
             extra = load_checkpoint(ckpt_dir / f"ckpt_{done[-1]}.pt", driver, map_location=exp.device)
-            for _ in range(int(extra["samples_drawn"])):
+            for _ in range(int((extra or {})["samples_drawn"])):
                 next(order)
         for p in config.branch_at:
             if p in done:
@@ -489,7 +489,7 @@ def _summarise(out: Path, config: BranchConfig, unit: str, branches: list[dict],
     points = []
     ups = base_meta.get("units_per_sample") or 1.0
     for p in config.branch_at:
-        losses = {}
+        losses: dict[int, Sequence[float]] = {}
         for k in config.ks:
             rows = sorted((b for b in branches if b["branch_at"] == p and b["k"] == k), key=lambda b: b["seed"])
             losses[k] = [b[key] for b in rows]

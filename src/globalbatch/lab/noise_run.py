@@ -72,26 +72,23 @@ def check_noise_settings(*, micro_batch: int = 8, grad_accum_steps: int = 4, ste
             return repr(value)
         return f"{value:g}" if isinstance(value, float) else str(value)
 
-    def whole(value: Any) -> bool:
-        return not isinstance(value, bool) and isinstance(value, int)
+    from globalbatch import validate as V
+    from globalbatch.errors import flag_names
 
-    for setting, value in (("micro_batch", micro_batch), ("grad_accum_steps", grad_accum_steps), ("steps", steps),
-                           ("log_every", log_every), ("threads", threads)):
-        if (value is not None or setting != "threads") and (not whole(value) or value < 1):
-            raise ValueError(f"{name(setting)} {text(setting, value)} is not allowed; allowed: a whole number ≥ 1")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (lr >= 0 and math.isfinite(lr)):
-        raise ValueError(f"{name('lr')} {text('lr', lr)} is not allowed; allowed: a finite number ≥ 0")
-    if optimizer not in optimizer_names():
-        raise ValueError(f"{name('optimizer')} {text('optimizer', optimizer)} is not allowed; allowed: "
-                         f"{', '.join(optimizer_names())}")
+    with flag_names(names or {}):  # the CLI's flags for the fields it knows
+        for setting, value in (("micro_batch", micro_batch), ("grad_accum_steps", grad_accum_steps), ("steps", steps),
+                               ("log_every", log_every), ("threads", threads)):
+            if value is not None or setting != "threads":
+                V.whole(value, setting)
+        V.number(lr, "lr", low=0.0)
+        V.choice(optimizer, "optimizer", optimizer_names())
     if adam_variant and optimizer != "adamw":
         flag = name("adam_variant") if names and "adam_variant" in names else "adam_variant True"
         raise ValueError(f"{flag} is not allowed with {name('optimizer')} {text('optimizer', optimizer)}; "
                          f"allowed: {name('optimizer')} adamw (the variant needs its exp_avg_sq)")
-    if isinstance(half_life_windows, bool) or not isinstance(half_life_windows, (int, float)) \
-            or not half_life_windows > 0:
-        raise ValueError(f"{name('half_life_windows')} {text('half_life_windows', half_life_windows)} is not "
-                         "allowed; allowed: a number > 0 (windows)")
+    if half_life_windows != math.inf:  # inf: no decay, a plain mean over every window
+        with flag_names(names or {}):
+            V.positive(half_life_windows, "half_life_windows", allowed="a number > 0 (windows)")
     if world_size is not None and grad_accum_steps * world_size < 2:
         other = "torchrun with ≥ 2 processes" if names else "dp_world_size ≥ 2"
         raise ValueError(f"{name('grad_accum_steps')} {grad_accum_steps} on one process gives no second batch size; "

@@ -24,7 +24,7 @@ When ``ghost_batch_size`` ≥ the batch, a ghost layer *is* a BatchNorm layer (t
 
 from __future__ import annotations
 
-from typing import Optional, Type
+from typing import Optional, Type, cast
 
 import torch
 import torch.nn.functional as F
@@ -123,7 +123,7 @@ def convert_to_ghost_bn(model: nn.Module, ghost_batch_size: int) -> nn.Module:
     """
     _check_ghost(ghost_batch_size)
     if type(model) in _GHOST:
-        return _to_ghost(model, ghost_batch_size)
+        return _to_ghost(cast(_BatchNorm, model), ghost_batch_size)
     for name, child in model.named_children():
         new = convert_to_ghost_bn(child, ghost_batch_size)
         if new is not child:

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-_vector_norm = torch._C._linalg.linalg_vector_norm  # torch.linalg.vector_norm, called positionally in the hooks
+_vector_norm = torch._C._linalg.linalg_vector_norm  # type: ignore[attr-defined]  # torch.linalg.vector_norm, called positionally in the hooks
 _FOLD_EVERY_HOST = 256  # windows queued on the CPU host path before a fold: a fold costs ≈ 2 ms of small calls
 
 
@@ -63,8 +63,8 @@ class _NormSlots:
 
     def put(self, grad: torch.Tensor) -> None:
         j = self.n
-        if j >= len(self.views) or self.buf.device != grad.device or \
-                (grad.dtype == torch.float64 and self.buf.dtype != torch.float64):
+        if (j >= len(self.views) or self.buf.device != grad.device  # type: ignore[union-attr]  # views: buf is set
+                or (grad.dtype == torch.float64 and self.buf.dtype != torch.float64)):  # type: ignore[union-attr]
             self._grow(grad.device, j, float64=grad.dtype == torch.float64)
         v = self.views[j]
         if grad.dtype == v.dtype:

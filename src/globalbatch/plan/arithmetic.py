@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from globalbatch.errors import SettingError
 from globalbatch.units import fmt_int, parse_bytes, parse_count
@@ -119,7 +119,7 @@ def solve_geometry(
     Exactly three (solve) or four (check) values must be given. Division must be
     exact: ``global batch 1000 is not divisible by micro_batch 4 × dp 64 = 256``.
     """
-    given = {
+    given: dict[str, Any] = {  # the values given, each checked to be a whole number ≥ 1 below
         "global_batch": global_batch,
         "micro_batch": micro_batch,
         "grad_accum_steps": grad_accum_steps,

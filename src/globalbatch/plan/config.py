@@ -124,7 +124,8 @@ class PlanConfig:
             raise ValueError(f"virtual_stages {self.virtual_stages} needs pp_stages; allowed: give the pipeline stages too")
 
 
-def fmt(x: float) -> str:
+def fmt(x: Any) -> str:
+    """A count with thousands separators (a report's field, known to be set where it is shown)."""
     return P.fmt_int(x)
 
 
@@ -357,7 +358,7 @@ def _deepspeed(data: dict, flags: dict, dp: Optional[int], path: str, warnings: 
     if train is None and micro is None:
         raise ValueError(f"{path}: either train_batch_size or train_micro_batch_size_per_gpu needs to be provided")
     if dp is None:
-        if None not in (train, micro, gas):
+        if train is not None and micro is not None and gas is not None:
             per = micro * gas
             if train % per:
                 raise ValueError(

@@ -18,7 +18,9 @@ from globalbatch.plan.config import PlanConfig, config_error, resolve_plan_confi
 __all__ = ["PlanReport", "DpChange", "build_plan", "make_plan", "plan_table"]
 
 
-fmt = P.fmt_int
+def fmt(x: Any) -> str:
+    """:func:`fmt_int` of a report's field (known to be set where it is shown)."""
+    return P.fmt_int(x)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,29 +96,27 @@ class PlanReport:
 def build_plan(cfg: PlanConfig) -> PlanReport:
     """Solve/check the geometry and derive everything that follows, as a frozen :class:`PlanReport`."""
     warnings: list[str] = []
-    dp_change = None
+    dp_change: Optional[dict[str, Any]] = None
+    g0, m0, d0 = cfg.global_batch, cfg.micro_batch, cfg.dp_world_size
     if (
         cfg.round_down and cfg.grad_accum_steps is None and cfg.new_dp_world_size is None
-        and None not in (cfg.global_batch, cfg.micro_batch, cfg.dp_world_size)
-        and cfg.global_batch % (cfg.micro_batch * cfg.dp_world_size)
+        and g0 is not None and m0 is not None and d0 is not None and g0 % (m0 * d0)
     ):
         # Flags only: "--global-batch G --micro-batch M --dp D --round-down".
-        per_accum = cfg.micro_batch * cfg.dp_world_size
-        if cfg.global_batch < per_accum:
+        per_accum = m0 * d0
+        if g0 < per_accum:
             raise ValueError(
                 f"global batch {cfg.global_batch} is smaller than micro_batch {cfg.micro_batch} × dp "
                 f"{cfg.dp_world_size} = {per_accum}; allowed: a smaller micro_batch or dp"
             )
-        geo = P.solve_geometry(
-            micro_batch=cfg.micro_batch, grad_accum_steps=cfg.global_batch // per_accum, dp_world_size=cfg.dp_world_size
-        )
+        geo = P.solve_geometry(micro_batch=m0, grad_accum_steps=g0 // per_accum, dp_world_size=d0)
         dp_change = {
             "from_dp_world_size": None, "from_grad_accum_steps": None,
-            "requested_global_batch": cfg.global_batch,
-            "dropped_samples_per_step": cfg.global_batch - geo.global_batch,
+            "requested_global_batch": g0,
+            "dropped_samples_per_step": g0 - geo.global_batch,
         }
         warnings.append(
-            f"--round-down: global batch {fmt(cfg.global_batch)} -> {fmt(geo.global_batch)}, "
+            f"--round-down: global batch {fmt(g0)} -> {fmt(geo.global_batch)}, "
             f"{fmt(dp_change['dropped_samples_per_step'])} samples per step dropped"
         )
     else:
@@ -280,7 +280,7 @@ def _ranks(d: int) -> str:
     return f"{d} rank" if d == 1 else f"{d} ranks"
 
 
-def _human_bytes(n: float) -> str:
+def _human_bytes(n: Any) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:,.1f} {unit}" if unit != "B" else f"{n:,.0f} B"
@@ -327,7 +327,7 @@ def plan_table(report: PlanReport):
     if report.lr is not None:
         if report.lr_base_batch is not None:
             ratio = f"{fmt(g)}/{fmt(report.lr_base_batch)}"
-            how = {"linear": f"× ({ratio})", "sqrt": f"× √({ratio})", "none": "unchanged"}[report.lr_rule]
+            how = {"linear": f"× ({ratio})", "sqrt": f"× √({ratio})", "none": "unchanged"}[str(report.lr_rule)]
             t.add_row("lr", f"{report.lr:.4g}", f"{report.lr_base:.4g} {how} (rule {report.lr_rule})")
         else:
             t.add_row("lr", f"{report.lr:.4g}", "as given")

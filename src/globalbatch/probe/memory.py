@@ -166,7 +166,8 @@ class _CpuTensorPeak:
             self._prof.__exit__(*exc)
 
     def peak_bytes(self) -> int:
-        events = [e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        profiler: Any = self._prof.profiler  # torch's private kineto results: not in its stubs
+        events = [e for e in profiler.kineto_results.events() if e.name() == "[memory]"]
         events.sort(key=lambda e: e.start_ns())
         running = peak = 0
         for e in events:

@@ -22,7 +22,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from globalbatch.errors import SettingError
 from globalbatch.plan import BatchGeometry, solve_geometry
@@ -232,8 +232,9 @@ def choose_fastest(trials: Iterable[TrialResult], tolerance: float = 0.05) -> Op
     if not timed:
         return None
     use_tokens = all(t.tokens_per_step is not None for t in timed)
-    best = max(_throughput(t, use_tokens) for t in timed)
-    good = [t.micro_batch for t in timed if _throughput(t, use_tokens) >= (1.0 - tolerance) * best]
+    rate = {id(t): cast(float, _throughput(t, use_tokens)) for t in timed}  # timed: each has a step time
+    best = max(rate.values())
+    good = [t.micro_batch for t in timed if rate[id(t)] >= (1.0 - tolerance) * best]
     return min(good)
 
 
@@ -358,7 +359,7 @@ class _Search:
             return predicted
         if self.model is not None and self.budget_bytes() is not None and self.lo >= 1 \
                 and self.misses < self.config.max_prediction_misses:
-            p = self.model.largest_fitting(self.budget_bytes())
+            p = self.model.largest_fitting(cast(float, self.budget_bytes()))
             if p is not None and p >= self.hi and self.hi not in self.missed:
                 self.misses += 1  # the line says hi fits, but hi failed: the line is wrong here (once per size)
                 self.missed.add(self.hi)

@@ -234,7 +234,8 @@ def mfu_curve_from_probe(path: str) -> ThroughputCurve:
     for t in trials:
         if not isinstance(t, dict) or t.get("oom"):
             continue
-        tok, mfu = t.get("tokens_per_step"), t.get("mfu")
+        tok: Any = t.get("tokens_per_step")
+        mfu: Any = t.get("mfu")
         if _num_ok(tok) and _num_ok(mfu) and tok > 0 and 0 < mfu <= 1:
             pts[float(tok)] = float(mfu)
     if not pts:

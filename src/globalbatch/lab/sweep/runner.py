@@ -364,7 +364,7 @@ def _run_ray(cfg: dict, pending: Sequence[TrialSpec], out: Path, n_workers: int,
             run_config=_ray_run_config(out_abs),
         )
         results = tuner.fit()
-        errors = [str(r.error) for r in results if r.error is not None]
+        errors = [str(r.error) for r in results if r.error is not None]  # type: ignore[attr-defined]  # ResultGrid iterates
         if errors:
             raise RuntimeError(f"{len(errors)} Ray trial(s) failed; first: {errors[0]}")
     finally:
@@ -376,7 +376,7 @@ def _ray_run_config(out_abs: str):
     try:
         from ray.tune import RunConfig
     except ImportError:  # Ray < 2.40
-        from ray.air import RunConfig
+        from ray.air import RunConfig  # type: ignore[assignment]
     return RunConfig(name="ray", storage_path=os.path.join(out_abs, "ray_results"), verbose=0)
 
 
