@@ -17,6 +17,9 @@ The same checks run without the patch on a GPU machine (benchmarks/gpu_check.py,
 * hf-fsdp-noise: B_simple logged by the Trainer under FSDP2 equals NoiseScaleMonitor under a DDP StepDriver
   fed the same micro-batches on the same ranks from the second window on (FSDP2's unsharded parameters, which
   the monitor hooks, appear at the first forward), relative 1e-6.
+* lightning-fsdp-exact / lightning-fsdp-noise: the same for the Lightning mixin under ``ModelParallelStrategy``
+  (Lightning's FSDP2: ``fully_shard`` in ``configure_model``), against ``accumulate_grad_batches`` under the same
+  strategy as the default.
 
 Argument 1: a scratch directory.
 """
@@ -154,6 +157,92 @@ def main() -> None:
     assert worst < 1e-6, (logged, expected)
     if rank == 0:
         print("PASS hf-fsdp-noise", flush=True)
+    lightning_checks(rank, world, expected)
+
+
+def lightning_checks(rank: int, world: int, expected_noise: list[float]) -> None:
+    """The Lightning mixin under ``ModelParallelStrategy`` (Lightning's FSDP2: ``fully_shard`` in
+    ``configure_model``), the same windows; 64-true is not offered by that strategy, so the model is float64
+    under 32-true (which casts nothing)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    from globalbatch.integrations.lightning import ExactAccumulationMixin, GlobalBatchCallback
+    from globalbatch.losses import causal_lm_loss_sum
+    from globalbatch.noise import NoiseConfig
+
+    class DefaultLM(pl.LightningModule):
+        def __init__(self, lr: float = 1.0) -> None:
+            super().__init__()
+            self.model, self.lr = ic.tiny_gpt2(), lr
+
+        def configure_model(self):
+            for block in self.model.transformer.h:
+                fully_shard(block, mesh=self.device_mesh["data_parallel"])
+            fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    class ExactLM(ExactAccumulationMixin, DefaultLM):
+        def __init__(self, lr: float = 1.0) -> None:
+            super().__init__(lr)
+            self.configure_global_batch(micro_batch=MICRO, global_batch=MICRO * ACCUM * world)
+
+        def loss_sum(self, batch):
+            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            return causal_lm_loss_sum(out.logits, batch["labels"])
+
+    def fit(module, docs, **kw):
+        batches = [docs[s:s + MICRO] for s in range(0, len(docs), MICRO)]
+        mine = [d for b in batches[rank::world] for d in b]
+        loader = torch.utils.data.DataLoader(mine, batch_size=MICRO, shuffle=False, collate_fn=ic.collate)
+        trainer = pl.Trainer(accelerator="cuda" if torch.cuda.is_available() else "cpu", devices=world,
+                             strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+                             precision="32-true", max_epochs=1, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, use_distributed_sampler=False, log_every_n_steps=1, **kw)
+        trainer.fit(module, loader)
+        return trainer
+
+    docs = ic.stdlib_documents(6 * world)
+    world_batch = MICRO * ACCUM * world
+    ref_model = ic.tiny_gpt2()
+    start = [p.detach().clone() for p in ref_model.parameters()]
+    for s in range(0, len(docs), world_batch):
+        for p, g in zip(ref_model.parameters(), ic.reference_grads(ref_model, docs[s:s + world_batch])):
+            p.data.sub_(g)
+    ref_delta = [p.detach() - s for p, s in zip(ref_model.parameters(), start)]
+    errors = {}
+    for name, module, kw in (("default", DefaultLM(), {"accumulate_grad_batches": ACCUM, "logger": False}),
+                             ("ours", ExactLM(), {"logger": False})):
+        trainer = fit(module, docs, **kw)
+        assert trainer.global_step == 2, trainer.global_step
+        assert any(hasattr(p, "full_tensor") for p in module.model.parameters()), "parameters are not sharded"
+        errors[name] = ic.max_rel_diff([full(p) - s for p, s in zip(module.model.parameters(), start)], ref_delta)
+    if rank == 0:
+        print(f"lightning-fsdp2 update error vs one big batch: default {errors['default']:.3e} "
+              f"ours {errors['ours']:.3e}", flush=True)
+    assert errors["ours"] < 1e-10 and errors["default"] > 1e-3, errors
+    if rank == 0:
+        print("PASS lightning-fsdp-exact", flush=True)
+
+    logger = ic.list_logger()
+    cb = GlobalBatchCallback(noise_config=NoiseConfig(sources=("micro",), half_life=math.inf))
+    module = ExactLM(lr=0.5)
+    fit(module, ic.stdlib_documents(12 * world), logger=logger, callbacks=[cb])
+    assert cb.monitor is not None and cb.monitor._fsdp is not None and cb.monitor.dp_world_size == world
+    if rank == 0:  # Lightning's loggers write on rank 0
+        rows = ic.logged_per_window(logger, "noise/windows")
+        logged = [m.get("noise/b_simple_tokens", math.nan) for m in rows]
+        worst = max(abs(a - b) / abs(b) for a, b in zip(logged[1:], expected_noise[1:]))
+        print(f"lightning-fsdp2 B_simple logged {logged} DDP monitor {expected_noise} max relative difference "
+              f"{worst:.2e}", flush=True)
+        assert len(logged) == 3 and math.isnan(logged[0]) and worst < 1e-6, (logged, expected_noise)
+        print("PASS lightning-fsdp-noise", flush=True)
 
 
 if __name__ == "__main__":

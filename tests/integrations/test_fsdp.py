@@ -23,7 +23,7 @@ def test_trainer_under_fsdp2_is_exact_and_logs_the_ddp_noise_scale(tmp_path):
     from conftest import run_torchrun
 
     proc = run_torchrun(Path(__file__).parents[1] / "dist" / "integrations_fsdp.py", str(tmp_path))
-    for check in ("hf-fsdp-exact", "hf-fsdp-noise"):
+    for check in ("hf-fsdp-exact", "hf-fsdp-noise", "lightning-fsdp-exact", "lightning-fsdp-noise"):
         assert f"PASS {check}" in proc.stdout, proc.stdout[-3000:]
 
 

@@ -26,9 +26,10 @@ interval (:class:`~globalbatch.noise.NoiseScaleMonitor` fed by the driver).
 Mixed precision: ``bf16-mixed`` needs nothing (autocast wraps ``training_step``); under ``16-mixed``
 the precision plugin's GradScaler is lent to the driver, which scales each micro-batch's backward,
 unscales once per window before the noise monitor and the clipping, and updates the scale; the plugin
-steps the optimizer without unscaling again. Limits: one optimizer; FSDP/DeepSpeed strategies are
-not supported. Tested on one
-process and under DDP with 2 gloo ranks (tests/dist/integrations_ddp.py).
+steps the optimizer without unscaling again. FSDP2: under ``ModelParallelStrategy`` (``fully_shard`` in ``configure_model``) the driver runs on the
+outermost sharded module. Limits: one optimizer; the FSDP1 ``FSDPStrategy`` and DeepSpeed are not
+supported. Tested on one process, under DDP and under ModelParallelStrategy with 2 gloo ranks
+(tests/dist/integrations_ddp.py, tests/dist/integrations_fsdp.py).
 """
 
 from __future__ import annotations
@@ -199,9 +200,29 @@ class ExactAccumulationMixin:
             self.gb_grad_accum_steps = derive_grad_accum_steps(self.gb_pinned_global_batch, self.gb_micro_batch, world)
         super().on_fit_start()
 
-    def _gb_build_driver(self) -> StepDriver:
+    def _gb_data_parallel_model(self) -> torch.nn.Module:
+        """What syncs the gradients: Lightning's DDP wrapper, else the outermost FSDP2 module that
+        ``configure_model`` sharded (``ModelParallelStrategy``), else the module itself."""
         strategy_model = self.trainer.strategy.model
-        model = strategy_model if isinstance(strategy_model, torch.nn.parallel.DistributedDataParallel) else self
+        if isinstance(strategy_model, torch.nn.parallel.DistributedDataParallel):
+            return strategy_model
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover - torch without FSDP2
+            return self
+        root = next((m for m in self.modules() if isinstance(m, FSDPModule)), None)
+        if root is None or root is self:
+            return self if root is None else root
+        inside = {id(p) for p in root.parameters()}
+        outside = [n for n, p in self.named_parameters() if p.requires_grad and id(p) not in inside]
+        if outside:
+            raise ValueError(f"trainable parameters outside the fully_shard root {type(root).__name__} "
+                             f"({', '.join(outside[:3])}{', ...' if len(outside) > 3 else ''}) are not allowed; "
+                             "allowed: shard the module that holds every trainable parameter last in configure_model")
+        return root
+
+    def _gb_build_driver(self) -> StepDriver:
+        model = self._gb_data_parallel_model()
         optimizer = self.optimizers()
         if isinstance(optimizer, list):
             raise ValueError(f"{len(optimizer)} optimizers are not allowed; allowed: one")
