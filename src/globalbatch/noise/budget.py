@@ -11,7 +11,7 @@ in n costs (c_m + (n − 1)·c_u) / (n·T). The smallest n within the budget is
 
 ``every`` rises (at most doubling per measured window) when the cost at the current n is over the
 budget, and falls only when the cost at a smaller n is under budget / (1 + hysteresis): a cost
-that stays in that band leaves ``every`` where it is. c_m, c_u and T are medians of recent
+that stays in that band leaves ``every`` where it is. c_m, c_u and T are means of recent
 readings. Which windows are measured depends on time only, never on a gradient, so the measured
 windows are a subsample of the windows and the estimate stays unbiased.
 """
@@ -70,19 +70,21 @@ class MonitorCost:
 class EveryController:
     """``every`` from the measured cost, within ``budget`` (see the module docstring).
 
-    c_m, c_u and T are the medians of their last ``samples`` readings: on a shared machine a region
-    of a few microseconds sometimes reads milliseconds (the process was descheduled inside it),
-    and a mean would follow that. ``every`` at most doubles per decision.
+    c_m, c_u and T are the means of their last ``samples`` readings. On a shared machine a region of
+    a few microseconds sometimes reads milliseconds (the process was descheduled inside it); the
+    steps are descheduled as often per second, so the ratio of means prices that at its rate, where
+    medians would leave it out of the monitor's regions and keep it in the (long) steps. ``every``
+    at most doubles per decision, so one such reading moves it by a factor 2 at most.
 
     Args:
         budget: the cost allowed, a fraction of the bare step time (0 < budget < 1).
         every: the starting value.
         hysteresis: ``every`` falls only when a smaller one costs ≤ budget / (1 + hysteresis).
-        samples: readings of c_m, c_u and T kept (the medians are over these).
+        samples: readings of c_m, c_u and T kept (the means are over these).
         warmup: measured windows left out of c_m at the start (the first builds buffers).
     """
 
-    def __init__(self, budget: float, *, every: int = 1, hysteresis: float = 0.25, samples: int = 15,
+    def __init__(self, budget: float, *, every: int = 1, hysteresis: float = 0.25, samples: int = 64,
                  warmup: int = 1, every_max: int = EVERY_MAX) -> None:
         self.budget = budget
         self.every = every
@@ -97,16 +99,16 @@ class EveryController:
 
     @property
     def c_measured(self) -> float | None:
-        """c_m: the median of the measured windows' seconds, plus the folds' seconds per measured window."""
-        return statistics.median(self._cm) + self._fold if self._cm else None
+        """c_m: the mean of the measured windows' seconds, plus the folds' seconds per measured window."""
+        return statistics.fmean(self._cm) + self._fold if self._cm else None
 
     @property
     def c_unmeasured(self) -> float | None:
-        return statistics.median(self._cu) if self._cu else None
+        return statistics.fmean(self._cu) if self._cu else None
 
     @property
     def step(self) -> float | None:
-        return statistics.median(self._t) if self._t else None
+        return statistics.fmean(self._t) if self._t else None
 
     def cost_at(self, n: int) -> float:
         """The fraction of the bare step that one window in ``n`` costs, from the current estimates."""

@@ -120,6 +120,8 @@ class NoiseScaleMonitor:
         self._every_changes: list[tuple[int, int]] = []
         self._arm_s = self._arm_mark = self._arm_carry = 0.0  # seconds spent adding and removing hooks
         self._micros_seen = 0                          # micro-batch calls in this window (measured or not)
+        self._time_hooks = True                        # the hooks read the clock (the window's first micro-batch)
+        self._hooks_timed = 0.0                        # ... and the seconds they read
         self._t_first = self._own_first = 0.0          # clock and own seconds at this window's first one
         if unit not in (None, "token", "sample"):
             raise SettingError("unit", unit, "'token', 'sample' or None (follow the loss)")
@@ -145,8 +147,8 @@ class NoiseScaleMonitor:
         self._index = {id(p): i for i, p in enumerate(self._params)}
         import torch.distributed as dist
 
-        self._group = process_group if process_group is not None else (ddp.process_group if ddp is not None else None)
-        self.dp_world_size = dist.get_world_size(self._group) if (ddp is not None or self._fsdp is not None) else 1
+        self._group: Any = process_group if process_group is not None else (ddp.process_group if ddp is not None else None)
+        self.dp_world_size = dist.get_world_size(self._group) if (ddp is not None or self._fsdp is not None) else 1  # type: ignore[arg-type]
         # FSDP2 has no comm hook to wrap: its "rank" source is left out (the micro source pools ranks).
         self.sources = tuple(s for s in self.config.sources
                              if s != "rank" or (self.dp_world_size > 1 and self._fsdp is None))
@@ -161,7 +163,7 @@ class NoiseScaleMonitor:
         self.estimators: dict[str, NoiseScaleEstimator] = {}
         self._state: torch.Tensor | None = None        # (n_estimators, 12): one row per estimator
         self._device: torch.device | None = None
-        self._precond: list[torch.Tensor] | None = None
+        self._precond: Any = None  # list[torch.Tensor] once built (:meth:`_ensure_precond`), indexed in the hooks
         self._precond_ready = False
         self._pending: list[dict[str, Any]] = []          # measured windows not yet folded in
         self._unit_gap: torch.Tensor | None = None     # Σ|units − samples| over windows (unit=None)
@@ -238,8 +240,11 @@ class NoiseScaleMonitor:
             def hook(grad: torch.Tensor) -> None:
                 # Δ of this parameter as it arrives, before AccumulateGrad adds it into .grad and before
                 # any DP all-reduce: its norm now, while the gradient is still in cache; nothing is held.
-                # (Lean on purpose: this runs once per parameter per micro-batch.)
-                t0 = clock()
+                # (Lean on purpose: this runs once per parameter per micro-batch. Timed in a window's first
+                # micro-batch only; the window's end extrapolates to the others.)
+                timed = mon._time_hooks
+                if timed:
+                    t0 = clock()
                 j = slots.n
                 views = slots.views
                 if j < len(views) and grad.dtype is views[j].dtype:
@@ -252,7 +257,10 @@ class NoiseScaleMonitor:
                     slots.put(grad)
                 if mon._adam_on and mon._ensure_precond():
                     slots_adam.put(grad * mon._precond[i])
-                mon._own += clock() - t0
+                if timed:
+                    dt = clock() - t0
+                    mon._own += dt
+                    mon._hooks_timed += dt
             return hook
 
         targets = self._params if self._fsdp is None else _fsdp_unsharded_params(self._fsdp)
@@ -275,7 +283,8 @@ class NoiseScaleMonitor:
             self._hooks = []
             self._installed = False
             self._arm_s += self._clock() - t0
-        self._slots.drop(), self._slots_adam.drop()
+        self._slots.drop()
+        self._slots_adam.drop()
         self._armed = on
 
     # -- names ---------------------------------------------------------------------------
@@ -317,7 +326,8 @@ class NoiseScaleMonitor:
     # -- window state ------------------------------------------------------------------------
 
     def _reset_window(self) -> None:
-        self._slots.reset(), self._slots_adam.reset()
+        self._slots.reset()
+        self._slots_adam.reset()
         self._per_micro: list[int] = []                # how many norms each micro-batch added
         self._empty_micros = 0                         # micro-batches without loss-bearing units (left out)
         self._counts: list[Any] = []
@@ -343,7 +353,7 @@ class NoiseScaleMonitor:
         if self._precond_ready:
             return self._precond is not None
         self._precond_ready = True
-        opt = self.optimizer
+        opt: Any = self.optimizer  # set: the Adam variant needs it (checked when built)
         vs, bcs, epss = [], [], []
         for group in opt.param_groups:
             beta2, eps = group.get("betas", (None, 0.999))[1], group.get("eps", 1e-8)
@@ -391,6 +401,7 @@ class NoiseScaleMonitor:
         t0 = self._clock()
         if not self._micros_seen:
             self._t_first, self._own_first = t0, self._own
+            self._time_hooks = False
         self._micros_seen += 1
         try:
             self._micro_backward(count, samples, grad_multiplier)
@@ -404,7 +415,8 @@ class NoiseScaleMonitor:
             self._add_param_hooks()
             self._measuring = False  # this window's earlier backward passes were not seen
         if not self._measuring:
-            self._slots.drop(), self._slots_adam.drop()
+            self._slots.drop()
+            self._slots_adam.drop()
             return
         if self._synced_micro >= 0:
             raise ValueError(f"micro_backward: micro-batch {len(self._counts)} follows a DDP gradient sync in "
@@ -419,7 +431,8 @@ class NoiseScaleMonitor:
             # No loss-bearing units (every target masked, or padding): it added nothing and is no small batch.
             # Under DP each rank leaves its own out and the window's k is summed over ranks by the all-reduce,
             # so every rank folds the same window (a device count: the same, on the device, at the window end).
-            self._slots.drop(), self._slots_adam.drop()
+            self._slots.drop()
+            self._slots_adam.drop()
             self._empty_micros += 1
             return
         if self._micro:
@@ -478,12 +491,15 @@ class NoiseScaleMonitor:
     def _account(self, now: float, measured: bool) -> None:
         """Close a window's books: its own seconds and bare step seconds; under a budget, ``every`` for
         the windows that follow (it changes only after a measured window)."""
+        k, self._micros_seen = self._micros_seen, 0
+        if k > 1:  # the hooks of micro-batches 2..k: as long as the first's (timed) — no clock in them
+            self._own += self._hooks_timed * (k - 1)
+        self._hooks_timed, self._time_hooks = 0.0, True
         own, fold = self._own - self._own_mark, self._fold_s - self._fold_mark
         self._own_mark, self._fold_mark = self._own, self._fold_s
-        k, self._micros_seen = self._micros_seen, 0
         if k >= 2:  # the window's own compute: from its first micro-batch's end, scaled by k / (k − 1); what the
             # loop does between steps (data, evaluation, another model) is no part of the step the budget is of
-            step = max(now - self._t_first - (self._own - self._own_first), 0.0) * k / (k - 1)
+            step: float | None = max(now - self._t_first - (self._own - self._own_first), 0.0) * k / (k - 1)
         else:       # one micro-batch per rank: from the previous window's end
             step = None if self._boundary is None else max(now - self._boundary - own, 0.0)
         self._boundary = now
@@ -569,7 +585,7 @@ class NoiseScaleMonitor:
             # their ring row and keep the window's lists; the fold computes hundreds of windows' vectors
             # at once (:meth:`_raw_vectors`). Nothing here touches a tensor.
             samples_known = self._samples_known and len(self._samples) == k_local
-            raw = (self._slots.advance(), self._per_micro, self._counts, self._mults,
+            raw: Any = (self._slots.advance(), self._per_micro, self._counts, self._mults,
                    self._samples if samples_known else None)
             self._queue(None, None, samples_known, False, lr, True, raw=raw)
             return
@@ -584,11 +600,11 @@ class NoiseScaleMonitor:
             # CPU, one replica: the same vector with host arithmetic (reading a CPU tensor is no device
             # sync) — a few tensor calls instead of a chain of ~20 tiny ones, which cost more than the
             # arithmetic on small models.
-            vec = self._host_vector(hw, local_samples, k_local, big_later, adam, loss_scale, big_grad_multiplier)
+            vec: Any = self._host_vector(hw, local_samples, k_local, big_later, adam, loss_scale, big_grad_multiplier)
             self._queue(None, vec, samples_known, adam, lr, big_later)
             return
         active = [i for i, p in enumerate(self._params) if p.grad is not None]
-        grads = [self._params[i].grad for i in active]
+        grads: list[Any] = [self._params[i].grad for i in active]  # not None: active
         if self._fsdp is not None:  # sharded: local shard norms, × replicas so that Σ over ranks / R = |G|²
             local = [getattr(g, "_local_tensor", g) for g in grads]
             big = [torch.zeros((), dtype=torch.float64, device=dev) if big_later else
@@ -601,7 +617,8 @@ class NoiseScaleMonitor:
             big.append(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(torch._foreach_mul(
                 grads, [self._precond[i] for i in active]))), dtype=torch.float64) if adam else big[0])
         if hw is not None:  # counts on the host (numbers or CPU tensors): the weights in Python, one tensor
-            units_f, w_rows, mult_sum_t = hw
+            units_f, w_rows, mult_sum_t_host = hw
+            mult_sum_t: Any = mult_sum_t_host
             head = torch.tensor([units_f, local_samples, float(k_local), 1.0], dtype=torch.float64, device=dev)
             w = torch.tensor(w_rows, dtype=torch.float64, device=dev)
         else:  # device tensors: the same on the device, no host sync
@@ -666,7 +683,7 @@ class NoiseScaleMonitor:
             big = [0.0, 0.0]
         else:
             active = [i for i, p in enumerate(self._params) if p.grad is not None]
-            grads = [self._params[i].grad for i in active]
+            grads: list[Any] = [self._params[i].grad for i in active]  # not None: active
             b = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)), dtype=torch.float64))
             b_adam = b
             if self.config.adam and adam:
@@ -707,7 +724,7 @@ class NoiseScaleMonitor:
 
     def _raw_vectors(self, raws: list[tuple[Any, ...]]) -> torch.Tensor:
         """The deferred CPU windows' vectors, from the norms kept in the slots' ring."""
-        return raw_vectors(self._slots.ring, raws)
+        return raw_vectors(self._slots.ring, raws)  # type: ignore[arg-type]  # a queued window: the ring exists
 
     def _flush(self, keep_last: bool = False) -> None:
         """Fold every queued window into the estimators at once (one op chain, no host sync). A window
@@ -823,6 +840,7 @@ class NoiseScaleMonitor:
         t0 = clock()
         if not self._micros_seen:
             self._t_first, self._own_first = t0, self._own
+            self._time_hooks = False
         self._micros_seen += 1
         counts = self._counts
         seen = len(counts) + self._empty_micros  # micro-batches of this window so far
@@ -858,7 +876,7 @@ class NoiseScaleMonitor:
             return
         scaler = driver.scaler
         scale = scaler._scale if scaler is not None else None  # a device tensor: no sync
-        opt = driver.optimizer or self.optimizer
+        opt: Any = driver.optimizer or self.optimizer
         self.window_end(loss_scale=scale, lr=opt.param_groups[0]["lr"], _big_from_driver=not self.config.adam)
 
     def on_step_end(self, driver: Any, result: Any) -> None:
@@ -872,7 +890,8 @@ class NoiseScaleMonitor:
             if "big_sq" in last and last["big_sq"] is None:
                 last["big_sq"] = result.grad_norm ** 2  # pre-clip, unscaled, after the sync: host float
             self._last_measured = False
-        self._slots.drop(), self._slots_adam.drop()  # nothing from between windows reaches the next one
+        self._slots.drop()
+        self._slots_adam.drop()  # nothing from between windows reaches the next one
         self._own += self._clock() - t0
 
     # -- read-out (host sync) -------------------------------------------------------------------
