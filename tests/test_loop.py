@@ -63,13 +63,15 @@ def test_one_optimizer_recipe_everywhere(task):
 
 
 def test_split_gives_each_rank_its_slice_of_every_accumulation_step(task):
+    """The deprecated Experiment.split is the library's one cut (globalbatch.windows.cut_window)."""
     exp = Experiment(task, batch=8, micro_batch=2, lr=1e-3)
     drawn = list(range(100, 108))
-    assert exp.split(drawn) == [[100, 101], [102, 103], [104, 105], [106, 107]]
-    exp.world, exp.rank = 2, 1  # what a 2-rank run sees: the window is 2 accum steps × 2 ranks × 2 samples
-    assert exp.split(drawn) == [[102, 103], [106, 107]]
-    exp.rank = 0
-    assert exp.split(drawn) == [[100, 101], [104, 105]]
+    with pytest.warns(FutureWarning, match="Experiment.split is deprecated"):
+        assert exp.split(drawn) == [[100, 101], [102, 103], [104, 105], [106, 107]]
+        exp.world, exp.rank = 2, 1  # what a 2-rank run sees: the window is 2 accum steps × 2 ranks × 2 samples
+        assert exp.split(drawn) == [[102, 103], [106, 107]]
+        exp.rank = 0
+        assert exp.split(drawn) == [[100, 101], [104, 105]]
 
 
 def test_evaluate_reads_exactly_max_samples_and_restores_train_mode(task):
