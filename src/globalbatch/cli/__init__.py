@@ -1,15 +1,8 @@
 """The ``globalbatch`` (alias ``gbs``) command line: a thin layer over the library.
 
-Each command parses flags, calls one library function and prints. Heavy imports
-(torch, matplotlib, ray) happen inside the command that needs them, so
-``globalbatch plan`` starts fast and works without torch.
-
-Errors: any ``ValueError`` (or click usage error) becomes one line on stderr,
-``error: <flag> <value> is not allowed; allowed: <what is allowed>``, and exit code 2 —
-never a traceback. A :class:`~globalbatch._util.SettingError` names a library field; the
-line names the flag instead, found in the command's own typer parameters
-(:func:`flag_names_of`), not in any message. Inputs are checked with
-:mod:`globalbatch.validate` before anything is printed or written.
+:func:`main` runs the typer ``app`` (:mod:`globalbatch.cli.app`: option types, the flag names and the
+error line every command shares) with one-line errors and exit code 2, never a traceback; the
+commands live in one module per family and register themselves on import.
 """
 
 from __future__ import annotations

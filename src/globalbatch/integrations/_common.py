@@ -8,7 +8,21 @@ from typing import Any, Optional
 
 from globalbatch.plan import solve_geometry
 
-__all__ = ["derive_grad_accum_steps", "check_plan", "plan_line", "WindowMeter", "noise_metrics"]
+__all__ = ["derive_grad_accum_steps", "check_plan", "plan_line", "WindowMeter", "noise_metrics", "CallbackSettings"]
+
+
+class CallbackSettings:
+    """The settings every framework's ``GlobalBatchCallback`` takes, checked, and its per-run state."""
+
+    def __init__(self, *, global_batch: Optional[int] = None, noise: bool = True, noise_config: Any = None) -> None:
+        from globalbatch.validate import whole
+
+        self.global_batch = None if global_batch is None else whole(global_batch, "global_batch")
+        self.noise = bool(noise)
+        self.noise_config = noise_config
+        self.meter = WindowMeter()
+        self.monitor: Any = None
+        self.plan: Optional[str] = None
 
 
 def derive_grad_accum_steps(global_batch: int, micro_batch: int, dp_world_size: int) -> int:

@@ -42,9 +42,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from globalbatch.errors import SettingError
 from globalbatch.integrations import require
-from globalbatch.integrations._common import WindowMeter, check_plan, derive_grad_accum_steps, noise_metrics, plan_line
+from globalbatch.integrations._common import CallbackSettings, check_plan, derive_grad_accum_steps, noise_metrics, plan_line
 from globalbatch.losses import IGNORE_INDEX, LossHead, causal_lm_head
 
 transformers = require("transformers", "hf")
@@ -61,7 +60,7 @@ logger = logging.getLogger(__name__)
 _SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU")
 
 
-class GlobalBatchCallback(TrainerCallback):
+class GlobalBatchCallback(CallbackSettings, TrainerCallback):
     """Plan check at train start and the metrics the mixin adds to the Trainer's logs.
 
     Args:
@@ -79,15 +78,7 @@ class GlobalBatchCallback(TrainerCallback):
     """
 
     def __init__(self, *, global_batch: Optional[int] = None, noise: bool = True, noise_config: Any = None) -> None:
-        if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
-                                         or global_batch < 1):
-            raise SettingError("global_batch", global_batch, "a whole number >= 1 or None")
-        self.global_batch = global_batch
-        self.noise = bool(noise)
-        self.noise_config = noise_config
-        self.meter = WindowMeter()
-        self.monitor: Any = None
-        self.plan: Optional[str] = None
+        CallbackSettings.__init__(self, global_batch=global_batch, noise=noise, noise_config=noise_config)
 
     def on_train_begin(self, args, state, control, **kwargs):
         check_plan(global_batch=self.global_batch, micro_batch=args.per_device_train_batch_size,

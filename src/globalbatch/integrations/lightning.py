@@ -35,21 +35,26 @@ supported. Tested on one process, under DDP and under ModelParallelStrategy with
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from globalbatch.errors import SettingError
 from globalbatch.integrations import require
-from globalbatch.integrations._common import WindowMeter, check_plan, derive_grad_accum_steps, noise_metrics, plan_line
+from globalbatch.integrations._common import CallbackSettings, check_plan, derive_grad_accum_steps, noise_metrics, plan_line
 from globalbatch.step import StepConfig, StepDriver, StepResult
 
-pl = require("lightning.pytorch", "lightning")
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    _ModuleHost = pl.LightningModule  # the checker reads the mixin as the LightningModule it is mixed into
+else:
+    pl = require("lightning.pytorch", "lightning")
+    _ModuleHost = object
 
 __all__ = ["ExactAccumulationMixin", "GlobalBatchCallback"]
 
 
-class GlobalBatchCallback(pl.Callback):
+class GlobalBatchCallback(CallbackSettings, pl.Callback):
     """Plan check at train start; throughput, padding and B_simple logged through ``pl_module.log``.
 
     Args:
@@ -64,20 +69,13 @@ class GlobalBatchCallback(pl.Callback):
 
     def __init__(self, *, global_batch: Optional[int] = None, noise: bool = True, noise_config: Any = None,
                  log_noise_every_n_steps: Optional[int] = None) -> None:
-        if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
-                                         or global_batch < 1):
-            raise SettingError("global_batch", global_batch, "a whole number >= 1 or None")
-        self.global_batch = global_batch
-        self.noise = bool(noise)
-        self.noise_config = noise_config
+        CallbackSettings.__init__(self, global_batch=global_batch, noise=noise, noise_config=noise_config)
         self.log_noise_every_n_steps = log_noise_every_n_steps
-        self.meter = WindowMeter()
-        self.monitor: Any = None
-        self.plan: Optional[str] = None
 
     def _geometry(self, trainer: Any, pl_module: Any) -> tuple[int, int, int]:
         if isinstance(pl_module, ExactAccumulationMixin):
-            micro, accum = pl_module.gb_micro_batch, pl_module.gb_grad_accum_steps
+            micro: Any = pl_module.gb_micro_batch
+            accum = pl_module.gb_grad_accum_steps
         else:
             loader = trainer.train_dataloader
             micro = getattr(loader, "batch_size", None)
@@ -112,7 +110,7 @@ class GlobalBatchCallback(pl.Callback):
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=int(result.global_samples))
 
 
-class ExactAccumulationMixin:
+class ExactAccumulationMixin(_ModuleHost):
     """Put before ``LightningModule``: each window of micro-batches is one exact global-batch step.
 
     Call :meth:`configure_global_batch` in ``__init__`` and implement ``loss_sum(batch)`` returning
@@ -147,7 +145,7 @@ class ExactAccumulationMixin:
         self.gb_micro_batch = int(micro_batch)
         self.gb_pinned_global_batch = global_batch
         self.gb_grad_accum_steps = int(grad_accum_steps) if grad_accum_steps is not None else \
-            derive_grad_accum_steps(global_batch, micro_batch, dp_world_size or 1)
+            derive_grad_accum_steps(global_batch, micro_batch, dp_world_size or 1)  # type: ignore[arg-type]  # checked above
         self.gb_max_grad_norm = max_grad_norm
         self.gb_driver: Optional[StepDriver] = None
         self.gb_last_result: Optional[StepResult] = None
@@ -187,7 +185,8 @@ class ExactAccumulationMixin:
     # -- the window --------------------------------------------------------------------------------
 
     def _gb_callback(self) -> Optional[GlobalBatchCallback]:
-        return next((c for c in self.trainer.callbacks if isinstance(c, GlobalBatchCallback)), None)
+        callbacks: Any = getattr(self.trainer, "callbacks")  # the Trainer's list (not in its type stubs)
+        return next((c for c in callbacks if isinstance(c, GlobalBatchCallback)), None)
 
     def on_fit_start(self) -> None:
         if getattr(self, "gb_micro_batch", None) is None:
@@ -234,7 +233,7 @@ class ExactAccumulationMixin:
             from globalbatch.noise import NoiseConfig, NoiseScaleMonitor
 
             cfg = cb.noise_config if cb.noise_config is not None else NoiseConfig(sources=("micro",))
-            raw = getattr(optimizer, "optimizer", optimizer)
+            raw: Any = getattr(optimizer, "optimizer", optimizer)
             cb.monitor = NoiseScaleMonitor(model, optimizer=raw, config=cfg)
             callbacks.append(cb.monitor)
         config = StepConfig(micro_batch=self.gb_micro_batch,
@@ -244,7 +243,8 @@ class ExactAccumulationMixin:
         # precision plugin (16-mixed) lends its GradScaler to the driver, which scales each micro-batch's
         # backward, unscales before the callbacks and the clipping, and updates the scale (see training_step).
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        return StepDriver(model, optimizer, config, lr_scheduler=schedulers, callbacks=callbacks, scaler=scaler)
+        return StepDriver(model, optimizer, config, lr_scheduler=schedulers, callbacks=callbacks,  # type: ignore[arg-type]
+                          scaler=scaler)  # the LightningOptimizer wraps a torch Optimizer
 
     def _gb_fit_loss_scale(self, scaler: Any, count: Any) -> None:
         """Once, before a fresh run's first scaled backward: divide the GradScaler's initial scale by about
@@ -258,10 +258,10 @@ class ExactAccumulationMixin:
         first 5 windows were skipped; the first micro-batch's count alone (÷ 64) still skipped 2; ÷ count ×
         accumulation (256) none. One host read and, under DP, one tiny all-reduce, once per run; the scaler
         stays dynamic afterwards (it grows back if the scale is too small)."""
-        n = torch.as_tensor(count, dtype=torch.float64).reshape(()).to(self.device)
+        n_t = torch.as_tensor(count, dtype=torch.float64).reshape(()).to(self.device)
         if self.trainer.world_size > 1:
-            n = self.trainer.strategy.reduce(n, reduce_op="max")
-        n = max(float(n) * self.gb_grad_accum_steps, 1.0)
+            n_t = self.trainer.strategy.reduce(n_t, reduce_op="max")
+        n = max(float(n_t) * self.gb_grad_accum_steps, 1.0)
         scaler._init_scale = max(1.0, scaler._init_scale / 2.0 ** math.ceil(math.log2(n)))
 
     def _gb_is_last(self, batch_idx: int) -> bool:
@@ -299,7 +299,7 @@ class ExactAccumulationMixin:
             self._gb_padded = 0.0
             if self.trainer.world_size > 1:  # one more tiny collective per window, for the padding share
                 padded = self.trainer.strategy.reduce(padded.to(self.device), reduce_op="sum")
-            plugin = self.trainer.precision_plugin
+            plugin: Any = self.trainer.precision_plugin
             lent = driver.scaler is not None and getattr(plugin, "scaler", None) is driver.scaler
             if lent:  # the driver unscaled and checked the window: the plugin must not unscale or step it again
                 plugin.scaler = None

@@ -341,20 +341,23 @@ TRIAL_HEADER = ["trial", "steps", "units", "units/s", "core-s/unit", "skipped", 
 def analysis_table(data: SweepData, analysis: Analysis):
     """Rich renderables: per-batch numbers at the primary target and the fits at every target."""
     from rich.console import Group
-    from rich.table import Table
 
     u = data.unit
-    t1 = Table(title=f"to loss {analysis.targets[0].target:.4f} (primary target; best LR per batch)")
-    for h in POINT_HEADER:
-        t1.add_column(h.replace("units", f"{u}s"), justify="right")
-    for r in _point_rows(data, analysis):
-        t1.add_row(*r)
-    t2 = Table(title=f"critical batch per target ({u}s per step)")
-    for h in FIT_HEADER:
-        t2.add_column(h, justify="right")
-    for r in _fit_rows(data, analysis):
-        t2.add_row(*r)
-    return Group(t1, t2)
+    return Group(_table(f"to loss {analysis.targets[0].target:.4f} (primary target; best LR per batch)",
+                        [h.replace("units", f"{u}s") for h in POINT_HEADER], _point_rows(data, analysis)),
+                 _table(f"critical batch per target ({u}s per step)", FIT_HEADER, _fit_rows(data, analysis)))
+
+
+def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]):
+    """A rich Table of right-aligned columns."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for h in header:
+        t.add_column(h, justify="right")
+    for r in rows:
+        t.add_row(*r)
+    return t
 
 
 def plot_b_crit_vs_loss(data: SweepData, sa: SeedAnalysis, path: Path) -> str:
@@ -435,20 +438,12 @@ STEPS_HEADER = ["batch", "steps to target per seed", "lr (one per batch: least m
 def seed_tables(data: SweepData, sa: SeedAnalysis):
     """Rich renderables of the analysis over seeds: steps at the primary target and B_crit per target."""
     from rich.console import Group
-    from rich.table import Table
 
-    t1 = Table(title=f"to held-out loss {sa.primary.target:.4f} (primary target; seeds {', '.join(map(str, sa.seeds))})"
-               if sa.readout == "heldout" else f"to training loss {sa.primary.target:.4f} (primary target)")
-    for h in STEPS_HEADER:
-        t1.add_column(h, justify="right")
-    for r in _steps_rows(data, sa):
-        t1.add_row(*r)
-    t2 = Table(title=f"critical batch per target over seeds ({data.unit}s per step; McCandlish B_crit)")
-    for h in SEED_HEADER:
-        t2.add_column(h, justify="right")
-    for r in _seed_rows(data, sa):
-        t2.add_row(*r)
-    return Group(t1, t2)
+    title = (f"to held-out loss {sa.primary.target:.4f} (primary target; seeds {', '.join(map(str, sa.seeds))})"
+             if sa.readout == "heldout" else f"to training loss {sa.primary.target:.4f} (primary target)")
+    return Group(_table(title, STEPS_HEADER, _steps_rows(data, sa)),
+                 _table(f"critical batch per target over seeds ({data.unit}s per step; McCandlish B_crit)", SEED_HEADER,
+                        _seed_rows(data, sa)))
 
 
 def seed_json(data: SweepData, sa: SeedAnalysis) -> dict:

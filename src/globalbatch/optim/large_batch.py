@@ -42,7 +42,7 @@ an ``if`` on a norm).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -64,6 +64,24 @@ def _trust_ratio(numerator: torch.Tensor, denominator: torch.Tensor, coefficient
     safe = torch.where(ok, denominator, torch.ones_like(denominator))
     return torch.where(ok, coefficient * numerator / safe, torch.ones_like(numerator))
 
+
+
+def _dense_grads(group: dict[str, Any], name: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(parameter, gradient) of each parameter of ``group`` that has a gradient; a sparse one is refused."""
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            raise RuntimeError(f"{name} does not support sparse gradients")
+        yield p, p.grad
+
+
+def _closure_loss(closure: Optional[Callable[[], Any]]) -> Any:
+    """The loss of an optimizer's ``closure`` (run with gradients on), or None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 class LARS(torch.optim.Optimizer):
     """Layer-wise Adaptive Rate Scaling (You et al. 2017, Alg. 1, eq. 6) on momentum SGD.
@@ -95,18 +113,10 @@ class LARS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("LARS does not support sparse gradients")
-                g = p.grad
+            for p, g in _dense_grads(group, "LARS"):
                 layer = not (group["exclude_1d"] and p.ndim <= 1)  # False: a bias or norm weight
                 wd_p = wd if layer else 0.0
                 d = g.add(p, alpha=wd_p) if wd_p else g.clone()
@@ -159,18 +169,10 @@ class LAMB(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("LAMB does not support sparse gradients")
-                g = p.grad
+            for p, g in _dense_grads(group, "LAMB"):
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
