@@ -24,7 +24,7 @@ def readme_run(tmp_path_factory):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("check", ["glue-lines", "before-loop-exact", "readme-loop-exact", "readme-loop-naive-gap",
+@pytest.mark.parametrize("check", ["glue-lines", "before-loop-exact", "fsdp2-windows-exact", "readme-loop-exact", "readme-loop-naive-gap",
                                    "readme-loop-resume-bitwise"])
 def test_readme_loop_under_two_gloo_ranks(readme_run, check):
     assert f"PASS {check}" in readme_run.stdout, readme_run.stdout[-3000:]

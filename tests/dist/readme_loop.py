@@ -14,6 +14,9 @@ Then ``BEFORE``, the same loop written with the API before (cut by hand, the old
 monitor's state by hand), runs on full windows and is checked the same way; both loops' glue lines are counted
 by one rule (``GLUE before=… after=…``).
 
+The same windows and loss also run under FSDP2 (``fully_shard``), short last window included (both ranks
+run two micro-steps), against the same reference.
+
 Checks (rank 0 prints ``PASS <name>``; any failure raises): the block names globalbatch on at most 8 lines;
 the resumed run's parameters equal one process taking each global batch in one forward (AdamW, clipping)
 to 1e-10 in float64; the naive mean of micro-batch means on the same cut is measurably off (> 1e-3);
@@ -140,6 +143,24 @@ def max_abs(a, b) -> float:
     return max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(a, b))
 
 
+def fsdp2_params(base: torch.nn.Module, documents: list) -> list[torch.Tensor]:
+    """The README's windows and loss under FSDP2 (fully_shard; no checkpoint: FSDP2's is torch.distributed.checkpoint)."""
+    import globalbatch as gb
+    from torch.distributed.fsdp import fully_shard
+
+    model = copy.deepcopy(base)
+    for sub in (model.emb, model.mix, model.out):
+        fully_shard(sub)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    driver = gb.StepDriver(model, opt, gb.StepConfig(micro_batch=2, global_batch=16, max_grad_norm=1.0,
+                                                     print_geometry=False))
+    check(driver.parallel == "fsdp2", driver.parallel)
+    for window in gb.rank_windows(documents, driver, collate=collate):
+        driver.run_window(window, gb.causal_lm_loss)  # the short last window: 2 micro-steps on both ranks
+    return [p.full_tensor().detach() for p in model.parameters()]
+
+
 def run_block(code: str, model: torch.nn.Module, documents: list, ckpt: Path) -> dict:
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
@@ -181,6 +202,11 @@ def main() -> None:
     ours = [p.detach() for p in resumed["model"].module.parameters()]
     param_diff = max_abs(ours, reference(base, windows))
     check(param_diff <= 1e-10, f"README loop vs full batch: max |Δparam| {param_diff:.3e} > 1e-10")
+
+    fsdp2_diff = max_abs(fsdp2_params(base, documents), reference(base, windows))
+    check(fsdp2_diff <= 1e-10, f"FSDP2 windows vs full batch: max |Δparam| {fsdp2_diff:.3e} > 1e-10")
+    if RANK == 0:
+        print(f"PASS fsdp2-windows-exact {fsdp2_diff:.3e}", flush=True)
 
     # the naive mean of micro-batch means on the README's own cut (every rank's micro-batches of window 1)
     probe = copy.deepcopy(base)
