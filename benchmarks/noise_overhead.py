@@ -204,7 +204,8 @@ def _cost_text(cost: dict | None) -> str:
         return ""
     changes = " → ".join(str(n) for _, n in cost["every_changes"]) or "none"
     return (f"\n      monitor: {cost['windows_measured']:,} of {cost['windows']:,} windows measured, every "
-            f"{cost['every']} (changes: {changes}); its own cost {cost['fraction']:.2%} of the bare step")
+            f"{cost['every']} (changes: {changes}); its own cost {cost['fraction']:.2%} of the bare step"
+            + (f" over all windows, {cost['fraction_now']:.2%} at the last every" if cost.get("budget") else ""))
 
 
 def _threads_text(args) -> str:

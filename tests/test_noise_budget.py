@@ -130,6 +130,11 @@ def test_controller_amortizes_folds_and_skips_the_first_measured_window():
     assert ctl.c_measured == pytest.approx(250e-6) and ctl.every == 2  # 2.5 % → 1.25 %
 
 
+def mon_plain_fraction_now() -> float:
+    """A monitor without a budget has no 'now' cost (nothing holds it to one)."""
+    return NoiseScaleMonitor(nc.make_model(0), config=NoiseConfig()).cost().fraction_now
+
+
 def test_monitor_every_follows_the_measured_cost_and_keeps_the_budget():
     """The monitor's own regions cost a tick each; slow steps → every window, fast steps → every n within budget."""
     clock = FakeClock(tick=1e-6)
@@ -165,6 +170,7 @@ def test_monitor_every_follows_the_measured_cost_and_keeps_the_budget():
     # the budget kept over the settled fast phase (windows 250–380), by the monitor's own books
     spent = (costs[2].monitor_s - costs[1].monitor_s) / (costs[2].step_s - costs[1].step_s)
     assert spent <= 0.02 * 1.05, spent
+    assert costs[2].fraction_now == pytest.approx(at[n - 1]) and math.isnan(mon_plain_fraction_now())
     assert set(everies[500:]) == {1}                             # slow steps again: every window
     assert c.every_changes and all(b > a for (a, _), (b, _) in zip(c.every_changes, c.every_changes[1:]))
     # windows left out cost nothing: no parameter hooks in place during them

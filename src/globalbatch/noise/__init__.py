@@ -62,6 +62,7 @@ from globalbatch.noise.estimator import (
     fieller_interval,
     window_estimates,
 )
+from globalbatch.noise.budget import MonitorCost
 from globalbatch.noise.monitor import SOURCES, NoiseConfig, NoiseScaleMonitor  # noqa: F401 (SOURCES: not in __all__)
 
 __all__ = [
@@ -71,6 +72,7 @@ __all__ = [
     "NoiseScaleEstimator",
     "NoiseConfig",
     "NoiseScaleMonitor",
+    "MonitorCost",
     "window_estimates",
     "fieller_interval",
 ]

@@ -49,7 +49,11 @@ class MonitorCost:
     step_s: float
     """Bare step seconds over the same windows (wall time between window ends less the monitor's)."""
     fraction: float
-    """monitor_s / step_s: the cost measured, as a fraction of the bare step (NaN before two windows)."""
+    """monitor_s / step_s: the cost measured over every window so far, as a fraction of the bare step (NaN
+    before a window); with a budget it includes the first windows, measured before the cost was known."""
+    fraction_now: float
+    """With a budget: the cost at the current ``every`` from the recent readings (what the budget is held
+    to); NaN without one."""
     measured_window_s: float
     """The monitor's seconds in a measured window (smoothed; folds amortized in), NaN before one."""
     unmeasured_window_s: float
@@ -60,7 +64,9 @@ class MonitorCost:
     def text(self) -> str:
         frac = "–" if math.isnan(self.fraction) else f"{self.fraction:.2%}"
         budget = "no budget" if self.budget is None else f"budget {self.budget:.2%}"
-        return (f"noise monitor cost {frac} of the bare step ({budget}); every {self.every}; "
+        if self.budget is not None and not math.isnan(self.fraction_now):
+            budget = f"{self.fraction_now:.2%} now at every {self.every}, {budget}"
+        return (f"noise monitor cost {frac} of the bare step over its windows ({budget}); every {self.every}; "
                 f"{self.windows_measured:,} of {self.windows:,} windows measured, {self.windows_unmeasured:,} left out")
 
     def to_dict(self) -> dict[str, Any]:

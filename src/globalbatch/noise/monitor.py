@@ -534,6 +534,7 @@ class NoiseScaleMonitor:
             budget=self.config.budget, every=self._every, windows=self._n_windows, windows_measured=self._n_measured,
             windows_unmeasured=self._n_windows - self._n_measured, monitor_s=self._cost_own, step_s=self._cost_step,
             fraction=self._cost_own / self._cost_step if self._cost_step > 0 else nan,
+            fraction_now=ctl.cost_at(self._every) if ctl is not None else nan,
             measured_window_s=(ctl.c_measured if ctl is not None and ctl.c_measured is not None else nan),
             unmeasured_window_s=(ctl.c_unmeasured if ctl is not None and ctl.c_unmeasured is not None else nan),
             every_changes=tuple(self._every_changes))
