@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from globalbatch.schedule import BatchSchedule, _check_unit
+from globalbatch.validate import whole
 
 __all__ = [
     "ADAPTIVE_LR_RULES",
@@ -104,12 +105,6 @@ def _usable(b_noise: float) -> bool:
     return math.isfinite(b_noise) and b_noise >= 0
 
 
-def _whole(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SettingError(name, value, f"a whole number >= {minimum}")
-    return value
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FeasibleBatches:
     """The global batches (samples) a run may take: multiples of micro_batch × dp_world_size in bounds."""
@@ -126,10 +121,10 @@ class FeasibleBatches:
     """Only batches that are powers of two."""
 
     def __post_init__(self) -> None:
-        _whole(self.micro_batch, "micro_batch", 1)
-        _whole(self.dp_world_size, "dp_world_size", 1)
-        _whole(self.min_batch, "min_batch", 1)
-        _whole(self.max_batch, "max_batch", 1)
+        whole(self.micro_batch, "micro_batch")
+        whole(self.dp_world_size, "dp_world_size")
+        whole(self.min_batch, "min_batch")
+        whole(self.max_batch, "max_batch")
         if self.max_batch < self.min_batch:
             raise SettingError("max_batch", self.max_batch, f">= min_batch {self.min_batch}")
         if not self.candidates():
@@ -383,9 +378,9 @@ class AdaptiveBatchSchedule(BatchSchedule):
         self.monitor = monitor
         self.lr_rule = lr_rule
         self.unit = unit
-        self.decide_every = _whole(decide_every, "decide_every", 1)
-        self.min_interval_steps = _whole(min_interval_steps, "min_interval_steps", 0)
-        self.patience = _whole(patience, "patience", 1)
+        self.decide_every = whole(decide_every, "decide_every")
+        self.min_interval_steps = whole(min_interval_steps, "min_interval_steps", minimum=0)
+        self.patience = whole(patience, "patience")
         self.allow_decrease = bool(allow_decrease)
         self.history: list[BatchChange] = []
         self.decisions: list[dict[str, Any]] = []

@@ -37,6 +37,7 @@ from globalbatch.lab.records import ArmSummary, damaged, read_records, read_summ
 from globalbatch.lab.rundir import append_event, check_manifest, remove_stale_tmp
 from globalbatch.lab.sweep.config import demo_config
 from globalbatch.optim import optimizer_names
+from globalbatch.validate import whole
 
 __all__ = ["AdaptiveConfig", "run_adaptive", "run_arm", "analyze_adaptive", "AdaptiveAnalysis", "eval_points",
            "POLICIES", "ADAPTIVE_MANIFEST_VERSION"]
@@ -125,14 +126,12 @@ class AdaptiveConfig:
             raise E("policy", self.policy, "noise, goodput or package.module:function")
         if not (self.c > 0 and math.isfinite(self.c)):
             raise E("c", self.c, "a finite number > 0")
-        if isinstance(self.micro_batch, bool) or not isinstance(self.micro_batch, int) or self.micro_batch < 1:
-            raise E("micro_batch", self.micro_batch, "a whole number ≥ 1")
+        whole(self.micro_batch, "micro_batch")
         bad = [b for b in self.batches if b % self.micro_batch and b > self.micro_batch]
         if bad:
             raise E("micro_batch", self.micro_batch, "a whole number that divides every batch larger than it",
                     why=f"does not divide {', '.join(map(str, bad))}")
-        if isinstance(self.base_batch, bool) or not isinstance(self.base_batch, int) or self.base_batch < 1:
-            raise E("base_batch", self.base_batch, "a whole number ≥ 1")
+        whole(self.base_batch, "base_batch")
         first = self.start_batch
         if isinstance(first, bool) or not isinstance(first, int) or first < 2 or first % self.adaptive_micro_batch:
             raise E("initial_batch", first, f"a whole number ≥ 2 with ≥ 2 micro-batches of "
@@ -151,8 +150,7 @@ class AdaptiveConfig:
         self.seeds = [int(s) for s in self.seeds]
         for name in ("decide_every", "patience", "eval_points"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise E(name, v, "a whole number ≥ 1")
+            whole(v, name)
         if isinstance(self.min_interval_steps, bool) or not isinstance(self.min_interval_steps, int) \
                 or self.min_interval_steps < 0:
             raise E("min_interval_steps", self.min_interval_steps, "a whole number ≥ 0")

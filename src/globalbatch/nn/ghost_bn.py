@@ -31,16 +31,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from globalbatch.errors import SettingError
+from globalbatch.validate import whole
 
 __all__ = ["GhostBatchNorm1d", "GhostBatchNorm2d", "GhostBatchNorm3d", "convert_to_ghost_bn",
            "batchnorm_accumulation_warning"]
 
 
 def _check_ghost(ghost_batch_size: object) -> int:
-    if isinstance(ghost_batch_size, bool) or not isinstance(ghost_batch_size, int) or ghost_batch_size < 1:
-        raise SettingError("ghost_batch_size", ghost_batch_size, "a whole number >= 1")
-    return ghost_batch_size
+    return whole(ghost_batch_size, "ghost_batch_size")
 
 
 class _GhostBatchNorm(_BatchNorm):

@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 from globalbatch.errors import SettingError
 from globalbatch.units import fmt_int, parse_bytes, parse_count
+from globalbatch.validate import whole
 
 __all__ = [
     "BatchGeometry",
@@ -255,8 +256,7 @@ def warmup_tokens_to_steps(warmup_tokens: float, tokens_per_step: float) -> int:
 
 def warmup_steps_to_tokens(warmup_steps: int, tokens_per_step: float) -> float:
     """Warmup length in tokens for ``warmup_steps`` steps of ``tokens_per_step``."""
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise SettingError("warmup_steps", warmup_steps, "a whole number ≥ 0")
+    whole(warmup_steps, "warmup_steps", minimum=0)
     if not tokens_per_step > 0:
         raise SettingError("tokens_per_step", tokens_per_step, "> 0")
     return warmup_steps * tokens_per_step

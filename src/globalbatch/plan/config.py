@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 from globalbatch._util import SettingError, _Raw
 from globalbatch.plan import arithmetic as P
+from globalbatch.validate import whole
 
 __all__ = ["PlanConfig", "read_config_file", "resolve_plan_config", "config_error"]
 
@@ -182,8 +183,7 @@ def _coerce(name: str, value: Any) -> Any:
 
 
 def _nonneg_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SettingError(name, value, "a whole number ≥ 0")
+    whole(value, name, minimum=0)
     return value
 
 

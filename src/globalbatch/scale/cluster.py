@@ -33,6 +33,7 @@ import numpy as np
 
 from globalbatch._util import SettingError
 from globalbatch.plan.memory import Activations, MemoryConfig, largest_micro_batch
+from globalbatch.validate import whole
 
 __all__ = ["Cluster", "PRESETS", "load_cluster", "cluster_from_mapping", "ThroughputCurve", "default_mfu_curve",
            "mfu_curve_from_probe", "ModelSpec", "allreduce_time", "ring_collective_time", "tree_allreduce_time", "dp_comm_time",
@@ -284,8 +285,7 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if not (_num_ok(self.params) and self.params >= 1):
             raise SettingError("params", self.params, "a number of parameters ≥ 1")
-        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
-            raise SettingError("seq_len", self.seq_len, "a whole number ≥ 1")
+        whole(self.seq_len, "seq_len")
         if self.tokens_per_sequence is not None and not (_num_ok(self.tokens_per_sequence)
                                                          and 0 < self.tokens_per_sequence <= self.seq_len):
             raise SettingError("tokens_per_sequence", self.tokens_per_sequence, f"a number in (0, {self.seq_len}]")
@@ -296,8 +296,7 @@ class ModelSpec:
         if self.activation_bytes_per_token is not None and not (_num_ok(self.activation_bytes_per_token)
                                                                 and self.activation_bytes_per_token > 0):
             raise SettingError("activation_bytes_per_token", self.activation_bytes_per_token, "bytes > 0")
-        if isinstance(self.virtual_stages, bool) or not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
-            raise SettingError("virtual_stages", self.virtual_stages, "a whole number ≥ 1")
+        whole(self.virtual_stages, "virtual_stages")
         if self.layers is not None and (isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1):
             raise SettingError("layers", self.layers, "a whole number ≥ 1")
 
