@@ -132,8 +132,8 @@ class StepConfig:
     """Token slots per sample (the padded context), for the batch arithmetic printed at start; None: not shown."""
     print_geometry: bool = True
     """Print the batch arithmetic once, on rank 0, when the first window starts
-    (``global batch 16 seq = 2 ranks × 4 accum × 2 seq; tokens per step ≤ …``). False: silent (it is also
-    logged at INFO on ``globalbatch.step``)."""
+    (``global batch 16 seq = 2 ranks × 4 accum × 2 seq; tokens per step ≤ …``) to stdout, like nanoGPT's
+    "tokens per iteration will be". False: silent (:meth:`StepDriver.describe` returns the line)."""
     check_summed_loss: bool = True
     """Refuse a loss whose last operation is a mean (``.mean()``, a ``reduction="mean"`` loss such as
     ``F.cross_entropy``'s default, a division such as ``loss_sum / count``): the driver needs the sum. Read from
@@ -583,9 +583,7 @@ class StepDriver:
         if not self._geometry_shown:
             self._geometry_shown = True
             if self._log:
-                line = self.describe()
-                logger.info(line)
-                print(line, flush=True)
+                print(self.describe(), flush=True)  # stdout only: a logging handler on stdout would show it twice
         if self._t_last is None:
             self._t_last = time.perf_counter()
 
