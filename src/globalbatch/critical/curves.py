@@ -14,6 +14,8 @@ from typing import Optional, cast
 
 import numpy as np
 
+from globalbatch.errors import SettingError
+
 __all__ = ["Curve", "READOUTS", "ema_smooth", "steps_to_target"]
 
 
@@ -66,9 +68,9 @@ class Curve:
             if not (self.eval_examples.shape == self.eval_steps.shape == self.eval_loss.shape):
                 raise ValueError("eval_examples/eval_steps/eval_loss: must be equal 1-D arrays")
         if not self.batch_size > 0:
-            raise ValueError(f"batch_size: {self.batch_size}: must be > 0")
+            raise SettingError("batch_size", self.batch_size, "> 0")
         if not self.lr > 0:
-            raise ValueError(f"lr: {self.lr}: must be > 0")
+            raise SettingError("lr", self.lr, "> 0")
         if self.examples.ndim != 1 or self.examples.shape != self.loss.shape:
             raise ValueError(
                 f"examples/loss: shapes {self.examples.shape} and {self.loss.shape}: must be equal 1-D arrays"
@@ -76,7 +78,7 @@ class Curve:
         if self.examples.size and np.any(np.diff(self.examples) <= 0):
             raise ValueError("examples: must be strictly increasing (cumulative examples after each step)")
         if self.examples_per_s is not None and not self.examples_per_s > 0:
-            raise ValueError(f"examples_per_s: {self.examples_per_s}: must be > 0 or None")
+            raise SettingError("examples_per_s", self.examples_per_s, "> 0 or None")
 
 
 # ---------------------------------------------------------------------------
@@ -95,7 +97,7 @@ def ema_smooth(values: np.ndarray, halflife_steps: float) -> tuple[np.ndarray, n
     S_min up and B_crit down. Non-finite values (skipped steps) get zero weight.
     """
     if not halflife_steps > 0:
-        raise ValueError(f"halflife_steps: {halflife_steps}: must be > 0")
+        raise SettingError("halflife_steps", halflife_steps, "> 0")
     x = np.asarray(values, dtype=float)
     beta = 0.5 ** (1.0 / halflife_steps)
     out = np.full(x.shape, np.nan)
@@ -178,7 +180,7 @@ def steps_to_target(
     examples); the smoothing settings do not apply.
     """
     if readout not in READOUTS:
-        raise ValueError(f"readout: {readout!r}: expected one of {', '.join(READOUTS)}")
+        raise SettingError("readout", readout, ", ".join(READOUTS))
     if readout == "heldout":
         from globalbatch.critical.readout import heldout_crossing
 
@@ -192,7 +194,7 @@ def steps_to_target(
     if halflife_steps is not None:
         return _crossing(curve, target, max(halflife_steps, floor))
     if not 0 < ema_fraction < 1:
-        raise ValueError(f"ema_fraction: {ema_fraction}: must be in (0, 1), e.g. 0.05")
+        raise SettingError("ema_fraction", ema_fraction, "in (0, 1), e.g. 0.05")
     # Start from the heaviest smoothing this fraction allows (of the whole trial) so that a
     # noise dip of the raw loss cannot set the first crossing; then shrink to frac × S.
     # A trial whose heavily smoothed loss never reaches the target did not reach it: a

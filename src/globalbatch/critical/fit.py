@@ -29,6 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from globalbatch.errors import SettingError
+
 import numpy as np
 
 __all__ = ["HyperbolaFit", "fit_hyperbola", "zhang_cbs"]
@@ -196,9 +198,9 @@ def zhang_cbs(s_min: float, e_min: float, *, overhead: float = 0.2, base_batch: 
     perfect data efficiency) this is 0.2·B_crit — Zhang et al. 2024's CBS, not McCandlish's.
     """
     if not overhead > 0:
-        raise ValueError(f"overhead: {overhead}: must be > 0 (0.2 = 20%)")
+        raise SettingError("overhead", overhead, "> 0 (0.2 = 20%)")
     if base_batch < 0:
-        raise ValueError(f"base_batch: {base_batch}: must be >= 0")
+        raise SettingError("base_batch", base_batch, ">= 0")
     return overhead * e_min / s_min + (1.0 + overhead) * base_batch
 
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from globalbatch.critical.curves import Curve, ema_smooth, steps_to_target
 from globalbatch.critical.fit import HyperbolaFit, fit_hyperbola
+from globalbatch.errors import SettingError
 
 __all__ = ["BatchPoint", "TargetResult", "Recommendation", "Analysis", "OBJECTIVES", "points_for_target",
            "check_analysis_settings", "smoothing_halflife", "default_targets", "recommend", "analyze"]
@@ -199,9 +200,9 @@ def default_targets(
     Returns the primary target, then the others from tightest to loosest.
     """
     if n_targets < 1:
-        raise ValueError(f"n_targets: {n_targets}: must be >= 1")
+        raise SettingError("n_targets", n_targets, ">= 1")
     if n_tighter < 0:
-        raise ValueError(f"n_tighter: {n_tighter}: must be >= 0")
+        raise SettingError("n_tighter", n_tighter, ">= 0")
     per_batch: dict[float, float] = {}
     starts = []
     for c in curves:
