@@ -143,7 +143,7 @@ def test_sample_loss_has_no_valid_tokens_and_bad_settings_are_named():
                      StepConfig(micro_batch=2, global_batch=2, loss_unit="sample"))
     res = _window(drv, sc.micro_batches(sc.make_sequences(2, seed=5), 2))
     assert res.valid_tokens_per_s is None
-    for kw, match in (({"loss_unit": "byte"}, "loss_unit 'byte'"), ({"flops_per_sample": 0.0}, "flops_per_sample 0.0"),
+    for kw, match in (({"loss_unit": "byte"}, "loss_unit 'byte'"), ({"flops_per_sample": 0.0}, "flops_per_sample 0 is not allowed"),
                       ({"peak_flops_per_s": math.inf}, "peak_flops_per_s inf")):
         with pytest.raises(ValueError, match=match):
             StepConfig(micro_batch=1, global_batch=1, **kw)

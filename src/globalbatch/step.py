@@ -156,6 +156,7 @@ class StepConfig:
         if self.lr_schedule is not None and not isinstance(self.lr_schedule, LRSchedule):
             raise SettingError("lr_schedule", self.lr_schedule, "an LRSchedule or None")
         if self.loss_unit is not None:
+            choice(self.loss_unit, "loss_unit", SCHEDULE_UNITS)
             warnings.warn("StepConfig(loss_unit=...) is deprecated; use StepConfig(unit=...): one unit for the loss "
                           "count and the schedules", FutureWarning, stacklevel=3)
             if self.unit != "token" and self.unit != self.loss_unit:
