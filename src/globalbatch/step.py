@@ -8,12 +8,15 @@ over the whole global batch, whatever the padding, the micro-batch sizes, the
 number of DP ranks or a short last window::
 
     driver = StepDriver(ddp_model, opt, StepConfig(micro_batch=2, global_batch=16, max_grad_norm=1.0))
-    for window in my_windows:                        # user-owned loop
-        for i, micro in enumerate(window):
-            with driver.micro_step(last=i == len(window) - 1):   # DDP no_sync around fwd AND bwd
-                loss_sum, count = loss_fn(ddp_model, micro)
-                driver.backward(loss_sum, count, samples=len(micro))
-        result = driver.step()                       # sync, normalize, clip, skip or step
+    for window in rank_windows(documents, driver, collate=collate):   # this rank's micro-batches
+        result = driver.run_window(window, causal_lm_loss)            # (globalbatch.windows, .losses)
+
+    # run_window, written out:
+    for i, micro in enumerate(window):
+        with driver.micro_step(last=i == len(window) - 1):   # DDP no_sync around fwd AND bwd
+            loss_sum, count = loss_fn(ddp_model, micro)
+            driver.backward(loss_sum, count, samples=window.samples[i])
+    result = driver.step()                           # sync, normalize, clip, skip or step
 
 Per window the driver
 
