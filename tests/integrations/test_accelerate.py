@@ -105,3 +105,20 @@ def test_noise_through_the_helper_matches_the_monitor_under_step_driver():
     worst = max(abs(a - b) / abs(b) for a, b in finite)
     print(f"Accelerate B_simple vs NoiseScaleMonitor under StepDriver: max relative difference {worst:.2e}")
     assert worst < 1e-5  # float32 norms in the monitor
+
+
+def test_short_last_window_of_one_micro_batch_is_trained_and_left_out_of_b_simple():
+    """10 documents, micro 2 × accum 4: a full window and a short one of 1 micro-batch. The short window is one
+    small batch on one process: it is trained exactly (as above) and left out of the estimate; it used to
+    raise 'grad_accum_steps 1 with dp_world_size 1 is not allowed' in normalize()."""
+    docs = stdlib_documents(10)
+    ref = tiny_gpt2()
+    start = [p.detach().clone() for p in ref.parameters()]
+    for w in (docs[:8], docs[8:]):
+        for p, g in zip(ref.parameters(), reference_grads(ref, w)):
+            p.data.sub_(g)
+    model, logged, _ = _run(docs, exact=True, monitor=True)
+    err = max_rel_diff([p.detach() - s for p, s in zip(model.parameters(), start)],
+                       [p.detach() - s for p, s in zip(ref.parameters(), start)])
+    assert err < 1e-10, err
+    assert len(logged) == 2 and logged[0] == logged[1]  # the second window added nothing to the estimate

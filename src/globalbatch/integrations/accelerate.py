@@ -62,6 +62,8 @@ class ExactAccumulation:
         self.monitor = monitor
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._stats: Optional[torch.Tensor] = None  # float64 [count, loss sum], this rank's window
+        self._micros = 0  # micro-batches in this window (this rank)
+        self._unmeasured = False  # the monitor is detached for this window (see backward)
 
     def backward(self, loss_sum: torch.Tensor, count: Any, *, samples: Optional[int] = None) -> None:
         """``accelerator.backward`` of one micro-batch's **summed** loss; its count joins the window's."""
@@ -71,6 +73,13 @@ class ExactAccumulation:
         pair = torch.stack([count_t, loss_sum.detach().to(torch.float64)])
         self._stats = pair if self._stats is None else self._stats + pair
         self.accelerator.backward(loss_sum)  # Accelerate divides by gradient_accumulation_steps
+        self._micros += 1
+        if (self.monitor is not None and self._micros == 1 and self.accelerator.sync_gradients
+                and self.accelerator.num_processes == 1):
+            # a window of one micro-batch on one process (a short last window): trained exactly, but one
+            # small batch gives no B_simple: the monitor leaves it out instead of refusing it
+            self.monitor.detach()
+            self._unmeasured = True
         if self.monitor is not None:
             ga = self.accelerator.gradient_accumulation_steps
             self.monitor.micro_backward(count_t, samples=samples, grad_multiplier=count_t / ga)
@@ -104,4 +113,7 @@ class ExactAccumulation:
             scale = getattr(scaler, "_scale", None) if scaler is not None else None
             # Still loss-scaled here (Accelerate unscales in clip/step): both norms are divided by the scale.
             self.monitor.window_end(loss_scale=scale, big_grad_multiplier=scale)
+            if self._unmeasured:
+                self.monitor.attach()
+        self._micros, self._unmeasured = 0, False
         return stats[1] / count
