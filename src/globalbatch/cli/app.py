@@ -112,6 +112,7 @@ def setting_line(exc: Exception, command_name: Optional[str]) -> str:
             names = {}
         if field in names:
             return exc.text(names[field], names=names)  # type: ignore[attr-defined]
+        return exc.text(field, flag=False, names=names)  # type: ignore[attr-defined]  # other settings it names: flags
     return str(exc)
 
 

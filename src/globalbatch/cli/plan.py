@@ -7,7 +7,7 @@ from typing import Any, Optional, cast
 
 import typer
 
-from globalbatch.cli.app import app, LrRule
+from globalbatch.cli.app import app, flag_names_of, LrRule
 
 
 @app.command("plan", short_help="State, check and derive the batch geometry of a run (no torch needed).")
@@ -101,7 +101,7 @@ def plan_cmd(
         "compute_flops": count(compute, "--compute"), "loss_nats": loss,
         "no_sync": False if sync_every_micro_step else None,
     }
-    report = make_plan(config, flags, dp_world_size=dp, round_down=round_down)
+    report = make_plan(config, flags, dp_world_size=dp, round_down=round_down, names=flag_names_of("plan"))
     warnings = list(report.warnings)
     memory_section = None
     if memory_inputs is not None:

@@ -10,12 +10,12 @@ Three sources are read:
   but with exact division; other keys are ignored;
 * a Hugging Face ``TrainingArguments`` JSON: ``per_device_train_batch_size``,
   ``gradient_accumulation_steps``, ``learning_rate``, ``warmup_steps``; the world
-  size comes from ``--dp``; other keys are ignored.
+  size comes from ``dp_world_size``; other keys are ignored.
 
-:func:`resolve_plan_config` merges a file with command-line flags. Whatever changes the
-global batch relative to the file (a flag overriding a file value, a per-device config
-under a new ``--dp``) is said in a warning; a new ``--dp`` for a file whose geometry is
-complete keeps the global batch and re-derives accumulation.
+:func:`resolve_plan_config` merges a file with values given directly (the CLI's flags). Whatever
+changes the global batch relative to the file (a given value overriding a file value, a per-device
+config under a new ``dp_world_size``) is said in a warning; a new ``dp_world_size`` for a file whose
+geometry is complete keeps the global batch and re-derives accumulation.
 
 No torch import here.
 """
@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from globalbatch._util import SettingError, _Raw
 from globalbatch.plan import arithmetic as P
@@ -118,11 +119,15 @@ class PlanConfig:
         if self.warmup_tokens is not None and (not math.isfinite(self.warmup_tokens) or self.warmup_tokens < 0):
             raise E("warmup_tokens", R(_show(self.warmup_tokens)), "a number ≥ 0")
         if self.warmup_tokens is not None and self.warmup_steps is not None:
-            raise ValueError("warmup_tokens and warmup_steps are both set; allowed: one of them")
+            raise SettingError("warmup_steps", self.warmup_steps, "warmup_tokens or warmup_steps, not both",
+                               why="warmup_tokens is set too",
+                               see={"warmup_tokens": "warmup_tokens", "warmup_steps": "warmup_steps"})
         if self.lr_base_batch is not None and self.lr is None:
-            raise ValueError(f"lr_base_batch {self.lr_base_batch} needs lr; allowed: give the lr tuned at that batch too")
+            raise SettingError("lr_base_batch", self.lr_base_batch, "lr given as well (the lr tuned at that batch)",
+                               see={"lr given": "lr"})
         if self.virtual_stages != 1 and self.pp_stages is None:
-            raise ValueError(f"virtual_stages {self.virtual_stages} needs pp_stages; allowed: give the pipeline stages too")
+            raise SettingError("virtual_stages", self.virtual_stages, "pp_stages given as well (the pipeline stages)",
+                               see={"pp_stages given": "pp_stages"})
 
 
 def fmt(x: Any) -> str:
@@ -352,7 +357,7 @@ def _deepspeed(data: dict, flags: dict, dp: Optional[int], path: str, warnings: 
             P._positive_int(f"{path}: {theirs}", v)
         flag = flags.get(ours)
         if flag is not None and v is not None and flag != v:
-            warnings.append(f"--{_FLAG[ours]} {flag} overrides {theirs} {v} from {path}")
+            warnings.append(f"{_ref(ours)} {flag} overrides {theirs} {v} from {path}")
         values[ours] = flag if flag is not None else v
     train, micro, gas = values["global_batch"], values["micro_batch"], values["grad_accum_steps"]
     if train is None and micro is None:
@@ -361,22 +366,23 @@ def _deepspeed(data: dict, flags: dict, dp: Optional[int], path: str, warnings: 
         if train is not None and micro is not None and gas is not None:
             per = micro * gas
             if train % per:
-                raise ValueError(
-                    f"{path}: train_batch_size {train} is not divisible by train_micro_batch_size_per_gpu {micro} × "
-                    f"gradient_accumulation_steps {gas} = {per}; allowed: a consistent config, or pass --dp"
-                )
+                raise SettingError(f"{path}: train_batch_size", train, "a consistent config, or dp_world_size given",
+                                   why=f"not divisible by train_micro_batch_size_per_gpu {micro} × "
+                                       f"gradient_accumulation_steps {gas} = {per}",
+                                   see={"dp_world_size given": "dp_world_size"})
             dp = train // per
-            warnings.append(f"dp_world_size {dp} solved from {path} (pass --dp to plan another world size)")
+            warnings.append(f"dp_world_size {dp} solved from {path} (give {_ref('dp_world_size')} to plan another world size)")
         else:
             dp = 1
-            warnings.append("dp_world_size not given: assuming 1 rank (pass --dp with a DeepSpeed config)")
+            warnings.append(f"dp_world_size not given: assuming 1 rank (give {_ref('dp_world_size')} with a DeepSpeed config)")
     if train is not None and micro is None and gas is None:
         gas = 1  # DeepSpeed: train only -> GAS = 1, micro = train / ws
     if micro is not None and train is None and gas is None:
         gas = 1  # DeepSpeed: micro only -> GAS = 1, train = micro·ws
     if train is None:
         warnings.append(
-            f"{path} leaves train_batch_size to DeepSpeed: the global batch is micro × GAS × dp and changes with --dp"
+            f"{path} leaves train_batch_size to DeepSpeed: the global batch is micro × GAS × dp and changes with "
+            f"{_ref('dp_world_size')}"
         )
     out: dict[str, Any] = {"dp_world_size": dp, "source": "deepspeed"}
     for k, v in (("global_batch", train), ("micro_batch", micro), ("grad_accum_steps", gas)):
@@ -404,12 +410,13 @@ def _hf(data: dict, flags: dict, dp: Optional[int], path: str, warnings: list[st
     P._positive_int(f"{path}: gradient_accumulation_steps", gas)
     for ours, theirs, v in (("micro_batch", "per_device_train_batch_size", micro), ("grad_accum_steps", "gradient_accumulation_steps", gas)):
         if flags.get(ours) is not None and flags[ours] != v:
-            warnings.append(f"--{_FLAG[ours]} {flags[ours]} overrides {theirs} {v} from {path}")
+            warnings.append(f"{_ref(ours)} {flags[ours]} overrides {theirs} {v} from {path}")
     if dp is None:
         dp = 1
-        warnings.append("dp_world_size not given: assuming 1 rank (pass --dp with a Transformers config)")
+        warnings.append(f"dp_world_size not given: assuming 1 rank (give {_ref('dp_world_size')} with a Transformers config)")
     warnings.append(
-        f"{path} is per-device: the global batch is per_device_train_batch_size × accum × dp and changes with --dp"
+        f"{path} is per-device: the global batch is per_device_train_batch_size × accum × dp and changes with "
+        f"{_ref('dp_world_size')}"
     )
     out: dict[str, Any] = {
         "micro_batch": flags.get("micro_batch") or micro,
@@ -429,16 +436,14 @@ def _hf(data: dict, flags: dict, dp: Optional[int], path: str, warnings: list[st
     return out
 
 
-# flag spelling of each field, for messages
-_FLAG = {
-    "global_batch": "global-batch", "micro_batch": "micro-batch", "grad_accum_steps": "grad-accum",
-    "dp_world_size": "dp", "new_dp_world_size": "dp", "seq_len": "seq-len",
-    "valid_tokens_per_seq": "valid-tokens-per-seq", "padding_fraction": "padding-fraction",
-    "total_tokens": "total-tokens", "lr": "lr", "lr_base_batch": "lr-base-batch", "lr_rule": "lr-rule",
-    "warmup_tokens": "warmup-tokens", "warmup_steps": "warmup-steps", "pp_stages": "pp-stages",
-    "virtual_stages": "virtual-stages", "max_bubble": "max-bubble", "params": "params",
-    "grad_bytes_per_param": "grad-bytes-per-param", "compute_flops": "compute", "loss_nats": "loss",
-}
+def _ref(field: str) -> str:
+    """A setting named in a warning, as a marker :func:`_spelled` writes the caller's way (``--dp`` on the CLI)."""
+    return f"⟨{field}⟩"
+
+
+def _spelled(text: str, names: Mapping[str, str] | None) -> str:
+    """``text`` with each :func:`_ref` marker replaced by ``names[field]`` (the field's own name without one)."""
+    return re.sub(r"⟨(\w+)⟩", lambda m: (names or {}).get(m.group(1), m.group(1)), text)
 
 
 def _try_geometry(kw: dict) -> Optional[P.BatchGeometry]:
@@ -449,37 +454,35 @@ def _try_geometry(kw: dict) -> Optional[P.BatchGeometry]:
 
 
 def resolve_plan_config(
-    path: Optional[str | Path], flags: dict, *, dp_world_size: Optional[int] = None, round_down: bool = False
+    path: Optional[str | Path], flags: dict, *, dp_world_size: Optional[int] = None, round_down: bool = False,
+    names: Mapping[str, str] | None = None,
 ) -> tuple[PlanConfig, list[str]]:
-    """Merge a config file (optional) with command-line values; returns the config and warnings.
+    """Merge a config file (optional) with values given directly; returns the config and warnings.
 
-    ``flags`` holds PlanConfig field names (None = not given). ``dp_world_size`` is ``--dp``:
-    with a file whose geometry is complete it is a *new* world size for the same global batch.
-    Errors about a value given as a flag name the flag (``--dp 0 …``).
+    ``flags`` holds PlanConfig field names (None = not given). ``dp_world_size``: with a file whose
+    geometry is complete it is a *new* world size for the same global batch. ``names`` spells the
+    settings the warnings mention the caller's way (the CLI passes its flags: ``dp_world_size`` →
+    ``--dp``); without it they name the fields.
     """
     flags = {k: v for k, v in flags.items() if v is not None}
     warnings: list[str] = []
     try:
-        return _resolve(path, flags, dp_world_size, round_down, warnings), warnings
+        cfg = _resolve(path, flags, dp_world_size, round_down, warnings)
     except ValueError as exc:
         raise config_error(exc, flags, dp_world_size) from None
+    return cfg, [_spelled(w, names) for w in warnings]
 
 
 def config_error(exc: ValueError, flags: dict, dp_world_size: Optional[int]) -> ValueError:
-    """An error about a value the user gave as a flag names the flag: ``dp_world_size 0 …`` → ``--dp 0 …``.
+    """An error about a value read from the file keeps the file's key; one about a given value its field.
 
-    A :class:`SettingError` of a flag-given field passes through unchanged (the CLI names its flag from
-    its typer definitions); one about a value read from a file becomes a plain ``ValueError``, so it keeps
-    the file's key. Plain ``ValueError``s of the plan arithmetic (``plan.py``) are still matched by their
-    leading field name (not yet converted).
+    A :class:`SettingError` of a given field (or of a file-qualified one, ``<path>: key``) passes through
+    unchanged (the CLI names its flag from its typer definitions); one about a bare field read from a
+    file becomes a plain ``ValueError``, so that no flag's name is put on a value the file holds.
     """
-    msg = str(exc)
     given = set(flags) | ({"dp_world_size", "new_dp_world_size"} if dp_world_size is not None else set())
-    if isinstance(exc, SettingError):  # "config" is the file's path: always the user's own value
-        return exc if exc.field in given | {"config"} else ValueError(msg)
-    for field in sorted(given, key=len, reverse=True):
-        if msg.startswith(field + " ") and field in _FLAG:
-            return ValueError(f"--{_FLAG[field]}" + msg[len(field):])
+    if isinstance(exc, SettingError) and not (exc.field in given | {"config"} or ": " in exc.field):
+        return ValueError(str(exc))
     return exc
 
 
@@ -492,7 +495,7 @@ def _resolve(path: Any, flags: dict, dp: Optional[int], round_down: bool, warnin
             kw["dp_world_size"] = dp
         elif sum(kw.get(k) is not None for k in _GEOMETRY[:3]) < 3:
             kw["dp_world_size"] = 1
-            warnings.append("dp_world_size not given: assuming 1 rank (pass --dp)")
+            warnings.append(f"dp_world_size not given: assuming 1 rank (give {_ref('dp_world_size')})")
         return PlanConfig(**kw, source="flags")
 
     name = str(path)
@@ -510,8 +513,8 @@ def _resolve(path: Any, flags: dict, dp: Optional[int], round_down: bool, warnin
     file_geo = _try_geometry(file_kw)
     kw = dict(file_kw)
     for key, value in flags.items():
-        if key in file_kw and file_kw[key] != value and key in _FLAG:
-            warnings.append(f"--{_FLAG[key]} {_show(value)} overrides {key} {_show(file_kw[key])} from {name}")
+        if key in file_kw and file_kw[key] != value and key in _FIELDS:
+            warnings.append(f"{_ref(key)} {_show(value)} overrides {key} {_show(file_kw[key])} from {name}")
         kw[key] = value
     if dp is not None:
         geo_now = _try_geometry(kw)
@@ -526,7 +529,7 @@ def _resolve(path: Any, flags: dict, dp: Optional[int], round_down: bool, warnin
             kw["dp_world_size"] = dp
     elif _try_geometry(kw) is None and kw.get("dp_world_size") is None and sum(kw.get(k) is not None for k in _GEOMETRY[:3]) < 3:
         kw["dp_world_size"] = 1
-        warnings.append(f"dp_world_size not given in {name} or by --dp: assuming 1 rank")
+        warnings.append(f"dp_world_size not given in {name} or by {_ref('dp_world_size')}: assuming 1 rank")
     cfg = PlanConfig(**kw)
     if file_geo is not None and cfg.new_dp_world_size is None:
         geo = _try_geometry(kw)

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from globalbatch.plan import arithmetic as P
 
-from globalbatch.plan.config import PlanConfig, config_error, resolve_plan_config
+from globalbatch.plan.config import PlanConfig, _ref, _spelled, config_error, resolve_plan_config
 
 __all__ = ["PlanReport", "DpChange", "build_plan", "make_plan", "plan_table"]
 
@@ -93,8 +93,9 @@ class PlanReport:
         return d
 
 
-def build_plan(cfg: PlanConfig) -> PlanReport:
-    """Solve/check the geometry and derive everything that follows, as a frozen :class:`PlanReport`."""
+def build_plan(cfg: PlanConfig, *, names: Optional[dict[str, str]] = None) -> PlanReport:
+    """Solve/check the geometry and derive everything that follows, as a frozen :class:`PlanReport`
+    (``names``: how the warnings spell the settings they mention; default the field names)."""
     warnings: list[str] = []
     dp_change: Optional[dict[str, Any]] = None
     g0, m0, d0 = cfg.global_batch, cfg.micro_batch, cfg.dp_world_size
@@ -116,7 +117,7 @@ def build_plan(cfg: PlanConfig) -> PlanReport:
             "dropped_samples_per_step": g0 - geo.global_batch,
         }
         warnings.append(
-            f"--round-down: global batch {fmt(g0)} -> {fmt(geo.global_batch)}, "
+            f"{_ref('round_down')}: global batch {fmt(g0)} -> {fmt(geo.global_batch)}, "
             f"{fmt(dp_change['dropped_samples_per_step'])} samples per step dropped"
         )
     else:
@@ -136,7 +137,7 @@ def build_plan(cfg: PlanConfig) -> PlanReport:
         }
         if res.dropped_samples_per_step:
             warnings.append(
-                f"--round-down: global batch {fmt(res.requested_global_batch)} -> {fmt(res.geometry.global_batch)}, "
+                f"{_ref('round_down')}: global batch {fmt(res.requested_global_batch)} -> {fmt(res.geometry.global_batch)}, "
                 f"{fmt(res.dropped_samples_per_step)} samples per step dropped"
             )
         geo = res.geometry
@@ -267,7 +268,7 @@ def build_plan(cfg: PlanConfig) -> PlanReport:
         params=cfg.params, tokens=cfg.total_tokens, compute_flops=cfg.compute_flops, loss_nats=cfg.loss_nats
     )
     out["priors"] = tuple(priors)
-    out["warnings"] = tuple(warnings)
+    out["warnings"] = tuple(_spelled(w, names) for w in warnings)
     out["dp_change"] = DpChange(**dp_change) if dp_change is not None else None
     return PlanReport(**out)
 
@@ -363,12 +364,14 @@ def plan_table(report: PlanReport):
 
 
 def make_plan(
-    path: Optional[str | Path], flags: dict, *, dp_world_size: Optional[int] = None, round_down: bool = False
+    path: Optional[str | Path], flags: dict, *, dp_world_size: Optional[int] = None, round_down: bool = False,
+    names: Optional[dict[str, str]] = None,
 ) -> "PlanReport":
-    """:func:`resolve_plan_config` then :func:`build_plan`; the resolution warnings come first."""
-    cfg, notes = resolve_plan_config(path, flags, dp_world_size=dp_world_size, round_down=round_down)
+    """:func:`resolve_plan_config` then :func:`build_plan`; the resolution warnings come first (``names``:
+    how the caller spells the settings they mention, e.g. the CLI's flags)."""
+    cfg, notes = resolve_plan_config(path, flags, dp_world_size=dp_world_size, round_down=round_down, names=names)
     try:
-        report = build_plan(cfg)
+        report = build_plan(cfg, names=names)
     except ValueError as exc:
         raise config_error(exc, {k: v for k, v in flags.items() if v is not None}, dp_world_size) from None
     return dataclasses.replace(report, warnings=tuple(notes) + report.warnings)
