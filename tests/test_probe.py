@@ -287,7 +287,7 @@ def test_config_errors_name_field_and_value():
         TrialConfig(steps_per_trial=0)
     with pytest.raises(ValueError, match="cpu_memory 'vms' is not allowed"):
         TrialConfig(cpu_memory="vms")
-    with pytest.raises(ValueError, match="global_batch 10 is not allowed with dp 4; allowed: a positive multiple of 4"):
+    with pytest.raises(ValueError, match=r"global_batch 10 is not allowed \(with dp_world_size 4\); allowed: a positive multiple of dp_world_size 4"):
         probe_micro_batch(FakeOOM(10), global_batch=10, dp_world_size=4)
 
 
@@ -556,7 +556,7 @@ TINY_GPT = ("--task-arg", "d_model=16", "--task-arg", "n_layer=1", "--task-arg",
     (("--global-batch", "-4", "--memory-limit", "64MiB"),
      "--global-batch -4 is not allowed; allowed: a positive multiple of --dp 1"),
     (("--global-batch", "10", "--dp", "4"),
-     "--global-batch 10 is not allowed with --dp 4; allowed: a positive multiple of --dp 4"),
+     "--global-batch 10 is not allowed (with --dp 4); allowed: a positive multiple of --dp 4"),
     (("--max-micro-batch", "0",), "--max-micro-batch 0 is not allowed; allowed: a whole number ≥ 1"),
     (("--steps-per-trial", "0",), "--steps-per-trial 0 is not allowed; allowed: a whole number ≥ 1"),
     (("--throughput-tolerance", "1.5",), "--throughput-tolerance 1.5 is not allowed; allowed: a fraction"),

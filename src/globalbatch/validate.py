@@ -57,11 +57,11 @@ def _sci(n: int) -> str:
     return f"1e{len(text) - 1}" if text.strip("0") == "1" else f"{n:,}"
 
 
-def whole(value: Any, field: str, *, minimum: int = 1, maximum: int = MAX_COUNT) -> int:
-    """A plain whole number (no suffixes), ``minimum ≤ n ≤ maximum``."""
+def whole(value: Any, field: str, *, minimum: int = 1, maximum: int = MAX_COUNT, allowed: Optional[str] = None) -> int:
+    """A plain whole number (no suffixes), ``minimum ≤ n ≤ maximum`` (``allowed``: the error's own wording)."""
     if not _is_int(value) or not minimum <= value <= maximum:
         top = f" ≤ {maximum:,}" if maximum < MAX_COUNT else ""
-        raise SettingError(field, value, f"a whole number ≥ {minimum}{top}")
+        raise SettingError(field, value, allowed or f"a whole number ≥ {minimum}{top}")
     return value
 
 

@@ -29,6 +29,7 @@ from globalbatch.plan import BatchGeometry, solve_geometry
 from globalbatch.probe import memory  # memory.release_memory() looked up per call: tests patch it
 from globalbatch.probe.memory import MemoryModel, fit_memory_model, is_oom_error
 from globalbatch.probe.trial import _FAILED, _FITS, _OOM, TrialResult, _agree, _log_trial, _one_line, _over_budget
+from globalbatch.validate import whole
 
 log = logging.getLogger(__name__)
 
@@ -48,45 +49,38 @@ class NothingFits(RuntimeError):
         self.trial = trial
 
 
-def _whole(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int)
-
-
 def check_probe_settings(*, global_batch: Optional[int] = None, dp_world_size: int = 1,
                          max_micro_batch: Optional[int] = None, steps_per_trial: int = 3,
                          tolerance: float = 0.05, memory_limit_bytes: Optional[int] = None,
                          names: Optional[dict[str, str]] = None) -> None:
-    """Raise ``ValueError`` for the first bad setting, before any model is built.
+    """Raise :class:`SettingError` for the first bad setting, before any model is built.
 
     ``names`` maps a setting to how the user wrote it (the CLI passes its flags, e.g.
     ``{"dp_world_size": "--dp"}``); a setting not in it is named by its field name.
     """
-    def name(field: str) -> str:
-        return (names or {}).get(field, field)
+    from globalbatch import validate as V
+    from globalbatch.errors import flag_names
 
-    def text(field: str, value: Any) -> str:
-        return str(value) if names and field in names else repr(value)
+    with flag_names(names or {}):
+        V.whole(dp_world_size, "dp_world_size")
+        if global_batch is not None:
+            _check_global_batch(global_batch, dp_world_size)
+        if max_micro_batch is not None:
+            V.whole(max_micro_batch, "max_micro_batch")
+        V.whole(steps_per_trial, "steps_per_trial")
+        V.number(tolerance, "tolerance", low=0.0, high=1.0, high_open=True,
+                 allowed="a fraction, 0 ≤ tolerance < 1 (0.05 = within 5%)")
+        if memory_limit_bytes is not None:
+            V.whole(memory_limit_bytes, "memory_limit_bytes", allowed="at least 1 byte")
 
-    if not _whole(dp_world_size) or dp_world_size < 1:
-        raise ValueError(f"{name('dp_world_size')} {text('dp_world_size', dp_world_size)} is not allowed; "
-                         "allowed: a whole number ≥ 1")
-    if global_batch is not None and (not _whole(global_batch) or global_batch < 1
-                                     or global_batch % dp_world_size):
-        with_dp = f" with {name('dp_world_size')} {dp_world_size}" if dp_world_size > 1 else ""
-        raise ValueError(f"{name('global_batch')} {text('global_batch', global_batch)} is not allowed{with_dp}; "
-                         f"allowed: a positive multiple of {name('dp_world_size')} {dp_world_size}")
-    if max_micro_batch is not None and (not _whole(max_micro_batch) or max_micro_batch < 1):
-        raise ValueError(f"{name('max_micro_batch')} {text('max_micro_batch', max_micro_batch)} is not allowed; "
-                         "allowed: a whole number ≥ 1")
-    if not _whole(steps_per_trial) or steps_per_trial < 1:
-        raise ValueError(f"{name('steps_per_trial')} {text('steps_per_trial', steps_per_trial)} is not allowed; "
-                         "allowed: a whole number ≥ 1")
-    if not (isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool) and 0 <= tolerance < 1):
-        raise ValueError(f"{name('tolerance')} {text('tolerance', tolerance)} is not allowed; "
-                         "allowed: a fraction, 0 ≤ tolerance < 1 (0.05 = within 5%)")
-    if memory_limit_bytes is not None and (not _whole(memory_limit_bytes) or memory_limit_bytes < 1):
-        raise ValueError(f"{name('memory_limit_bytes')} {text('memory_limit_bytes', memory_limit_bytes)} "
-                         "is not allowed; allowed: at least 1 byte")
+
+def _check_global_batch(global_batch: Any, dp_world_size: int) -> None:
+    """``global_batch``: a positive multiple of ``dp_world_size`` (the error names both settings)."""
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1 \
+            or global_batch % dp_world_size:
+        raise SettingError("global_batch", global_batch, f"a positive multiple of dp_world_size {dp_world_size}",
+                           why=f"with dp_world_size {dp_world_size}" if dp_world_size > 1 else "",
+                           see={"dp_world_size": "dp_world_size"})
 
 
 @dataclass(kw_only=True, slots=True)
@@ -468,12 +462,8 @@ def probe_micro_batch(
             of memory; its ``trial`` is the record of micro-batch 1.
     """
     if global_batch is not None:
-        if isinstance(dp_world_size, bool) or not isinstance(dp_world_size, int) or dp_world_size < 1:
-            raise SettingError("dp_world_size", dp_world_size, "an int ≥ 1")
-        if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch % dp_world_size \
-                or global_batch < 1:
-            raise ValueError(f"global_batch {global_batch!r} is not allowed with dp {dp_world_size}; "
-                             f"allowed: a positive multiple of {dp_world_size}")
+        whole(dp_world_size, "dp_world_size")
+        _check_global_batch(global_batch, dp_world_size)
         if max_micro_batch is None:
             max_micro_batch = global_batch // dp_world_size
     config = ProbeConfig(
