@@ -37,9 +37,36 @@ def _short(text: str) -> str:
     return "no bound" if "no bound" in text else "–"
 
 
+PRESETS = {
+    "demo": {},
+    # Narrower and shorter than the demo: 2 layers, width 32, context 32 (≈ 30 tokens per document), 100K tokens.
+    "w32s32": {"task_overrides": {"n_layer": 2, "d_model": 32, "n_head": 4, "seq_len": 32,
+                                  "max_corpus_bytes": 2_000_000},
+               "batches": [4, 8, 16, 32], "budget": 100_000, "warmup": 5_000, "eval_points": 20,
+               "max_val_samples": 256},
+    # Narrower and longer: 2 layers, width 48, context 128, 100K tokens.
+    "w48s128": {"task_overrides": {"n_layer": 2, "d_model": 48, "n_head": 4, "seq_len": 128,
+                                   "max_corpus_bytes": 2_000_000},
+                "batches": [2, 4, 8, 16], "budget": 100_000, "warmup": 5_000, "eval_points": 20,
+                "max_val_samples": 256},
+}
+"""tinygpt configurations: the demo's and two it does not use (width, context length, budget)."""
+
+
+def config_for(task: str, preset: str = "demo"):
+    """The sweep configuration of ``task`` (tinygpt: ``preset``), before the seed count is set."""
+    from globalbatch.lab.sweep.config import demo_config, mnist_demo_config
+
+    if task == "mnist":
+        return mnist_demo_config()
+    return dataclasses.replace(demo_config(), **PRESETS[preset])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--task", choices=("tinygpt", "mnist"), default="tinygpt")
+    ap.add_argument("--config", choices=tuple(PRESETS), default="demo",
+                    help="tinygpt configuration: demo (the demo's) or one the demo does not use")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--workers", type=int, default=None)
@@ -52,9 +79,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from globalbatch.lab.sweep import analyze_sweep_seeds, run_sweep
-    from globalbatch.lab.sweep.config import demo_config, mnist_demo_config
 
-    cfg = demo_config() if args.task == "tinygpt" else mnist_demo_config()
+    cfg = config_for(args.task, args.config)
     changes = {"seeds": list(range(args.seeds))}
     reduced = []
     if args.budget is not None:
@@ -67,8 +93,8 @@ def main(argv=None) -> int:
         changes["warmup_min_steps"] = args.warmup_min_steps
         reduced.append(f"warmup_min_steps {args.warmup_min_steps} instead of {cfg.warmup_min_steps}")
     cfg = dataclasses.replace(cfg, **changes)
-    out = args.out or f"runs/critical_stability_{args.task}"
-    print(f"task {cfg.task}: batches {cfg.batches}, lrs {cfg.lrs} at batch {min(cfg.batches)} ({cfg.lr_rule_resolved()} "
+    out = args.out or f"runs/critical_stability_{args.task}" + ("" if args.config == "demo" else f"_{args.config}")
+    print(f"task {cfg.task} {cfg.task_overrides}: batches {cfg.batches}, lrs {cfg.lrs} at batch {min(cfg.batches)} ({cfg.lr_rule_resolved()} "
           f"rule), {cfg.budget:,} units per trial, warmup {cfg.warmup_units():,}"
           + (f" and ≥ {cfg.warmup_min_steps} steps" if cfg.warmup_min_steps else "") + f", seeds {cfg.seed_list()}"
           + (f" — CHANGED: {'; '.join(reduced)}" if reduced else ""))
@@ -81,11 +107,14 @@ def main(argv=None) -> int:
     from globalbatch.lab.sweep import load_sweep
 
     data = load_sweep(out)
-    done_seeds = sorted({int(s.get("seed", 0)) for s in data.summaries.values()})
-    cpu = sum(float(s.get("train_time_s", 0)) + float(s.get("eval_time_s", 0)) for s in data.summaries.values())
+    def get(s, key):  # a summary record (a dict, or an object with the same fields)
+        return (s.get(key) if isinstance(s, dict) else getattr(s, key, None)) or 0
+
+    done_seeds = sorted({get(s, "seed") for s in data.summaries.values()})
+    cpu = sum(get(s, "train_time_s") + get(s, "eval_time_s") for s in data.summaries.values())
     print(f"finished trials: {len(data.summaries)} (missing base cells: {len(data.missing)}), seeds with trials "
           f"{done_seeds}; trial time summed {cpu:,.0f} s (1 thread each; eval share "
-          f"{sum(float(s.get('eval_time_s', 0)) for s in data.summaries.values()) / max(cpu, 1e-9):.0%})")
+          f"{sum(get(s, 'eval_time_s') for s in data.summaries.values()) / max(cpu, 1e-9):.0%})")
 
     for readout in ("heldout", "train"):
         data, sa = analyze_sweep_seeds(out, readout=readout)

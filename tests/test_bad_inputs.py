@@ -330,6 +330,7 @@ CASES = [
     _c("report-targets-word", ["report", "run", "--targets", "low"], "--targets", "run"),
     _c("report-targets-empty", ["report", "run", "--targets", ","], "--targets", "run"),
     _c("report-targets-nan", ["report", "run", "--targets", "nan"], "--targets", "run"),
+    _c("report-lr-selection", ["report", "run", "--lr-selection", "best"], "--lr-selection", "run"),
     # report: output and run directories
     _c("report-out-file", ["report", "run", "--out", "afile"], "--out", "run", "afile"),
     _c("report-out-under-file", ["report", "run", "--out", "afile/sub"], "--out", "run", "afile"),

@@ -3,8 +3,8 @@
 A ``SettingError`` names the library's field, the value and what is allowed; the shared validators
 (:mod:`globalbatch.validate`) and the core raise it for the errors a user can cause. The CLI renames
 the field to the flag the user typed (:func:`flag_names`, from its own typer definitions), without
-reading the message. Some library errors are still plain ``ValueError``s, and two places still read a
-message to find the field: ``plan.config.config_error`` and ``lab.tasks.load_task_checked``.
+reading the message. Some library errors are still plain ``ValueError``s; no field is ever found by
+reading a message.
 """
 
 from __future__ import annotations

@@ -31,6 +31,12 @@ def _print_seed_analysis(data, sa) -> None:
         typer.echo(f"joint fit over targets and seeds: B_crit(L) = {j.b_ref:,.0f}·(L/{j.loss_ref:.3f})^{j.k:.2f} "
                    f"(SE of the exponent {j.se_k:.2f}; Kaplan α_B = {j.alpha_b:.2f}); "
                    f"{sa.monotone_share():.0%} of seed × target cells monotone")
+    from ..critical.seeds import lr_selection_text
+    from ..lab.report import _design_text
+
+    typer.echo(lr_selection_text(sa))
+    if _design_text(data):
+        typer.echo(_design_text(data))
     if sa.recommendation is not None:
         typer.echo(sa.recommendation.text())
     for w in sa.warnings:
@@ -83,6 +89,7 @@ def sweep_cmd(
     noise: bool = typer.Option(False, "--noise", help="Also log the gradient noise scale B_simple at every evaluation (the report plots it)."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or mps (checked before anything is written)."),
     precision: PrecisionName = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    sweep_budget: Optional[str] = typer.Option(None, "--budget", help="Spend at most this share of the full design's tokens (0.1, 10%) or this many tokens in all (1.2M): runs the cheapest design measured to hold (benchmarks/critical_cost.py) and says which."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys instead of tables (progress stays on stderr)."),
 ) -> None:
     """Train every batch × LR on the same data order and token budget, then fit the critical batch."""
@@ -107,7 +114,13 @@ def sweep_cmd(
                           micro_batch=micro_batch,
                           eval_every=None if eval_every is None else V.count(eval_every, "eval_every"),
                           optimizer=optimizer, noise=noise, device=device, precision=precision)
+        plan = None if sweep_budget is None else _plan_budget(cfg, sweep_budget)
         console = Console(stderr=True)
+        if plan is not None:
+            import dataclasses
+
+            cfg = dataclasses.replace(cfg, design=plan.design.name)
+            typer.echo(plan.statement, err=True)
         result = run_sweep(cfg, out, workers=workers, threads=threads, backend=backend, address=address,
                            progress=not as_json)
     data, analysis = analyze_sweep(out)
@@ -116,6 +129,9 @@ def sweep_cmd(
         analysis.warnings.append(note)
     if as_json:
         echo_json({"out_dir": result.out_dir, "ran": result.ran, "skipped": result.skipped,
+                    "design": None if plan is None else {"name": plan.design.name, "budget_fraction": plan.fraction,
+                                                         "planned_fraction": plan.planned_fraction,
+                                                         "statement": plan.statement},
                     "wall_time_s": result.wall_time_s, "workers": result.workers,
                     "threads_per_worker": result.threads_per_worker, "analysis": analysis.to_dict(),
                     "seeds": None if sa is None else seed_json(data, sa),
@@ -128,6 +144,24 @@ def sweep_cmd(
     typer.echo(f"report: globalbatch report {out}")
 
 
+def _plan_budget(cfg, text: str):
+    """``--budget``: the design to run, or one line (exit 2) when not even the cheapest design fits."""
+    from ..errors import SettingError
+    from ..lab.sweep.designs import DESIGNS, budget_fraction, plan_for_budget
+
+    n_seeds = len(cfg.seeds) if cfg.seeds is not None else 1
+    full_units = len(cfg.batches) * len(cfg.lrs) * n_seeds * cfg.budget
+    fraction = budget_fraction(text, full_units)
+    plan = plan_for_budget(fraction, len(cfg.batches), len(cfg.lrs), n_seeds)
+    if plan is None:
+        cheapest = min(DESIGNS.values(), key=lambda d: d.planned_fraction(len(cfg.batches), len(cfg.lrs), n_seeds))
+        need = cheapest.planned_fraction(len(cfg.batches), len(cfg.lrs), n_seeds)
+        raise SettingError("sweep_budget", text,
+                           f"at least {need:.1%} of the full design's {full_units:,} tokens "
+                           f"({need * full_units:,.0f}: design {cheapest.name}, {cheapest.summary})")
+    return plan
+
+
 @app.command("report", short_help="Plots and an HTML report of a sweep, with the recommendation.")
 def report_cmd(
     run_dir: str = typer.Argument(..., help="A sweep output directory (with manifest.json)."),
@@ -138,6 +172,7 @@ def report_cmd(
     ema_fraction: float = typer.Option(0.05, "--ema-fraction", help="EMA half-life of the training loss as a fraction of each trial's steps to the target (lag-corrected)."),
     half_life_steps: Optional[float] = typer.Option(None, "--half-life-steps", help="A fixed EMA half-life in steps instead (biases B_crit low; see docs/critical.md)."),
     readout: str = typer.Option("heldout", "--readout", help="heldout (monotone fit of the held-out evaluations) or train (EMA of the training loss, window ≥ 2% of the budget)."),
+    lr_selection: str = typer.Option("auto", "--lr-selection", help="The LR each batch is read at over seeds: auto (one LR per batch, re-chosen at a target where it leaves seeds non-monotone), per_batch or per_target."),
     as_json: bool = typer.Option(False, "--json", help="Print the analysis over seeds as JSON (stable snake_case keys: targets with b_crit, b_crit_per_seed, steps_to_target, monotone; recommendation with batch, lr, per_seed, probability_fastest) instead of the tables."),
 ) -> None:
     """Write PNG plots and a self-contained HTML report of a sweep, with the recommended batch."""
@@ -150,9 +185,12 @@ def report_cmd(
         V.existing_dir(run_dir, "run_dir", allowed="a sweep directory (written by globalbatch sweep)")
         target_list = None if targets is None else tuple(V.number_list(targets, "targets", positive_only=False))
         with V.created_out_dir(out if out is not None else str(Path(run_dir) / "report"), "out"):
-            res = write_report(run_dir, out, targets=target_list, objective=objective, tolerance=tolerance,
-                               ema_fraction=ema_fraction, halflife_steps=half_life_steps, readout=readout,
-                               seed_targets=target_list)
+            from ..critical import AnalysisSettings
+
+            settings = AnalysisSettings(objective=objective, tolerance=tolerance, ema_fraction=ema_fraction,
+                                        halflife_steps=half_life_steps, readout=readout, lr_selection=lr_selection,
+                                        targets=target_list, first_seed_targets=target_list)
+            res = write_report(run_dir, out, settings=settings)
     if as_json:
         doc = seed_json(res.data, res.seed_analysis) if res.seed_analysis is not None else {
             "recommendation": None, "warnings": []}

@@ -4,12 +4,14 @@
 - :mod:`~globalbatch.critical.readout`: the held-out read-out (a monotone fit of the eval loss).
 - :mod:`~globalbatch.critical.fit`: the steps–examples hyperbola (McCandlish et al. 2018, eq. 2.11) and Zhang's CBS.
 - :mod:`~globalbatch.critical.recommend`: points per target, the fits and the recommended batch of one seed.
+- :mod:`~globalbatch.critical.settings`: :class:`AnalysisSettings`, every analysis' settings in one dataclass.
 - :mod:`~globalbatch.critical.seeds`: common targets over seeds, one LR per batch, the joint B_crit(L) fit and the
   recommendation with its uncertainty.
 """
 
 from globalbatch.critical.curves import READOUTS, Curve, ema_smooth, steps_to_target
 from globalbatch.critical.fit import HyperbolaFit, fit_hyperbola, zhang_cbs
+from globalbatch.critical.settings import AnalysisSettings
 from globalbatch.critical.recommend import (
     OBJECTIVES,
     Analysis,
@@ -24,6 +26,6 @@ from globalbatch.critical.recommend import (
     smoothing_halflife,
 )
 
-__all__ = ["Curve", "READOUTS", "ema_smooth", "steps_to_target", "HyperbolaFit", "fit_hyperbola", "zhang_cbs",
+__all__ = ["AnalysisSettings", "Curve", "READOUTS", "ema_smooth", "steps_to_target", "HyperbolaFit", "fit_hyperbola", "zhang_cbs",
            "BatchPoint", "TargetResult", "Recommendation", "Analysis", "OBJECTIVES", "points_for_target",
            "check_analysis_settings", "smoothing_halflife", "default_targets", "recommend", "analyze"]

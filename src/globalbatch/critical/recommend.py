@@ -13,6 +13,7 @@ import numpy as np
 
 from globalbatch.critical.curves import Curve, ema_smooth, steps_to_target
 from globalbatch.critical.fit import HyperbolaFit, fit_hyperbola
+from globalbatch.critical.settings import OBJECTIVES, check_analysis_settings, settings_from
 from globalbatch.errors import SettingError
 
 __all__ = ["BatchPoint", "TargetResult", "Recommendation", "Analysis", "OBJECTIVES", "points_for_target",
@@ -153,25 +154,6 @@ def points_for_target(
         if not fit.extrapolated:
             result.b_crit_ci95 = fit.b_crit_interval(0.95)
     return result
-
-
-OBJECTIVES = ("time", "cost")
-
-
-def check_analysis_settings(*, objective: str = "time", tolerance: float = 0.05, ema_fraction: float = 0.05,
-                            halflife_steps: Optional[float] = None) -> None:
-    """Raise a :class:`~globalbatch._util.SettingError` for the first bad analysis setting."""
-    from globalbatch._util import SettingError
-
-    if objective not in OBJECTIVES:
-        raise SettingError("objective", objective, ", ".join(OBJECTIVES))
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
-        raise SettingError("tolerance", tolerance, "a fraction, 0 ≤ tolerance < 1 (0.05 = within 5%)")
-    if isinstance(ema_fraction, bool) or not isinstance(ema_fraction, (int, float)) or not 0 < ema_fraction < 1:
-        raise SettingError("ema_fraction", ema_fraction, "a fraction, 0 < ema_fraction < 1 (e.g. 0.05)")
-    if halflife_steps is not None and not (isinstance(halflife_steps, (int, float)) and halflife_steps > 0
-                                           and math.isfinite(halflife_steps)):
-        raise SettingError("halflife_steps", halflife_steps, "a number of steps > 0")
 
 
 def smoothing_halflife(n_steps: int, *, ema_fraction: float = 0.05, halflife_steps: Optional[float] = None) -> float:
@@ -329,13 +311,14 @@ def recommend(
 def analyze(
     curves: Sequence[Curve],
     *,
+    settings=None,
     targets: Optional[Sequence[float]] = None,
-    n_targets: int = 4,
-    n_tighter: int = 2,
-    ema_fraction: float = 0.05,
+    n_targets: Optional[int] = None,
+    n_tighter: Optional[int] = None,
+    ema_fraction: Optional[float] = None,
     halflife_steps: Optional[float] = None,
-    objective: str = "time",
-    tolerance: float = 0.05,
+    objective: Optional[str] = None,
+    tolerance: Optional[float] = None,
     unit: str = "example",
     label: Optional[Callable[[float], str]] = None,
     throughput_source: Optional[Callable[[float], str]] = None,
@@ -344,10 +327,15 @@ def analyze(
     """Fits at every target and the recommendation at the primary (first) target (see :func:`default_targets`).
 
     ``warnings`` (e.g. unreliable throughput) are kept in :attr:`Analysis.warnings` and
-    added to the recommendation's text.
+    added to the recommendation's text. ``settings``: a :class:`globalbatch.critical.AnalysisSettings` (its
+    ``first_seed_targets``, ``first_seed_n_targets``, ``n_tighter``, smoothing, objective and tolerance); the
+    keywords, when given, override its fields (``targets`` and ``n_targets`` are the ``first_seed_`` ones).
     """
-    check_analysis_settings(objective=objective, tolerance=tolerance, ema_fraction=ema_fraction,
-                            halflife_steps=halflife_steps)
+    s = settings_from(settings, first_seed_targets=targets, first_seed_n_targets=n_targets, n_tighter=n_tighter,
+                      ema_fraction=ema_fraction, halflife_steps=halflife_steps, objective=objective,
+                      tolerance=tolerance)
+    targets, n_targets, n_tighter = s.first_seed_targets, s.first_seed_n_targets, s.n_tighter
+    ema_fraction, halflife_steps, objective, tolerance = s.ema_fraction, s.halflife_steps, s.objective, s.tolerance
     curves = list(curves)
     if not curves:
         raise ValueError("curves: empty; nothing to analyze")

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, cast
 
 import numpy as np
 
@@ -46,9 +46,13 @@ from globalbatch.critical.curves import Curve, ema_smooth, steps_to_target
 from globalbatch.critical.fit import HyperbolaFit, fit_hyperbola
 from globalbatch.critical.readout import monotone_fit
 from globalbatch.critical.recommend import TargetResult, points_for_target, recommend
+from globalbatch.critical.settings import LR_SELECTIONS, settings_from
 
-__all__ = ["SeedTarget", "JointFit", "SeedRecommendation", "SeedAnalysis", "common_targets", "is_monotone",
-           "common_lr", "fit_joint", "recommend_over_seeds", "analyze_seeds", "MONOTONE_SLACK"]
+__all__ = ["SeedTarget", "JointFit", "SeedRecommendation", "SeedAnalysis", "LrFall", "common_targets", "is_monotone",
+           "common_lr", "fit_joint", "recommend_over_seeds", "analyze_seeds", "lr_falls", "lr_selection_text", "MONOTONE_SLACK",
+           "LR_SELECTIONS"]
+
+
 
 MONOTONE_SLACK = 0.03
 """Relative slack of the monotonicity check (interpolation between evaluations is not exact)."""
@@ -67,7 +71,7 @@ def _rng(seed: int = 0) -> np.random.Generator:
 def _fit_at(curve: Curve, examples: float) -> float:
     """The monotone fit of a curve's held-out loss at ``examples`` (linear in log examples)."""
 
-    e, y = curve.eval_examples, curve.eval_loss
+    e, y = cast(np.ndarray, curve.eval_examples), cast(np.ndarray, curve.eval_loss)  # held-out curves only
     ok = np.isfinite(y) & (e > 0)
     if not ok.any():
         return math.inf
@@ -118,9 +122,10 @@ def common_targets(curves: Sequence[Curve], n_targets: int = 5, *, margin: float
             cells.setdefault((c.batch_size, c.seed), []).append(c)
     if not cells:
         raise ValueError("curves: no held-out evaluations; use readout='train'")
-    floor = max(min(_fit_at(c, float(c.eval_examples.max())) for c in cs) for cs in cells.values())
-    ceiling = min(min(_fit_at(c, max(c.warmup_examples, float(c.eval_examples[c.eval_examples > 0].min())))
-                      if (c.eval_examples > 0).any() else math.inf
+    ev = {id(c): cast(np.ndarray, c.eval_examples) for cs in cells.values() for c in cs}  # each has evaluations
+    floor = max(min(_fit_at(c, float(ev[id(c)].max())) for c in cs) for cs in cells.values())
+    ceiling = min(min(_fit_at(c, max(c.warmup_examples, float(ev[id(c)][ev[id(c)] > 0].min())))
+                      if (ev[id(c)] > 0).any() else math.inf
                       for c in cs) for cs in cells.values())
     if not (math.isfinite(floor) and math.isfinite(ceiling)) or ceiling <= floor:
         raise ValueError(f"targets: no common loss range (after warmup {ceiling:.4g}, worst final {floor:.4g}): "
@@ -174,13 +179,22 @@ class SeedTarget:
     """2.5–97.5 % of the median-steps fit's B_crit over bootstrap resamples of the seeds."""
     joint_b_crit: Optional[float] = None
     joint_interval: Optional[tuple[float, float]] = None
+    lr_selection: str = "per_batch"
+    """How each batch's LR was chosen here: ``"per_batch"`` (one LR per batch for every target, chosen at
+    the primary target) or ``"per_target"`` (re-chosen at this target, :data:`LR_SELECTIONS`)."""
+    lr_selection_reason: str = ""
+    """Why, in one sentence (stated in the report and the JSON)."""
 
     @property
     def all_monotone(self) -> bool:
         return all(self.monotone.values())
 
     def interval(self) -> Optional[tuple[float, float]]:
-        """The stated uncertainty of B_crit here: the hull of the seed range and the bootstrap interval."""
+        """The stated uncertainty of B_crit here: the hull of the seed range and the bootstrap interval; with one
+        fitted seed, that seed's own 95 % interval (which does not contain the seed-to-seed spread)."""
+        fitted = [s for s, v in self.b_crit_per_seed.items() if v is not None]
+        if len(fitted) == 1:
+            return self.per_seed[fitted[0]].b_crit_ci95
         parts = [x for x in (self.b_crit_range, self.b_crit_boot) if x is not None]
         if not parts:
             return None
@@ -208,12 +222,12 @@ def common_lr(curves: Sequence[Curve], target: float, *, readout: str = "heldout
     cells: dict[tuple[float, float], dict[int, Curve]] = {}
     for c in curves:
         cells.setdefault((c.batch_size, c.lr), {})[c.seed] = c
-    best: dict[float, tuple[float, int, float]] = {}
+    best: dict[float, tuple[int, float, float]] = {}
     for (b, lr), by_seed in cells.items():
         steps = []
         for s in seeds:
-            c = by_seed.get(s)
-            r = steps_to_target(c, target, readout=readout, min_window_examples=min_window_examples) if c else None
+            cs_ = by_seed.get(s)
+            r = steps_to_target(cs_, target, readout=readout, min_window_examples=min_window_examples) if cs_ else None
             steps.append(r[0] if r is not None else math.inf)
         key = (sum(math.isinf(x) for x in steps), float(np.median(steps)), lr)
         if b not in best or key < best[b]:
@@ -232,9 +246,9 @@ def target_over_seeds(curves: Sequence[Curve], target: float, *, readout: str = 
     per_seed = {s: points_for_target([c for c in curves if c.seed == s], target, readout=readout,
                                      min_window_examples=min_window_examples) for s in seeds}
     batches = sorted({c.batch_size for c in curves})
-    steps = {b: {s: None for s in seeds} for b in batches}
-    examples = {b: {s: None for s in seeds} for b in batches}
-    best_lr = {b: {s: None for s in seeds} for b in batches}
+    steps: dict[float, dict[int, Optional[float]]] = {b: {s: None for s in seeds} for b in batches}
+    examples: dict[float, dict[int, Optional[float]]] = {b: {s: None for s in seeds} for b in batches}
+    best_lr: dict[float, dict[int, Optional[float]]] = {b: {s: None for s in seeds} for b in batches}
     warm = {c.batch_size: c.warmup_examples for c in curves}
     in_warmup = []
     for s, tr in per_seed.items():
@@ -268,15 +282,16 @@ def target_over_seeds(curves: Sequence[Curve], target: float, *, readout: str = 
     st.median_fit = _median_steps_fit(st, good)
     if len(good) >= 2:
         rng = _rng(rng_seed)
-        boots = []
+        boots: list[float] = []
         cache: dict[tuple, Optional[float]] = {}  # the median depends only on the multiset drawn
         for _ in range(N_BOOT):
             draw = tuple(sorted(int(x) for x in rng.choice(good, size=len(good), replace=True)))
             if draw not in cache:
                 f = _median_steps_fit(st, list(draw))
-                cache[draw] = f.b_crit if _usable(f) else None
-            if cache[draw] is not None:
-                boots.append(cache[draw])
+                cache[draw] = f.b_crit if f is not None and _usable(f) else None
+            b_draw = cache[draw]
+            if b_draw is not None:
+                boots.append(b_draw)
         if len(boots) >= N_BOOT // 2:
             st.b_crit_boot = (float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5)))
     return st
@@ -396,12 +411,14 @@ def fit_joint(points: Sequence[tuple[float, int, float, float]], *, n_boot: int 
         for _ in range(n_boot):
             draw = tuple(sorted(int(x) for x in rng.choice(seeds, size=len(seeds), replace=True)))
             if draw not in cache:
-                boot_rows = [(i, b, s, 0) for d in draw for i, b, s, seed in rows if seed == d]
+                boot_rows: list[tuple[int, float, float, float]] = [(i, b, s, 0) for d in draw for i, b, s, seed in rows
+                                                                    if seed == d]
                 rb = _joint_once(boot_rows, targets, loss_ref) if len(set(draw)) > 0 else None
                 cache[draw] = None if rb is None else (float(rb.x[nt]), float(rb.x[nt + 1]))
-            if cache[draw] is not None:
-                fit.boot_log_b_ref.append(cache[draw][0])
-                fit.boot_k.append(cache[draw][1])
+            pair = cache[draw]
+            if pair is not None:
+                fit.boot_log_b_ref.append(pair[0])
+                fit.boot_k.append(pair[1])
     return fit
 
 
@@ -440,10 +457,10 @@ def recommend_over_seeds(st: SeedTarget, throughput: dict[float, Optional[float]
         return None
 
     def cost(b: float, s: int) -> float:
-        e = st.examples[b][s]
-        return e / throughput[b] if objective == "time" else e
+        e = cast(float, st.examples[b][s])  # batches: every seed reached the target
+        return e / cast(float, throughput[b]) if objective == "time" else e
 
-    per_seed = {}
+    per_seed: dict[int, Optional[float]] = {}
     for s in seeds:
         tr = st.per_seed[s]
         pts = [p for p in tr.points if p.batch_size in batches]
@@ -455,15 +472,15 @@ def recommend_over_seeds(st: SeedTarget, throughput: dict[float, Optional[float]
     times = {b: [cost(b, s) for s in seeds] for b in batches}
     med = {b: float(np.median(v)) for b, v in times.items()}
     rng = _rng(rng_seed)
-    wins = Counter()
+    wins: Counter[float] = Counter()
     for _ in range(1000):
         draw = rng.integers(0, len(seeds), size=len(seeds))
         m = {b: float(np.median([times[b][i] for i in draw])) for b in batches}
-        wins[min(m, key=m.get)] += 1
+        wins[min(m, key=lambda b: m[b])] += 1
     prob = {b: wins[b] / 1000 for b in batches}
     best = min(med.values())
     tie = [b for b in batches if med[b] <= best * (1 + tolerance) or prob[b] >= 0.2]
-    ex_med = {b: float(np.median([st.examples[b][s] for s in seeds])) for b in batches}
+    ex_med = {b: float(np.median([cast(float, st.examples[b][s]) for s in seeds])) for b in batches}
     winner = min(tie, key=lambda b: (ex_med[b], med[b]))  # among ties: the fewest examples (least data and compute)
     lrs = [st.best_lr[winner][s] for s in seeds if st.best_lr[winner][s] is not None]
     lr = Counter(lrs).most_common(1)[0][0]
@@ -479,7 +496,7 @@ def recommend_over_seeds(st: SeedTarget, throughput: dict[float, Optional[float]
                        f"fastest in ≥ 20% of seed resamples); recommend {name(winner)}, the fewest {unit}s among them")
     else:
         reasons.append(f"recommend {name(winner)} at lr {lr:g}")
-    return SeedRecommendation(batch_size=winner, lr=float(lr), target=st.target, per_seed=per_seed,
+    return SeedRecommendation(batch_size=winner, lr=float(cast(float, lr)), target=st.target, per_seed=per_seed,
                               probability_fastest=prob,
                               time_to_target={b: (med[b], float(min(times[b])), float(max(times[b]))) for b in batches},
                               tie=tie, reasons=reasons)
@@ -501,6 +518,10 @@ class SeedAnalysis:
     recommendation: Optional[SeedRecommendation] = None
     lr_edges: dict[float, str] = field(default_factory=dict)
     """Batch → "low"/"high" when its LR (the one for every seed, chosen at the primary target) is the edge of the LRs it ran."""
+    lr_selection: str = "auto"
+    """The rule of :data:`LR_SELECTIONS` the analysis ran with (each target says which it used: ``SeedTarget.lr_selection``)."""
+    lr_falls: list["LrFall"] = field(default_factory=list)
+    """Neighbouring batches whose chosen LR falls as the batch grows (at any target), against the optimizer's rule."""
     b_simple: dict[float, dict[str, Optional[float]]] = field(default_factory=dict)
     """Target → {"local": median B_simple at the crossing, "path_averaged": median mean B_simple up to it}."""
     warnings: list[str] = field(default_factory=list)
@@ -515,6 +536,58 @@ class SeedAnalysis:
         return sum(cells) / len(cells) if cells else math.nan
 
 
+@dataclass(kw_only=True, frozen=True, slots=True)
+class LrFall:
+    """A chosen LR that falls as the batch grows: ``lr_high`` at ``batch_high`` < ``lr_low`` at ``batch_low``.
+
+    The LR rules across batches raise the LR with the batch (√k for Adam-type, ×k for SGD: Malladi et al. 2022,
+    Goyal et al. 2017), so a fall between neighbouring batches says that one of the two LRs is off its optimum
+    (a coarse grid, a noisy choice): the steps of those batches — and B_crit — carry it. The sweep refines
+    the LR grid around such a pair (``lab/sweep/lr_edges.refine_cells``)."""
+
+    batch_low: float
+    """Units per step of the smaller batch."""
+    batch_high: float
+    lr_low: float
+    """The chosen LR of the smaller batch."""
+    lr_high: float
+    targets: tuple[float, ...]
+    """The targets at which the pair was chosen so."""
+
+    def text(self, label: Optional[Callable[[float], str]] = None) -> str:
+        name = label if label is not None else (lambda b: f"batch {b:,.0f}")
+        where = ", ".join(f"{t:.4f}" for t in self.targets)
+        return (f"the chosen LR falls as the batch grows: {name(self.batch_low)} at lr {self.lr_low:g}, "
+                f"{name(self.batch_high)} at lr {self.lr_high:g} (target(s) {where}); the optimizer's rule raises "
+                f"the LR with the batch (√k Adam-type, ×k SGD), so one of the two is off its optimum")
+
+
+def _lr_per_batch(st: SeedTarget) -> dict[float, float]:
+    out = {}
+    for b, by_seed in st.best_lr.items():
+        lrs = [lr for lr in by_seed.values() if lr is not None]
+        if lrs:
+            out[b] = Counter(lrs).most_common(1)[0][0]
+    return out
+
+
+def lr_falls(results: Sequence[SeedTarget]) -> list[LrFall]:
+    """Neighbouring batches whose LR (as chosen at each target) falls as the batch grows, merged over targets."""
+    found: dict[tuple[float, float, float, float], list[float]] = {}
+    for st in results:
+        lr = _lr_per_batch(st)
+        bs = sorted(lr)
+        for lo, hi in zip(bs, bs[1:]):
+            if lr[hi] < lr[lo] * (1 - 1e-6):
+                found.setdefault((lo, hi, lr[lo], lr[hi]), []).append(st.target)
+    return [LrFall(batch_low=k[0], batch_high=k[1], lr_low=k[2], lr_high=k[3], targets=tuple(v))
+            for k, v in sorted(found.items())]
+
+
+def _monotone_seeds(st: SeedTarget) -> int:
+    return sum(bool(m) for m in st.monotone.values())
+
+
 def _b_simple_at(curve: Curve, examples: float) -> tuple[Optional[float], Optional[float]]:
     pts = sorted(curve.b_simple)
     if not pts:
@@ -526,11 +599,27 @@ def _b_simple_at(curve: Curve, examples: float) -> tuple[Optional[float], Option
     return local, float(np.mean(upto)) if upto.size else None
 
 
-def analyze_seeds(curves: Sequence[Curve], *, targets: Optional[Sequence[float]] = None, n_targets: int = 5,
-                  readout: str = "heldout", min_window_examples: Optional[float] = None, tolerance: float = 0.05,
-                  objective: str = "time", unit: str = "example", label: Optional[Callable[[float], str]] = None,
-                  warnings: Sequence[str] = ()) -> SeedAnalysis:
-    """Targets, per-target results over seeds, the joint fit, LR-edge flags and the recommendation."""
+def analyze_seeds(curves: Sequence[Curve], *, settings=None, targets: Optional[Sequence[float]] = None,
+                  n_targets: Optional[int] = None, readout: Optional[str] = None,
+                  min_window_examples: Optional[float] = None, tolerance: Optional[float] = None,
+                  objective: Optional[str] = None, unit: str = "example", label: Optional[Callable[[float], str]] = None,
+                  warnings: Sequence[str] = (), lr_selection: Optional[str] = None) -> SeedAnalysis:
+    """Targets, per-target results over seeds, the joint fit, LR-edge and falling-LR flags and the recommendation.
+
+    ``settings``: a :class:`globalbatch.critical.AnalysisSettings` (targets, n_targets, readout, tolerance,
+    objective, lr_selection); the keywords, when given, override its fields.
+
+    ``lr_selection`` (:data:`LR_SELECTIONS`): where one LR per batch cannot serve every target — it
+    leaves seeds non-monotone at a target (measured on a non-demo tinygpt: batch 16's LR 0.0020 below
+    batch 8's 0.0042, so batch 16 needed more steps than batch 8 at the early targets) — ``auto`` reads
+    that target at LRs re-chosen there, when that leaves fewer seeds non-monotone; each target states
+    which rule it used and why (``SeedTarget.lr_selection``/``lr_selection_reason``).
+    """
+    s = settings_from(settings, targets=targets, n_targets=n_targets, readout=readout, tolerance=tolerance,
+                      objective=objective, lr_selection=lr_selection)
+    targets = s.targets
+    n_targets, readout, tolerance, objective, lr_selection = s.n_targets, s.readout, s.tolerance, s.objective, \
+        s.lr_selection
     curves = list(curves)
     if not curves:
         raise ValueError("curves: empty; nothing to analyze")
@@ -554,8 +643,33 @@ def analyze_seeds(curves: Sequence[Curve], *, targets: Optional[Sequence[float]]
         targets = sorted(common_targets(chosen, n_targets, readout=readout, min_window_examples=min_window_examples),
                          reverse=True)
     results = [target_over_seeds(chosen, t, readout=readout, min_window_examples=min_window_examples) for t in targets]
-    out = SeedAnalysis(unit=unit, readout=readout, seeds=seeds, targets=results, warnings=list(warnings))
     name = label if label is not None else (lambda b: f"batch {b:,.0f}")
+    several = len({(c.batch_size, c.lr) for c in curves}) > len({c.batch_size for c in curves})
+    for i, st in enumerate(results):
+        st.lr_selection_reason = ("one LR per batch, chosen at the primary target"
+                                  + (" (each batch ran one LR)" if not several else ""))
+        if lr_selection == "per_batch" or not several or (lr_selection == "auto" and st.all_monotone):
+            continue
+        alt = target_over_seeds(curves, st.target, readout=readout, min_window_examples=min_window_examples)
+        alt.lr_selection = "per_target"
+        if lr_selection == "per_target":
+            alt.lr_selection_reason = "LR re-chosen per batch at this target (lr_selection='per_target')"
+            results[i] = alt
+        elif _monotone_seeds(alt) > _monotone_seeds(st):
+            bad = [s for s, m in st.monotone.items() if not m]
+            alt.lr_selection_reason = (
+                f"LR re-chosen per batch at this target: one LR per batch left seed(s) {', '.join(map(str, bad))} "
+                f"non-monotone here ({_monotone_seeds(st)}/{len(st.monotone)} monotone; re-chosen: "
+                f"{_monotone_seeds(alt)}/{len(alt.monotone)})")
+            results[i] = alt
+        else:
+            st.lr_selection_reason += (f"; re-choosing the LR at this target leaves as many seeds non-monotone "
+                                       f"({_monotone_seeds(alt)}/{len(alt.monotone)} monotone), so it is kept")
+    out = SeedAnalysis(unit=unit, readout=readout, seeds=seeds, targets=results, warnings=list(warnings),
+                       lr_selection=lr_selection)
+    out.lr_falls = lr_falls(results)
+    for f in out.lr_falls:
+        out.warnings.append(f.text(name))
     for st in results:
         if st.reached_in_warmup:
             out.warnings.append(f"target {st.target:.4f} reached during LR warmup by {', '.join(st.reached_in_warmup)}")
@@ -563,7 +677,7 @@ def analyze_seeds(curves: Sequence[Curve], *, targets: Optional[Sequence[float]]
         if bad:
             out.warnings.append(f"target {st.target:.4f}: non-monotone or unreached steps for seed(s) "
                                 f"{', '.join(map(str, bad))}: left out of the fits")
-    pts = [(st.target, s, b, st.steps[b][s]) for st in results for s in seeds if st.monotone[s]
+    pts = [(st.target, s, b, cast(float, st.steps[b][s])) for st in results for s in seeds if st.monotone[s]
            for b in st.steps if st.steps[b][s] is not None]
     try:
         out.joint = fit_joint(pts)
@@ -588,10 +702,10 @@ def analyze_seeds(curves: Sequence[Curve], *, targets: Optional[Sequence[float]]
     for st in results:
         loc, path = [], []
         for b in st.steps:
-            for s in seeds:
-                e, lr = st.examples[b][s], st.best_lr[b][s]
-                c = by_label.get((b, s, lr)) if e is not None else None
-                if c is not None and c.b_simple:
+            for seed in seeds:
+                e, lr_b = st.examples[b][seed], st.best_lr[b][seed]
+                c = by_label.get((b, seed, cast(float, lr_b))) if e is not None else None
+                if c is not None and e is not None and c.b_simple:
                     lo, pa = _b_simple_at(c, e)
                     if lo is not None:
                         loc.append(lo)
@@ -607,6 +721,17 @@ def analyze_seeds(curves: Sequence[Curve], *, targets: Optional[Sequence[float]]
     out.recommendation = recommend_over_seeds(primary, tput, tolerance=tolerance, objective=objective, unit=unit,
                                               label=label)
     return out
+
+
+def lr_selection_text(a: SeedAnalysis) -> str:
+    """One line: which LR rule the targets were read with, and why where it differs."""
+    per_target = [st for st in a.targets if st.lr_selection == "per_target"]
+    if not per_target:
+        return (f"LR selection {a.lr_selection}: one LR per batch at every target (chosen at the primary target, "
+                f"the same for every seed)")
+    parts = "; ".join(f"target {st.target:.4f}: {st.lr_selection_reason}" for st in per_target)
+    return (f"LR selection {a.lr_selection}: one LR per batch except at {len(per_target)} of {len(a.targets)} "
+            f"target(s), where it is re-chosen per batch at that target — {parts}")
 
 
 def seed_analysis_json(a: SeedAnalysis, batch_key: Callable[[float], int]) -> dict:
@@ -627,7 +752,7 @@ def seed_analysis_json(a: SeedAnalysis, batch_key: Callable[[float], int]) -> di
             "b_crit_text_per_seed": {str(s): v for s, v in st.b_crit_text_per_seed.items()},
             "b_crit_range": list(st.b_crit_range) if st.b_crit_range else None,
             "b_crit_bootstrap_95": list(st.b_crit_boot) if st.b_crit_boot else None,
-            "b_crit_interval": list(st.interval()) if st.interval() else None,
+            "b_crit_interval": list(iv) if (iv := st.interval()) else None,
             "b_crit_joint": num(st.joint_b_crit),
             "b_crit_joint_95": list(st.joint_interval) if st.joint_interval else None,
             "steps_to_target": {k(b): {str(s): num(v) for s, v in d.items()} for b, d in st.steps.items()},
@@ -636,6 +761,8 @@ def seed_analysis_json(a: SeedAnalysis, batch_key: Callable[[float], int]) -> di
             "monotone": st.all_monotone,
             "monotone_per_seed": {str(s): m for s, m in st.monotone.items()},
             "reached_in_warmup": st.reached_in_warmup,
+            "lr_selection": st.lr_selection,
+            "lr_selection_reason": st.lr_selection_reason,
             "b_simple": a.b_simple.get(st.target),
         })
     rec = a.recommendation
@@ -649,6 +776,10 @@ def seed_analysis_json(a: SeedAnalysis, batch_key: Callable[[float], int]) -> di
             "model": "ln S = a_t + ln(1 + B_crit(L_t)/B), B_crit(L) = b_crit_at_ref·(L/loss_ref)^k"},
         "joint_error": a.joint_error,
         "lr_edges": {k(b): v for b, v in a.lr_edges.items()},
+        "lr_selection": a.lr_selection,
+        "lr_selection_text": lr_selection_text(a),
+        "lr_falls": [{"batch_low": batch_key(f.batch_low), "batch_high": batch_key(f.batch_high), "lr_low": f.lr_low,
+                      "lr_high": f.lr_high, "targets": list(f.targets)} for f in a.lr_falls],
         "recommendation": None if rec is None else {
             "batch": batch_key(rec.batch_size), "batch_units": rec.batch_size, "lr": rec.lr, "target_loss": rec.target,
             "per_seed": {str(s): (batch_key(b) if b is not None else None) for s, b in rec.per_seed.items()},

@@ -11,6 +11,7 @@ from globalbatch._util import SettingError
 from globalbatch.lab.device import PRECISIONS
 from globalbatch.lab.loop import default_micro_batch
 from globalbatch.optim import optimizer_names
+from globalbatch.validate import whole
 
 __all__ = ["SweepConfig", "TrialSpec", "demo_config", "mnist_demo_config", "MANIFEST_VERSION", "BACKENDS", "RAY_HINT"]
 
@@ -47,6 +48,13 @@ class SweepConfig:
     lr_edge_extend: int = 2
     """When the best LR of a batch (median final held-out loss over seeds) is the smallest or largest
     of its grid, run one more LR beyond that edge (for every seed), up to this many per side."""
+    lr_refine: int = 2
+    """When the analysis' chosen LR falls as the batch grows (against the optimizer's rule), run the LR the
+    rule predicts from the neighbouring batch (for every seed), up to this many extra LRs per batch
+    (:func:`globalbatch.lab.sweep.lr_edges.refine_cells`); 0: flag only."""
+    design: str = "full"
+    """Which cells run (:mod:`globalbatch.lab.sweep.designs`): ``full`` (every batch × its LR grid × every
+    seed), ``seeds1``, ``narrow1``, ``narrow2`` (cheaper designs, measured against ``full``)."""
     micro_batch: Optional[int] = None
     """Samples per forward/backward; None: min(batch, 16) (must divide every batch)."""
     eval_every: Optional[int] = None
@@ -110,15 +118,18 @@ class SweepConfig:
         if self.base_batch is not None and (isinstance(self.base_batch, bool) or int(self.base_batch) != self.base_batch
                                             or self.base_batch < 1):
             raise E("base_batch", self.base_batch, "a whole number ≥ 1 (samples per step)")
-        if isinstance(self.lr_edge_extend, bool) or not isinstance(self.lr_edge_extend, int) or self.lr_edge_extend < 0:
-            raise E("lr_edge_extend", self.lr_edge_extend, "a whole number ≥ 0")
+        whole(self.lr_edge_extend, "lr_edge_extend", minimum=0)
+        from globalbatch.lab.sweep.designs import DESIGN_NAMES
+
+        if self.design not in DESIGN_NAMES:
+            raise E("design", self.design, ", ".join(DESIGN_NAMES))
+        whole(self.lr_refine, "lr_refine", minimum=0)
         if self.warmup is not None and (isinstance(self.warmup, bool) or int(self.warmup) != self.warmup
                                         or self.warmup < 0 or self.warmup >= self.budget):
             raise E("warmup", self.warmup, f"a whole number of units, 0 ≤ warmup < budget ({self.budget:,})")
         if isinstance(self.eval_points, bool) or not isinstance(self.eval_points, int) or self.eval_points < 2:
             raise E("eval_points", self.eval_points, "a whole number ≥ 2 (30 or more for a sound read-out)")
-        if isinstance(self.eval_batch, bool) or not isinstance(self.eval_batch, int) or self.eval_batch < 1:
-            raise E("eval_batch", self.eval_batch, "a whole number ≥ 1")
+        whole(self.eval_batch, "eval_batch")
         if self.micro_batch is not None:
             bad = [b for b in self.batches if b % self.micro_batch and b > self.micro_batch] if self.micro_batch >= 1 else []
             if self.micro_batch < 1:
@@ -151,8 +162,31 @@ class SweepConfig:
         return default_micro_batch(batch, self.micro_batch, at_least_two=self.noise)
 
     def seed_list(self) -> list[int]:
-        """The seeds every cell runs with."""
-        return list(self.seeds) if self.seeds is not None else [self.seed]
+        """The seeds every cell runs with (the design's first ones: :attr:`design`)."""
+        from globalbatch.lab.sweep.designs import DESIGNS
+
+        seeds = list(self.seeds) if self.seeds is not None else [self.seed]
+        n = DESIGNS[self.design].seeds
+        return seeds if n is None else seeds[:n]
+
+    def narrow_base(self) -> int:
+        """The batch whose LR grid a narrow design runs: the middle of the swept batches (the rule moves its LR
+        at most half the batch range either way)."""
+        bs = sorted(self.batches)
+        return bs[(len(bs) - 1) // 2]
+
+    def rule_power(self) -> float:
+        """The exponent p of the LR rule across batches: LR ∝ batch^p (½ Adam-type, 1 SGD, 0 none)."""
+        return {"sqrt": 0.5, "linear": 1.0, "none": 0.0}[self.lr_rule_resolved()]
+
+    def transfer_lr(self, lr: float, from_batch: int, to_batch: int) -> float:
+        """``lr`` at ``from_batch`` moved to ``to_batch`` by the LR rule; a grid value of ``from_batch`` lands on
+        the same grid position of ``to_batch`` (so cells coincide with the full design's)."""
+        grid = self.lrs_for(from_batch)
+        for i, x in enumerate(grid):
+            if abs(x - lr) <= 1e-9 * lr:
+                return self.lrs_for(to_batch)[i]
+        return float(f"{lr * (to_batch / from_batch) ** self.rule_power():.4g}")
 
     def warmup_units(self, units_per_step: float | None = None) -> int:
         """Units of linear LR warmup; with ``units_per_step`` (a batch's), at least ``warmup_min_steps``
@@ -196,6 +230,11 @@ class SweepConfig:
         """Every base cell (seed, batch, LR of that batch's grid), first seed, smallest batch and LR first.
 
         Edge extensions (:attr:`lr_edge_extend`) are decided from results and are not listed here."""
+        from globalbatch.lab.sweep.designs import DESIGNS
+
+        if DESIGNS[self.design].narrow:  # the base batch's grid; the other batches follow from its result
+            base = self.narrow_base()
+            return [TrialSpec(batch=base, lr=lr, seed=s) for s in self.seed_list() for lr in self.lrs_for(base)]
         return [TrialSpec(batch=b, lr=lr, seed=s) for s, b in itertools.product(self.seed_list(), sorted(self.batches))
                 for lr in self.lrs_for(b)]
 
@@ -206,6 +245,9 @@ class SweepConfig:
         d["lrs"] = sorted(d["lrs"])
         if not d["warmup_min_steps"]:  # the default: absent, as in manifests written before the field
             del d["warmup_min_steps"]
+        for name, default in (("lr_refine", 2), ("design", "full")):  # defaults absent: older manifests still match
+            if d[name] == default:
+                del d[name]
         return {"version": MANIFEST_VERSION, "grid": d}
 
     @classmethod

@@ -11,6 +11,11 @@ batch — hence B_crit — would be biased. The sweep then runs one more LR beyo
 (a factor :meth:`SweepConfig.lr_ratio` further, for every seed), up to
 ``lr_edge_extend`` per side; a batch whose best LR is still at an edge is flagged.
 
+A chosen LR that *falls* as the batch grows (``critical.seeds.LrFall``) is refined: each batch of the pair
+gets the half-step between its LR and the one the rule predicts from the other batch's (:func:`refine_cells`),
+up to ``lr_refine`` such LRs per batch. A narrow design (:mod:`~globalbatch.lab.sweep.designs`) runs the grid at
+one base batch and moves its best LR to the other batches by the rule (:func:`transfer_cells`).
+
 Pure functions of the finished summaries, so a resumed sweep derives the same cells.
 """
 
@@ -24,7 +29,7 @@ from typing import Any, Iterable, Optional
 
 from globalbatch.lab.sweep.config import SweepConfig, TrialSpec
 
-__all__ = ["finished_summaries", "lr_losses", "edge_cells", "best_lr_at_edge"]
+__all__ = ["finished_summaries", "lr_losses", "edge_cells", "best_lr_at_edge", "refine_cells", "transfer_cells"]
 
 
 def finished_summaries(out: Path, config: SweepConfig) -> list[dict[str, Any]]:
@@ -105,3 +110,66 @@ def edge_cells(config: SweepConfig, summaries: list[dict[str, Any]],
             continue
         out += [TrialSpec(batch=b, lr=new, seed=s) for s in seeds]
     return out
+
+
+def _edge_values(config: SweepConfig, batch: int) -> set[float]:
+    """The LRs an edge extension of ``batch`` may run (beyond either end of its grid)."""
+    grid, ratio = config.lrs_for(batch), config.lr_ratio()
+    out = set()
+    lo, hi = min(grid), max(grid)
+    for _ in range(config.lr_edge_extend):
+        lo, hi = float(f"{lo / ratio:.4g}"), float(f"{hi * ratio:.4g}")
+        out |= {lo, hi}
+    return out
+
+
+def _near(lr: float, lrs: Iterable[float], rel: float = 0.01) -> bool:
+    return any(abs(lr - x) <= rel * x for x in lrs)
+
+
+def refine_cells(config: SweepConfig, summaries: list[dict[str, Any]],
+                 falls: Optional[list[tuple[int, int, float, float]]]) -> list[TrialSpec]:
+    """Cells that refine the neighbourhood of a falling chosen LR: for each ``(batch_low, batch_high, lr_low,
+    lr_high)`` (samples), at each batch of the pair, the geometric midpoint between its chosen LR and the LR the
+    rule predicts from the other batch's (on a grid that follows the rule both were run already: the fall is
+    the grid's coarseness or noise, so the half-step between them decides), for every seed — unless already run
+    (within 1 %) or the batch already holds ``lr_refine`` LRs outside its grid and edge extensions."""
+    if not falls or config.lr_refine <= 0:
+        return []
+    seeds = config.seed_list()
+    p = config.rule_power()
+    out: dict[str, TrialSpec] = {}
+    for b_lo, b_hi, lr_lo, lr_hi in falls:
+        for b, lr in ((b_hi, float(f"{math.sqrt(lr_hi * lr_lo * (b_hi / b_lo) ** p):.4g}")),
+                      (b_lo, float(f"{math.sqrt(lr_lo * lr_hi * (b_lo / b_hi) ** p):.4g}"))):
+            ran = {float(s["lr"]) for s in summaries if int(s["batch"]) == b}
+            known = set(config.lrs_for(b)) | _edge_values(config, b)
+            extra = [x for x in ran if not _near(x, known)]
+            if _near(lr, ran) or len(extra) >= config.lr_refine:
+                continue
+            for s in seeds:
+                t = TrialSpec(batch=b, lr=lr, seed=s)
+                out[t.name] = t
+    return list(out.values())
+
+
+def transfer_cells(config: SweepConfig, summaries: list[dict[str, Any]]) -> list[TrialSpec]:
+    """A narrow design's other batches: once the base batch's grid (and its edge extensions) is finished for every
+    seed and its best LR (lowest median final held-out loss) is not at an edge it may still extend, each other
+    batch at that LR moved by the rule, for every seed."""
+    base = config.narrow_base()
+    seeds = config.seed_list()
+    mine = [s for s in summaries if int(s["batch"]) == base]
+    lrs = sorted({float(s["lr"]) for s in mine})
+    if not lrs or any(lr not in lrs for lr in config.lrs_for(base)) \
+            or any(len([s for s in mine if float(s["lr"]) == lr]) < len(seeds) for lr in lrs):
+        return []
+    edge = best_lr_at_edge(mine, base)
+    grid = config.lrs_for(base)
+    if (edge == "low" and sum(lr < min(grid) for lr in lrs) < config.lr_edge_extend) or \
+            (edge == "high" and sum(lr > max(grid) for lr in lrs) < config.lr_edge_extend):
+        return []  # the base batch's grid widens first (edge_cells)
+    losses = lr_losses(mine, base)
+    best = min(losses, key=lambda lr: (losses[lr], lr))
+    return [TrialSpec(batch=b, lr=config.transfer_lr(best, base, b), seed=s)
+            for b in sorted(config.batches) if b != base for s in seeds]

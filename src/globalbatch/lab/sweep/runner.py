@@ -26,7 +26,8 @@ from globalbatch.lab.rundir import check_manifest, lock_run_dir, remove_stale_tm
 from globalbatch.validate import make_out_dir
 from globalbatch.validate import out_dir as out_dir_checked
 from globalbatch.lab.sweep.config import BACKENDS, RAY_HINT, SweepConfig, TrialSpec
-from globalbatch.lab.sweep.lr_edges import edge_cells, finished_summaries
+from globalbatch.lab.sweep.designs import DESIGNS
+from globalbatch.lab.sweep.lr_edges import edge_cells, finished_summaries, refine_cells, transfer_cells
 from globalbatch.lab.sweep.store import analyze_sweep_seeds
 from globalbatch.lab.sweep.timing import run_timing_pass
 from globalbatch.lab.sweep.trial import exit_if_orphaned, run_trial, trial_done
@@ -53,12 +54,24 @@ class SweepResult:
 
 def analysis_edges(out: Path) -> Optional[dict[int, str]]:
     """Batch (samples) → "low"/"high" where the analysis over seeds puts the best LR at an edge; None if it cannot run."""
+    return analysis_flags(out)[0]
+
+
+def analysis_flags(out: Path) -> tuple[Optional[dict[int, str]], Optional[list[tuple[int, int, float, float]]]]:
+    """The analysis' LR-edge flags (batch → "low"/"high") and falling-LR pairs ``(batch_low, batch_high, lr_low,
+    lr_high)``, batches in samples; ``(None, None)`` when the sweep cannot be analysed yet."""
     try:
         data, sa = analyze_sweep_seeds(out, objective="cost")
     except ValueError:  # not analysable yet (too few finished cells, no common target): the final loss decides
-        return None
+        return None, None
     units = data.batch_units()
-    return {min(units, key=lambda b: abs(units[b] - u)): e for u, e in sa.lr_edges.items()}
+
+    def samples(u: float) -> int:
+        return min(units, key=lambda b: abs(units[b] - u))
+
+    edges = {samples(u): e for u, e in sa.lr_edges.items()}
+    falls = [(samples(f.batch_low), samples(f.batch_high), f.lr_low, f.lr_high) for f in sa.lr_falls]
+    return edges, falls
 
 
 def _cpu_count() -> int:
@@ -224,11 +237,21 @@ def _run_locked(config: SweepConfig, out: Path, unit: str, *, workers: Optional[
         run_cells(pending)
     # LR grid per batch: while the best LR of a batch sits at an edge of what it ran, one more
     # LR beyond it (every seed); derived from the finished results, so a resume repeats it.
+    # A narrow design: the base batch's grid (widened at an edge by the final loss), then the other batches
+    # at its best LR moved by the rule. A chosen LR that falls as the batch grows: the rule's LR from the
+    # neighbour (full-grid designs).
+    narrow = DESIGNS[config.design].narrow
     while True:
         done_now = finished_summaries(out, config)
         complete = all(trial_done(out / "trials" / t.name, t) for t in trials)
-        edges = analysis_edges(out) if complete else None  # the analysis' own best LR per batch
-        extra = [t for t in edge_cells(config, done_now, edges) if not trial_done(out / "trials" / t.name, t)]
+        if narrow:
+            extra = edge_cells(config, done_now, None) + transfer_cells(config, done_now)
+        else:
+            edges, falls = analysis_flags(out) if complete else (None, None)  # the analysis' own LR per batch
+            extra = edge_cells(config, done_now, edges)
+            if complete and not extra:
+                extra = refine_cells(config, done_now, falls)
+        extra = [t for t in {t.name: t for t in extra}.values() if not trial_done(out / "trials" / t.name, t)]
         if not extra:
             break
         run_cells(extra)

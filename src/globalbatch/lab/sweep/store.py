@@ -198,30 +198,33 @@ def curves_from_sweep(data: SweepData):
 def analyze_sweep(
     out_dir: str | os.PathLike,
     *,
+    settings=None,
     targets: Optional[Sequence[float]] = None,
-    n_targets: int = 4,
-    n_tighter: int = 2,
-    ema_fraction: float = 0.05,
+    n_targets: Optional[int] = None,
+    n_tighter: Optional[int] = None,
+    ema_fraction: Optional[float] = None,
     halflife_steps: Optional[float] = None,
-    objective: str = "time",
-    tolerance: float = 0.05,
+    objective: Optional[str] = None,
+    tolerance: Optional[float] = None,
 ):
-    """Load a sweep and run :func:`globalbatch.critical.analyze` on it; returns ``(data, analysis)``."""
-    from globalbatch.critical import analyze, check_analysis_settings
+    """Load a sweep and run :func:`globalbatch.critical.analyze` on its first seed; returns ``(data, analysis)``.
 
-    check_analysis_settings(objective=objective, tolerance=tolerance, ema_fraction=ema_fraction,
-                            halflife_steps=halflife_steps)
+    ``settings``: a :class:`globalbatch.critical.AnalysisSettings` (its ``first_seed_*``, smoothing, objective and
+    tolerance fields); the keywords, when given, override its fields (``n_targets`` is ``first_seed_n_targets``)."""
+    from globalbatch.critical import analyze
+    from globalbatch.critical.settings import settings_from
+
+    s = settings_from(settings, first_seed_targets=targets, first_seed_n_targets=n_targets, n_tighter=n_tighter,
+                      ema_fraction=ema_fraction, halflife_steps=halflife_steps, objective=objective,
+                      tolerance=tolerance)
     data = load_sweep(out_dir)
     first = data.config.seed_list()[0]
     curves = [c for c in curves_from_sweep(data) if c.seed == first]  # one seed: see analyze_sweep_seeds for all
     if not curves:
         raise SettingError("run_dir", data.out_dir, "a sweep with at least one finished trial",
                            why=f"no finished trial yet, {len(data.missing)} pending")
-    analysis = analyze(
-        curves, targets=targets, n_targets=n_targets, n_tighter=n_tighter, ema_fraction=ema_fraction, halflife_steps=halflife_steps,
-        objective=objective, tolerance=tolerance, unit=data.unit, label=data.label,
-        throughput_source=data.throughput_source, warnings=data.throughput_warnings(),
-    )
+    analysis = analyze(curves, settings=s, unit=data.unit, label=data.label,
+                       throughput_source=data.throughput_source, warnings=data.throughput_warnings())
     return data, analysis
 
 
@@ -230,27 +233,29 @@ def analyze_sweep(
 def analyze_sweep_seeds(
     out_dir: str | os.PathLike,
     *,
+    settings=None,
     targets: Optional[Sequence[float]] = None,
-    n_targets: int = 5,
-    readout: str = "heldout",
-    min_window_fraction: float = 0.02,
-    objective: str = "time",
-    tolerance: float = 0.05,
+    n_targets: Optional[int] = None,
+    readout: Optional[str] = None,
+    min_window_fraction: Optional[float] = None,
+    objective: Optional[str] = None,
+    tolerance: Optional[float] = None,
+    lr_selection: Optional[str] = None,
 ):
     """Load a sweep and run :func:`globalbatch.critical.seeds.analyze_seeds` over all its seeds.
 
     ``readout="train"`` reads the training loss instead of the held-out evaluations, with an
     EMA window of at least ``min_window_fraction`` × the budget in units for every batch.
+    ``settings``: a :class:`globalbatch.critical.AnalysisSettings`; the keywords, when given, override its fields.
     Returns ``(data, seed_analysis)``.
     """
-    from globalbatch.critical import READOUTS, check_analysis_settings
     from globalbatch.critical.seeds import analyze_seeds
+    from globalbatch.critical.settings import settings_from
 
-    check_analysis_settings(objective=objective, tolerance=tolerance)
-    if readout not in READOUTS:
-        raise SettingError("readout", readout, ", ".join(READOUTS))
-    if isinstance(n_targets, bool) or not isinstance(n_targets, int) or n_targets < 2:
-        raise SettingError("n_targets", n_targets, "a whole number ≥ 2")
+    s = settings_from(settings, targets=targets, n_targets=n_targets, readout=readout,
+                      min_window_fraction=min_window_fraction, objective=objective, tolerance=tolerance,
+                      lr_selection=lr_selection)
+    readout = s.readout
     data = load_sweep(out_dir)
     curves = curves_from_sweep(data)
     if not curves:
@@ -259,10 +264,8 @@ def analyze_sweep_seeds(
     if readout == "heldout" and any(c.eval_loss is None or c.eval_loss.size < 4 for c in curves):
         raise SettingError("readout", readout, "train (this sweep has too few held-out evaluations)")
     try:
-        analysis = analyze_seeds(curves, targets=targets, n_targets=n_targets, readout=readout,
-                                 min_window_examples=min_window_fraction * data.config.budget, tolerance=tolerance,
-                                 objective=objective, unit=data.unit, label=data.label,
-                                 warnings=data.throughput_warnings())
+        analysis = analyze_seeds(curves, settings=s, min_window_examples=s.min_window_fraction * data.config.budget,
+                                 unit=data.unit, label=data.label, warnings=data.throughput_warnings())
     except ValueError as exc:
         raise SettingError("run_dir", data.out_dir, "a sweep whose batches share a loss range",
                            why=str(exc)) from None

@@ -1,0 +1,182 @@
+"""What a cheaper design of the critical-batch sweep gives against the full 5-seed sweep, per unit of compute.
+
+For one task (the demo tinygpt configuration, or MNIST's): the full design with 5 seeds once (the reference;
+the same run directory as ``benchmarks/critical_stability.py``), then each cheap design of
+:mod:`globalbatch.lab.sweep.designs` ``--reps`` times with independent seeds (rep r uses seeds 100 + 10·r, …).
+Every design trains through ``run_sweep`` (the one trial loop); a design whose cells are a subset of another
+run's (narrow1 ⊂ seeds1 at the same seed, the first seed of narrow2 too) reuses those finished trials by hard
+link (trials are deterministic: a rerun reproduces them bit for bit), and its compute counts them all.
+
+Prints per design: its tokens as a fraction of the full sweep's (median over reps), and at each of the full
+sweep's common targets the ratio of its B_crit to the full sweep's (median over seeds there), median and
+worst (the largest of r and 1/r) over the reps; a rep whose B_crit at a target is missing (non-monotone,
+extrapolated, unreached) counts as a miss. The same from the joint fit B_crit(L) (Kaplan's form) beside it.
+
+    python benchmarks/critical_cost.py --task tinygpt|mnist [--full-dir DIR] [--out DIR] [--reps 3]
+        [--designs seeds1,narrow1,narrow2] [--workers 2] [--threads 1] [--analyze-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from critical_stability import config_for  # noqa: E402
+
+REP_SEED0 = 100
+
+
+def _link_trials(src: Path, dst: Path, names) -> int:
+    """Hard-link finished trial directories ``names`` from run ``src`` into run ``dst`` (skip those present)."""
+    n = 0
+    for name in names:
+        a, b = src / "trials" / name, dst / "trials" / name
+        if not (a / "summary.json").is_file() or (b / "summary.json").is_file():
+            continue
+        b.mkdir(parents=True, exist_ok=True)
+        for f in ("metrics.jsonl", "summary.json"):  # summary last: it is the done marker
+            if not (b / f).exists():
+                os.link(a / f, b / f)
+        n += 1
+    return n
+
+
+def _tokens(run: Path) -> float:
+    from globalbatch.lab.sweep import load_sweep
+
+    data = load_sweep(run)
+    return float(sum(float(s.consumed if hasattr(s, "consumed") else s["consumed"]) for s in data.summaries.values()))
+
+
+def _reuse(cfg, run: Path, donors: list[Path]) -> int:
+    """Link into ``run`` every cell the design will ask for that a donor run already finished."""
+    from globalbatch.lab.sweep.lr_edges import edge_cells, finished_summaries, transfer_cells
+
+    names = {t.name for t in cfg.trials()}
+    linked = 0
+    for _ in range(6):  # the design's later cells follow from the linked ones
+        for d in donors:
+            linked += _link_trials(d, run, names)
+        done = finished_summaries(run, cfg) if (run / "trials").is_dir() else []
+        more = {t.name for t in edge_cells(cfg, done, None)}
+        if cfg.design.startswith("narrow"):
+            more |= {t.name for t in transfer_cells(cfg, done)}
+        if more <= names:
+            break
+        names |= more
+    return linked
+
+
+def _b_crit_by_target(sa) -> tuple[dict[float, float | None], dict[float, float | None]]:
+    return ({st.target: st.b_crit for st in sa.targets}, {st.target: st.joint_b_crit for st in sa.targets})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--task", choices=("tinygpt", "mnist"), default="tinygpt")
+    ap.add_argument("--full-dir", default=None, help="the full 5-seed sweep (run here when missing)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--designs", default="seeds1,narrow1,narrow2")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--analyze-only", action="store_true")
+    ap.add_argument("--reps-only", action="store_true", help="run the designs' repetitions only (the full sweep may "
+                    "still be running elsewhere); analyse later with --analyze-only")
+    args = ap.parse_args(argv)
+
+    from globalbatch.lab.sweep import analyze_sweep_seeds, run_sweep
+
+    base = config_for(args.task)
+    full_dir = Path(args.full_dir or f"runs/critical_stability_{args.task}")
+    out = Path(args.out or f"runs/critical_cost_{args.task}")
+    designs = [d for d in args.designs.split(",") if d]
+    t0 = time.time()
+    full_cfg = dataclasses.replace(base, seeds=list(range(5)))
+    if args.reps_only:
+        for name in designs:
+            for r in range(args.reps):
+                cfg = dataclasses.replace(base, seeds=[REP_SEED0 + 10 * r + i for i in range(5)], design=name)
+                run = out / f"rep{r}" / name
+                run.mkdir(parents=True, exist_ok=True)
+                donors = [out / f"rep{r}" / d for d in ("seeds1", "narrow1", "narrow2") if d != name]
+                linked = _reuse(cfg, run, [d for d in donors if d.is_dir()])
+                res = run_sweep(cfg, run, workers=args.workers, threads=args.threads, progress=False, timing_steps=0)
+                print(f"  {name} rep {r}: {len(res.ran)} trials run, {linked} reused, {time.time() - t0:,.0f} s so far",
+                      flush=True)
+        return 0
+    if not args.analyze_only:
+        run_sweep(full_cfg, full_dir, workers=args.workers, threads=args.threads, progress=False, timing_steps=0)
+    _, full = analyze_sweep_seeds(full_dir)
+    full_tokens = _tokens(full_dir)
+    targets = [st.target for st in full.targets]
+    ref, ref_joint = _b_crit_by_target(full)
+    print(f"task {args.task}: full design, 5 seeds: {full_tokens:,.0f} units, {full.monotone_share():.0%} monotone; "
+          "B_crit (median over seeds) at its targets: "
+          + ", ".join(f"{t:.4f}: {ref[t]:,.0f}" if ref[t] else f"{t:.4f}: –" for t in targets))
+    rows = {}
+    for name in designs:
+        fracs, ratios, jratios, notes = [], {t: [] for t in targets}, {t: [] for t in targets}, []
+        for r in range(args.reps):
+            seeds = [REP_SEED0 + 10 * r + i for i in range(5)]
+            cfg = dataclasses.replace(base, seeds=seeds, design=name)
+            run = out / f"rep{r}" / name
+            donors = [out / f"rep{r}" / d for d in ("seeds1", "narrow1", "narrow2") if d != name]
+            if not args.analyze_only:
+                run.mkdir(parents=True, exist_ok=True)
+                linked = _reuse(cfg, run, [d for d in donors if d.is_dir()])
+                res = run_sweep(cfg, run, workers=args.workers, threads=args.threads, progress=False, timing_steps=0)
+                print(f"  {name} rep {r}: {len(res.ran)} trials run, {linked} reused, {time.time() - t0:,.0f} s so far",
+                      flush=True)
+            try:
+                _, sa = analyze_sweep_seeds(run, targets=targets)
+            except Exception as exc:  # a design that cannot be analysed at the full sweep's targets is a miss
+                notes.append(f"rep {r}: {exc}")
+                fracs.append(_tokens(run) / full_tokens)
+                for t in targets:
+                    ratios[t].append(None)
+                    jratios[t].append(None)
+                continue
+            fracs.append(_tokens(run) / full_tokens)
+            mine, joint = _b_crit_by_target(sa)
+            for t in targets:
+                ratios[t].append(mine[t] / ref[t] if mine.get(t) and ref[t] else None)
+                jratios[t].append(joint[t] / ref_joint[t] if joint.get(t) and ref_joint[t] else None)
+            sel = {st.lr_selection for st in sa.targets}
+            notes.append(f"rep {r}: seeds {sa.seeds}, LR selection {'/'.join(sorted(sel))}, "
+                         f"{sa.monotone_share():.0%} monotone, {len(sa.lr_falls)} falling-LR pair(s)")
+        rows[name] = (fracs, ratios, jratios, notes)
+
+    def worst(xs):
+        return max((max(x, 1 / x) if x else math.inf) for x in xs) if xs else math.nan
+
+    def med(xs):
+        ok = [x for x in xs if x]
+        return statistics.median(ok) if ok else math.nan
+
+    print(f"\n{'design':<9} {'compute':>8}  " + "  ".join(f"{t:>17.4f}" for t in targets) + "   worst (all targets)")
+    print(f"{'':<9} {'':>8}  " + "  ".join(f"{'median / worst':>17}" for _ in targets))
+    for name, (fracs, ratios, jratios, notes) in rows.items():
+        for label, rs in (("per-target", ratios), ("joint", jratios)):
+            cells = [f"{med(rs[t]):>8.2f} / {worst(rs[t]):>6.2f}" for t in targets]
+            w = max(worst(rs[t]) for t in targets)
+            print(f"{name if label == 'per-target' else '':<9} "
+                  f"{(f'{statistics.median(fracs):.1%}' if label == 'per-target' else label):>8}  "
+                  + "  ".join(f"{c:>17}" for c in cells) + f"   {w:.2f} ({label})")
+        for n in notes:
+            print(f"    {n}")
+        print(f"    compute per rep: {', '.join(f'{f:.1%}' for f in fracs)}")
+    print(f"\nwall {time.time() - t0:,.0f} s; goal: a design within 2× at every common target with ≤ 10% of the compute")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

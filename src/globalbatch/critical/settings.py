@@ -1,0 +1,112 @@
+"""The analysis settings of a critical-batch sweep, in one place.
+
+:func:`globalbatch.critical.analyze` (one seed, training-loss read-out),
+:func:`globalbatch.critical.seeds.analyze_seeds` (over seeds), ``lab.sweep.store.analyze_sweep(_seeds)`` and
+``lab.report.write_report`` take one :class:`AnalysisSettings` (``settings=``) instead of repeating the same
+keywords; the old keywords still work and override the settings' fields.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any, Optional
+
+from globalbatch.errors import SettingError
+
+__all__ = ["AnalysisSettings", "settings_from", "check_analysis_settings", "OBJECTIVES", "LR_SELECTIONS"]
+
+OBJECTIVES = ("time", "cost")
+LR_SELECTIONS = ("auto", "per_batch", "per_target")
+"""How the analysis chooses the LR each batch is read at: ``per_batch`` — one LR per batch for every target
+(chosen at the primary target); ``per_target`` — re-chosen at every target (McCandlish et al.'s definition);
+``auto`` (default) — one LR per batch, re-chosen at a target only where the one LR leaves seeds non-monotone
+there and the re-chosen LRs leave fewer."""
+
+
+def check_analysis_settings(*, objective: str = "time", tolerance: float = 0.05, ema_fraction: float = 0.05,
+                            halflife_steps: Optional[float] = None) -> None:
+    """Raise a :class:`~globalbatch.errors.SettingError` for the first bad analysis setting."""
+    if objective not in OBJECTIVES:
+        raise SettingError("objective", objective, ", ".join(OBJECTIVES))
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
+        raise SettingError("tolerance", tolerance, "a fraction, 0 ≤ tolerance < 1 (0.05 = within 5%)")
+    if isinstance(ema_fraction, bool) or not isinstance(ema_fraction, (int, float)) or not 0 < ema_fraction < 1:
+        raise SettingError("ema_fraction", ema_fraction, "a fraction, 0 < ema_fraction < 1 (e.g. 0.05)")
+    if halflife_steps is not None and not (isinstance(halflife_steps, (int, float)) and halflife_steps > 0
+                                           and math.isfinite(halflife_steps)):
+        raise SettingError("halflife_steps", halflife_steps, "a number of steps > 0")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class AnalysisSettings:
+    """How a sweep's curves become targets, steps to target, B_crit and a recommendation."""
+
+    objective: str = "time"
+    """``time`` (wall-clock to target, from the measured throughput) or ``cost`` (units to target)."""
+    tolerance: float = 0.05
+    """Batches within this fraction of the best time (or cost) to target tie; the most data-efficient wins."""
+    readout: str = "heldout"
+    """``heldout`` (the monotone fit of the held-out evaluations) or ``train`` (the EMA of the training loss)."""
+    n_targets: int = 5
+    """Common targets over seeds (:func:`globalbatch.critical.seeds.common_targets`)."""
+    targets: Optional[tuple[float, ...]] = None
+    """Loss targets over seeds instead of the automatic ones."""
+    lr_selection: str = "auto"
+    """How each batch's LR is chosen over seeds (:data:`globalbatch.critical.seeds.LR_SELECTIONS`)."""
+    min_window_fraction: float = 0.02
+    """``readout="train"`` over seeds: the EMA window is at least this fraction of the budget, in units."""
+    ema_fraction: float = 0.05
+    """First-seed training read-out: EMA half-life as a fraction of each trial's steps to the target."""
+    halflife_steps: Optional[float] = None
+    """First-seed training read-out: a fixed EMA half-life in steps instead (biases B_crit low)."""
+    first_seed_n_targets: int = 4
+    """First-seed analysis: the primary target and the looser ones (:func:`globalbatch.critical.default_targets`)."""
+    n_tighter: int = 2
+    """First-seed analysis: targets below the primary one."""
+    first_seed_targets: Optional[tuple[float, ...]] = None
+    """First-seed analysis: loss targets instead of the automatic ones."""
+
+    def __post_init__(self) -> None:
+        from globalbatch.critical.curves import READOUTS
+
+        check_analysis_settings(objective=self.objective, tolerance=self.tolerance, ema_fraction=self.ema_fraction,
+                                halflife_steps=self.halflife_steps)
+        if self.readout not in READOUTS:
+            raise SettingError("readout", self.readout, ", ".join(READOUTS))
+        if self.lr_selection not in LR_SELECTIONS:
+            raise SettingError("lr_selection", self.lr_selection, ", ".join(LR_SELECTIONS))
+        for name, low in (("n_targets", 2), ("first_seed_n_targets", 1), ("n_tighter", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise SettingError(name, v, f"a whole number ≥ {low}")
+        if isinstance(self.min_window_fraction, bool) or not isinstance(self.min_window_fraction, (int, float)) \
+                or not 0 <= self.min_window_fraction < 1:
+            raise SettingError("min_window_fraction", self.min_window_fraction, "a fraction, 0 ≤ x < 1")
+        for name in ("targets", "first_seed_targets"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            try:
+                ok = len(v) > 0 and all(not isinstance(x, bool) and math.isfinite(float(x)) for x in v)
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise SettingError(name, v, "finite loss values, at least one")
+            object.__setattr__(self, name, tuple(float(x) for x in v))
+
+
+_NAMES = frozenset(f.name for f in fields(AnalysisSettings))
+
+
+def settings_from(settings: Optional[AnalysisSettings], **given: Any) -> AnalysisSettings:
+    """``settings`` (default: the defaults) with the keywords a caller passed explicitly (not None) replacing its
+    fields: the old keyword API of the analysis functions, kept working."""
+    base = settings if settings is not None else AnalysisSettings()
+    changes = {k: v for k, v in given.items() if v is not None}
+    unknown = set(changes) - _NAMES
+    if unknown:
+        raise TypeError(f"unknown analysis setting(s): {', '.join(sorted(unknown))}")
+    if "targets" in changes or "first_seed_targets" in changes:
+        changes = {k: (tuple(v) if k in ("targets", "first_seed_targets") else v) for k, v in changes.items()}
+    return replace(base, **changes) if changes else base

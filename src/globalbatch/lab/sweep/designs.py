@@ -1,0 +1,149 @@
+"""Cheaper designs of the critical-batch sweep, and the one ``globalbatch sweep --budget`` plans.
+
+The full design (every batch × its LR grid × every seed, McCandlish et al. 2018, arXiv 1812.06162,
+App. A.3: "tune the LR per batch") is what the others are measured against
+(``benchmarks/critical_cost.py``: each cheap design three times with independent seeds against one full
+5-seed sweep; the ratio of its B_crit to the full sweep's at every common target). Every design trains
+through the same runner and the same trial (:func:`globalbatch.lab.sweep.trial.run_trial`): a design only
+chooses which cells run.
+
+* ``full``: every cell (LR-edge extensions and falling-LR refinements included).
+* ``seeds1``: the full LR grid of every batch, the first seed only.
+* ``narrow1`` / ``narrow2``: the LR grid at one base batch (the middle of the swept batches), widened at an
+  edge of that grid only (:attr:`SweepConfig.lr_edge_extend`); every other batch runs one LR, the base
+  batch's best (lowest median final held-out loss over seeds) moved by the optimizer's rule
+  (√k Adam-type, ×k SGD: :meth:`SweepConfig.lrs_for`); the first one / two seeds.
+
+Fewer seeds, honestly: with one seed there is no seed-to-seed spread to state; the interval is that
+seed's fit (its profile-likelihood interval), which does not contain the spread the benchmark measured
+(B_crit max/min over 5 seeds 1.25–1.40 on the demo task), and the report says so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["Design", "DESIGNS", "DESIGN_NAMES", "plan_for_budget", "BudgetPlan"]
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Design:
+    """Which cells of the sweep's grid run."""
+
+    name: str
+    seeds: Optional[int]
+    """How many of the grid's seeds run (the first ones); None: all."""
+    narrow: bool
+    """The LR grid at the base batch only; every other batch at the rule's LR from the base batch's best."""
+    summary: str
+    """One line: what the design runs."""
+    measured: Optional[str] = None
+    """Its agreement with the full 5-seed sweep, as measured by ``benchmarks/critical_cost.py`` (None: not measured)."""
+    holds: bool = False
+    """The benchmark found its B_crit within 2× of the full sweep's at every common target, on every task and
+    repetition."""
+
+    def planned_cells(self, n_batches: int, n_lrs: int, n_seeds: int) -> int:
+        """Trials planned before any edge extension or refinement."""
+        s = n_seeds if self.seeds is None else min(self.seeds, n_seeds)
+        return s * (n_lrs + n_batches - 1) if self.narrow else s * n_batches * n_lrs
+
+    def planned_fraction(self, n_batches: int, n_lrs: int, n_seeds: int) -> float:
+        """Planned trials (all of the same budget) ÷ the full design's."""
+        return self.planned_cells(n_batches, n_lrs, n_seeds) / (n_batches * n_lrs * n_seeds)
+
+
+DESIGNS: dict[str, Design] = {d.name: d for d in (
+    Design(name="full", seeds=None, narrow=False, holds=True,
+           summary="every batch × its LR grid × every seed (the reference)",
+           measured="the reference of benchmarks/critical_cost.py"),
+    Design(name="seeds1", seeds=1, narrow=False,
+           summary="every batch × its LR grid, the first seed only"),
+    Design(name="narrow2", seeds=2, narrow=True,
+           summary="the LR grid at the middle batch only, every other batch at its best LR moved by the optimizer's "
+                   "rule; the first two seeds"),
+    Design(name="narrow1", seeds=1, narrow=True,
+           summary="the LR grid at the middle batch only, every other batch at its best LR moved by the optimizer's "
+                   "rule; the first seed only"),
+)}
+DESIGN_NAMES = tuple(DESIGNS)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class BudgetPlan:
+    """What ``--budget`` chose and why."""
+
+    design: Design
+    fraction: float
+    """The budget as a fraction of the full design's tokens."""
+    planned_fraction: float
+    """The chosen design's planned tokens ÷ the full design's (edge extensions may add a little)."""
+    statement: str
+
+
+def plan_for_budget(fraction: float, n_batches: int, n_lrs: int, n_seeds: int) -> Optional[BudgetPlan]:
+    """The cheapest design that fits ``fraction`` of the full design's tokens and that the benchmark shows to
+    hold; when none of those fits, the cheapest that fits, stated as not shown to hold; None when nothing fits."""
+    fits = [d for d in DESIGNS.values() if d.planned_fraction(n_batches, n_lrs, n_seeds) <= fraction + 1e-12]
+    if not fits:
+        return None
+    cost = lambda d: d.planned_fraction(n_batches, n_lrs, n_seeds)  # noqa: E731
+    holding = [d for d in fits if d.holds]
+    chosen = min(holding or fits, key=cost)
+    planned = cost(chosen)
+    if chosen.name == "full":
+        how = "the full design fits the budget"
+    elif chosen.holds:
+        how = f"measured agreement with a full 5-seed sweep: {chosen.measured}"
+    else:
+        how = ("NOT shown to hold (the cheapest design the benchmark shows within 2× at every target does not fit "
+               "this budget)" + (f"; measured: {chosen.measured}" if chosen.measured else ""))
+    statement = (f"design {chosen.name} for a budget of {fraction:.1%} of the full design's tokens: {chosen.summary}; "
+                 f"planned {planned:.1%} of the full design's tokens; {how}")
+    return BudgetPlan(design=chosen, fraction=fraction, planned_fraction=planned, statement=statement)
+
+
+def budget_fraction(text: object, full_units: int, field: str = "sweep_budget") -> float:
+    """``--budget``: a fraction of the full design's units (``0.1``, ``10%``) or a number of units (``1.2M``,
+    every trial together) → the fraction of the full design's units (> 0; may exceed 1)."""
+    from globalbatch.errors import SettingError
+    from globalbatch.units import parse_count
+
+    allowed = "a fraction of the full design's tokens, 0 < F ≤ 1 (e.g. 0.1 or 10%), or a token count (e.g. 1.2M)"
+    raw = str(text).strip()
+    as_fraction = raw.endswith("%") or ("." in raw and not raw[-1:].isalpha())
+    try:
+        if raw.endswith("%"):
+            value = float(raw[:-1]) / 100.0
+        elif as_fraction:
+            value = float(raw)
+        else:
+            value = parse_count(raw, field) / float(full_units)
+    except (ValueError, OverflowError):
+        raise SettingError(field, text, allowed) from None
+    if not (math.isfinite(value) and value > 0):
+        raise SettingError(field, text, allowed)
+    if as_fraction and value > 1:
+        raise SettingError(field, text, allowed, why="a fraction above 1; a token count may ask for more than the full "
+                                                      "design")
+    return value
+
+
+def design_statement(name: str, n_batches: int, n_lrs: int, n_seeds: int) -> str:
+    """The report's line about the design a sweep ran."""
+    d = DESIGNS[name]
+    if d.name == "full":
+        return ""
+    frac = d.planned_fraction(n_batches, n_lrs, n_seeds)
+    seeds = "" if d.seeds is None or d.seeds > 1 else (
+        " One seed: the intervals are that seed's fit alone and do not contain the seed-to-seed spread "
+        "(B_crit max/min over 5 seeds was 1.25–1.40 on the demo task).")
+    return (f"Design {d.name}: {d.summary} — {frac:.0%} of the full design's tokens as planned. "
+            + (f"Measured agreement with a full 5-seed sweep: {d.measured}." if d.measured
+               else "Its agreement with a full sweep is not measured.") + seeds)
+
+
+def is_fraction(x: float) -> bool:
+    return 0 < x <= 1 and math.isfinite(x)

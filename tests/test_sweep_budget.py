@@ -1,0 +1,62 @@
+"""``globalbatch sweep --budget``: the design it plans, what it runs, and the report's statement of it."""
+
+from __future__ import annotations
+
+import html
+import json
+
+import pytest
+
+from globalbatch.lab.sweep.designs import DESIGNS, budget_fraction, plan_for_budget
+from test_sweep import TINY_ARGS, _cli
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.2, 0.34, 0.5, 0.7, 1.0])
+def test_the_plan_is_the_cheapest_holding_design_that_fits(fraction):
+    n_b, n_lr, n_s = 5, 3, 5
+    plan = plan_for_budget(fraction, n_b, n_lr, n_s)
+    cost = {d.name: d.planned_fraction(n_b, n_lr, n_s) for d in DESIGNS.values()}
+    fits = [name for name, c in cost.items() if c <= fraction]
+    if not fits:
+        assert plan is None
+        return
+    assert plan.design.name in fits and plan.planned_fraction == cost[plan.design.name] <= fraction
+    holding = [n for n in fits if DESIGNS[n].holds]
+    if holding:
+        assert plan.design.holds and cost[plan.design.name] == min(cost[n] for n in holding)
+    else:
+        assert "NOT shown to hold" in plan.statement
+    assert plan.design.name in plan.statement and f"{plan.planned_fraction:.1%}" in plan.statement
+
+
+def test_planned_fractions_count_cells():
+    assert DESIGNS["full"].planned_fraction(5, 3, 5) == 1.0
+    assert DESIGNS["seeds1"].planned_cells(5, 3, 5) == 15
+    assert DESIGNS["narrow1"].planned_cells(5, 3, 5) == 7 and DESIGNS["narrow2"].planned_cells(5, 3, 5) == 14
+    assert budget_fraction("10%", 1000) == pytest.approx(0.1) and budget_fraction("250", 1000) == 0.25
+    assert budget_fraction("2K", 1000) == 2.0  # a token count may ask for more than the full design
+
+
+def test_budget_runs_the_planned_design_and_the_report_says_so(tmp_path, capsys):
+    """3 batches × 2 LRs × 2 seeds at 2K tokens: a 40 % budget fits narrow1 (4 of 12 cells) and seeds1 (6 of 12)."""
+    out = tmp_path / "s"
+    args = ["sweep", *TINY_ARGS, "--batches", "2,4,8", "--lrs", "1e-3,3e-3", "--tokens", "2K", "--seeds", "0,1",
+            "--workers", "1", "--threads", "1", "--eval-points", "6", "--val-samples", "16", "--lr-edge-extend", "0",
+            "--budget", "0.4", "--out", str(out), "--json"]
+    code, stdout, err = _cli(args, capsys)
+    assert code == 0, err
+    doc = json.loads(stdout)
+    plan = plan_for_budget(0.4, 3, 2, 2)
+    assert doc["design"]["name"] == plan.design.name and doc["design"]["statement"] == plan.statement
+    assert plan.statement in err  # said before it runs
+    ran = set(doc["ran"])
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["grid"]["design"] == plan.design.name
+    if plan.design.narrow:  # the base batch's two LRs, then one LR at each other batch; the first seed only
+        assert len(ran) == 4 and all(name.endswith("_s0") for name in ran)
+        assert sum(name.startswith("b4_") for name in ran) == 2
+    code, stdout, err = _cli(["report", str(out), "--json"], capsys)
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert report["design"]["name"] == plan.design.name and plan.design.summary in report["design"]["statement"]
+    assert html.escape(plan.design.summary) in (out / "report" / "report.html").read_text()
