@@ -389,6 +389,14 @@ def test_every_module_and_name_the_docs_cite_exists():
                 f = REPO / rel
                 if not f.exists() or (test and not re.search(rf"def {test}\b", f.read_text())):
                     bad.append(f"{path.relative_to(REPO)}:{n}: {rel}" + (f"::{test}" if test else ""))
+    toml = (REPO / "pyproject.toml").read_text()  # tomllib is 3.11+: the section's keys by pattern
+    section = toml.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    extras = set(re.findall(r"^([\w-]+)\s*=", section, flags=re.M))
+    assert {"hf", "plot"} <= extras, extras
+    for path in DOC_FILES:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for group in re.findall(r"globalbatch\[([\w,-]+)\]|`\[([\w-]+)\]`", line):
+                bad += [f"{path.relative_to(REPO)}:{n}: extra [{e}]" for e in ",".join(group).split(",") if e and e not in extras]
     assert not bad, "the docs cite what does not exist:\n" + "\n".join(bad)
 
 
