@@ -117,3 +117,18 @@ def test_adaptive_timing_and_arm_summaries_are_refused_when_damaged(tmp_path):
     (run / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 0, "consumed": 0, "val_loss": 5.0}) + "\n")
     cfg_back, curves, _ = load_runs(out)
     assert curves["b4"][0][0]["val_loss"] == 5.0
+
+
+def test_branch_records_read_the_old_key_and_refuse_damage(tmp_path):
+    from globalbatch.lab.branch import _read_base_meta, _read_branch
+
+    rec = {"name": "p600_k2_s0", "branch_at": 600, "k": 2, "seed": 0, "batch": 8, "val_loss": 4.2,
+           "train_tail_loss": 4.3, "train_s": 1.25}  # a file written before train_time_s
+    atomic_write_json(tmp_path / "branches" / "p600_k2_s0.json", rec)
+    assert _read_branch(tmp_path / "branches" / "p600_k2_s0.json", tmp_path)["train_time_s"] == 1.25
+    atomic_write_json(tmp_path / "branches" / "p600_k2_s0.json", {**rec, "val_loss": "low"})
+    with pytest.raises(SettingError, match=r"^out .*p600_k2_s0.json: val_loss is 'low', not a number or null"):
+        _read_branch(tmp_path / "branches" / "p600_k2_s0.json", tmp_path)
+    atomic_write_json(tmp_path / "base" / "base.json", {"units_per_sample": 16.0, "unit": "token"})
+    with pytest.raises(SettingError, match=r"base.json: no train_time_s"):
+        _read_base_meta(tmp_path / "base" / "base.json", tmp_path)

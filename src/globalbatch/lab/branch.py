@@ -417,8 +417,8 @@ def _run_locked(config: BranchConfig, out: Path, task: Any, *, threads: Optional
     # 1. The base run, checkpointing at every branch point (one run; resumed from its last checkpoint).
     ckpt_dir = out / "base"
     base_meta_path = ckpt_dir / "base.json"
-    base_meta = (read_json_checked(base_meta_path, field="out") if base_meta_path.is_file()
-                 else {"train_s": 0.0, "units_per_sample": None, "unit": unit})
+    base_meta = (_read_base_meta(base_meta_path, out) if base_meta_path.is_file()
+                 else {"train_time_s": 0.0, "units_per_sample": None, "unit": unit})
     missing_ckpts = [p for p in config.branch_at if not (ckpt_dir / f"ckpt_{p}.pt").is_file()]
     if missing_ckpts:
         warm = config.base_warmup_units()
@@ -435,7 +435,7 @@ def _run_locked(config: BranchConfig, out: Path, task: Any, *, threads: Optional
             if p in done:
                 continue
             _, secs, _ = _train(exp, order, config.base_batch, until_units=p)
-            base_meta["train_s"] += secs
+            base_meta["train_time_s"] += secs
             base_meta["units_per_sample"] = driver.trained_units / max(driver.trained_samples, 1)
             save_checkpoint(ckpt_dir / f"ckpt_{p}.pt", driver,
                             extra={"samples_drawn": driver.consumed_samples, "trained_units": driver.trained_units})
@@ -455,7 +455,7 @@ def _run_locked(config: BranchConfig, out: Path, task: Any, *, threads: Optional
                 name = _branch_name(p, k, s)
                 path = out / "branches" / f"{name}.json"
                 if path.is_file():
-                    branches.append(read_json_checked(path, field="out"))
+                    branches.append(_read_branch(path, out))
                     bar.advance()
                     continue
                 batch = k * config.base_batch
@@ -476,7 +476,7 @@ def _run_locked(config: BranchConfig, out: Path, task: Any, *, threads: Optional
                 rec = {"name": name, "branch_at": p, "k": k, "seed": s, "batch": batch, "lr": lr_k,
                        "units": driver.trained_units, "samples": driver.trained_samples, "steps": driver.optimizer_steps,
                        "window_samples": w_samples, "samples_sha1": hashlib.sha1(json.dumps(drawn).encode()).hexdigest(),
-                       "skipped": driver.skipped_windows, "val_loss": val, "train_tail_loss": tail, "train_s": secs}
+                       "skipped": driver.skipped_windows, "val_loss": val, "train_tail_loss": tail, "train_time_s": secs}
                 atomic_write_json(path, rec)
                 branches.append(rec)
                 bar.advance()
@@ -498,7 +498,7 @@ def _summarise(out: Path, config: BranchConfig, unit: str, branches: list[dict],
         points.append(PointResult(branch_at=p, verdicts=v.per_k, critical_k=kc, critical_k_shown=v.critical_k_shown,
                                   critical_batch=kc * config.base_batch,
                                   critical_batch_units=kc * config.base_batch * ups))
-    compute = float(base_meta.get("train_s", 0.0)) + sum(float(b["train_s"]) for b in branches)
+    compute = float(base_meta.get("train_time_s", 0.0)) + sum(float(b["train_time_s"]) for b in branches)
     w_samples = config.window_samples(ups)
     result = BranchResult(out_dir=str(out), config=config, unit=unit, points=points, branches=branches,
                           window_samples=w_samples, window_units=w_samples * ups, compute_s=compute, wall_s=wall)
@@ -519,17 +519,24 @@ def load_branch_results(out_dir: str | os.PathLike, **decision: Any) -> BranchRe
     cfg = BranchConfig.from_dict({**stored, **decision})
     branches = []
     for f in sorted((out / "branches").glob("*.json")):
-        b = read_json_checked(f, field="out")
-        if not isinstance(b, dict) or not {"k", "seed", "branch_at", "train_s"} <= set(b):
-            raise SettingError("out", str(out), "a branch-test directory written by globalbatch",
-                               why=f"{f} is not a branch record")
-        if b.get("seed", 0) < cfg.seeds:
+        b = _read_branch(f, out)
+        if b["seed"] < cfg.seeds:
             branches.append(b)
-    base_meta = read_json_checked(out / "base" / "base.json", field="out")
-    if not isinstance(base_meta, dict):
-        raise SettingError("out", str(out), "a branch-test directory written by globalbatch",
-                           why=f"{out / 'base' / 'base.json'} is not a mapping")
+    base_meta = _read_base_meta(out / "base" / "base.json", out)
     return _summarise(out, cfg, base_meta.get("unit", "unit"), branches, base_meta, 0.0)
+
+
+def _read_branch(path: Path, out: Path) -> dict[str, Any]:
+    """A branch record, every field the decision reads checked (``train_s`` of older files read as ``train_time_s``)."""
+    from globalbatch.lab.records import BRANCH, read_renamed
+
+    return read_renamed(path, BRANCH, run_dir=out, field="out", old_names={"train_s": "train_time_s"})
+
+
+def _read_base_meta(path: Path, out: Path) -> dict[str, Any]:
+    from globalbatch.lab.records import BRANCH_BASE, read_renamed
+
+    return read_renamed(path, BRANCH_BASE, run_dir=out, field="out", old_names={"train_s": "train_time_s"})
 
 
 class _NoBar:

@@ -93,6 +93,20 @@ CHANGE: tuple[dict[str, str], dict[str, str]] = ({}, {})
 TIMING = ({"units_per_s": NUMBER}, {"mfu": OPT_NUMBER, "batch": WHOLE, "steps": WHOLE, "seconds": NUMBER})
 """A sweep's ``timing/b<batch>.json``."""
 _KINDS = {"step": STEP, "eval": EVAL, "header": HEADER, "change": CHANGE}
+BRANCH = ({"branch_at": NUMBER, "k": WHOLE, "seed": WHOLE, "train_time_s": NUMBER},
+          {"val_loss": OPT_NUMBER, "train_tail_loss": OPT_NUMBER, "batch": WHOLE})
+"""A branch test's ``branches/<name>.json`` (``train_s`` in files written before the rename)."""
+BRANCH_BASE = ({"train_time_s": NUMBER}, {"units_per_sample": OPT_NUMBER, "unit": TEXT})
+"""A branch test's ``base/base.json``."""
+
+
+def read_renamed(path: Path, schema: tuple[dict[str, str], dict[str, str]], *, run_dir: str | os.PathLike,
+                 field: str = "run_dir", old_names: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """:func:`read_record` of a file whose keys may carry an old name (``old_names``: old → today's)."""
+    doc = _read_json(path, run_dir, field)
+    if isinstance(doc, dict) and old_names:
+        doc = {old_names.get(k, k): v for k, v in doc.items()}
+    return check_record(doc, schema[0], run_dir=run_dir, path=path, optional=schema[1], field=field)
 
 
 def read_records(path: Path, *, run_dir: str | os.PathLike, field: str = "run_dir") -> list[dict[str, Any]]:
