@@ -378,3 +378,19 @@ def test_loss_plot_legend_has_one_entry_per_batch(seeds_report, tmp_path, monkey
     bbox = legend.get_window_extent()
     assert bbox.x0 >= figs[0].axes[0].get_window_extent().x1  # outside the axes, right of them
     report_mod._plt().close(figs[0])
+
+
+def test_no_recommendation_over_seeds_is_said_once_and_the_first_seed_stays_a_comparison(seeds_report):
+    import dataclasses
+
+    from globalbatch.lab.report import render_html
+
+    res = seeds_report
+    sa = dataclasses.replace(res.seed_analysis, recommendation=None)
+    page = render_html(res.data, res.analysis, [], seed_analysis=sa)
+    sec = _Sections()
+    sec.feed(page)
+    answer = "".join(sec.answer)
+    assert "Recommended batch" not in page and answer.count("No recommendation") == 1
+    assert "B_crit" in answer and "<li>" not in page.split('<section id="answer">')[1].split("</section>")[0]
+    assert any(s.startswith("Comparison, not the answer") for s in sec.summaries)
