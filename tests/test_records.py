@@ -132,3 +132,16 @@ def test_branch_records_read_the_old_key_and_refuse_damage(tmp_path):
     atomic_write_json(tmp_path / "base" / "base.json", {"units_per_sample": 16.0, "unit": "token"})
     with pytest.raises(SettingError, match=r"base.json: no train_time_s"):
         _read_base_meta(tmp_path / "base" / "base.json", tmp_path)
+
+
+def test_a_damaged_probe_json_is_refused_by_the_scale_planner(tmp_path):
+    from globalbatch.scale.cluster import mfu_curve_from_probe
+
+    good = {"trials": [{"micro_batch": 2, "tokens_per_step": 128, "mfu": 0.3}, {"micro_batch": 4, "oom": True,
+                                                                                 "tokens_per_step": 256, "mfu": None}]}
+    (tmp_path / "p.json").write_text(json.dumps(good))
+    assert mfu_curve_from_probe(str(tmp_path / "p.json")).mfu == (0.3,)
+    good["trials"][0]["mfu"] = "fast"  # before: the trial was skipped and the curve built from the rest
+    (tmp_path / "p.json").write_text(json.dumps(good))
+    with pytest.raises(SettingError, match=r"trials\[0\]\.mfu is 'fast', not a number"):
+        mfu_curve_from_probe(str(tmp_path / "p.json"))

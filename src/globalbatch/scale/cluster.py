@@ -232,12 +232,19 @@ def mfu_curve_from_probe(path: str) -> ThroughputCurve:
     if not isinstance(trials, list):
         raise SettingError("throughput", path, "a probe --json file (with 'trials')")
     pts: dict[float, float] = {}
-    for t in trials:
-        if not isinstance(t, dict) or t.get("oom"):
+    for i, t in enumerate(trials):
+        # every entry checked, not skipped: a damaged file is refused, never read as if fine
+        if not isinstance(t, dict):
+            raise SettingError("throughput", path, "a probe --json file", why=f"trials[{i}] is not a JSON object")
+        for key in ("tokens_per_step", "mfu"):
+            v = t.get(key)
+            if v is not None and not (_num_ok(v) and v >= 0):
+                raise SettingError("throughput", path, "a probe --json file", why=f"trials[{i}].{key} is {v!r}, not a number ≥ 0")
+        if t.get("oom"):
             continue
         tok: Any = t.get("tokens_per_step")
         mfu: Any = t.get("mfu")
-        if _num_ok(tok) and _num_ok(mfu) and tok > 0 and 0 < mfu <= 1:
+        if tok is not None and mfu is not None and tok > 0 and 0 < mfu <= 1:
             pts[float(tok)] = float(mfu)
     if not pts:
         raise SettingError("throughput", path, "a probe output with timed trials and an MFU (a known peak)")
