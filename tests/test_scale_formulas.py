@@ -274,3 +274,47 @@ def test_gpu_counts_and_schedule_strings():
     text = schedule_string([(0, 8), (150_000, 16), (2_600_000, 32)])
     assert text == "0:8 150K:16 2.6M:32"
     assert parse_step_schedule(text).steps == ((0, 8), (150_000, 16), (2_600_000, 32))
+
+
+def test_moving_a_fit_to_another_model_size_keeps_b_crit_and_moves_the_floor():
+    m = _conv(k=-4.0, floor=1.0)
+    big = m.for_params(8e6, 1e6)
+    assert big.b_crit(2.7) == m.b_crit(2.7)
+    assert big.s_min_law.loss_floor == pytest.approx(1.0 * (1e6 / 8e6) ** 0.077, rel=1e-12)
+    assert big.s_min(2.7) < m.s_min(2.7)  # a larger model reaches the same loss in fewer steps
+    assert big.loss_range is None and big.extrapolated(2.7)
+    assert m.for_params(1e6, 1e6) is m
+
+
+def test_deepseek_reference_and_presets():
+    from globalbatch.scale import deepseek_batch_prior, load_cluster
+
+    d = deepseek_batch_prior(1e21)
+    assert d["b_opt_tokens"] == pytest.approx(0.2920 * 1e21 ** 0.3271, rel=1e-12)
+    assert d["lr_opt"] == pytest.approx(0.3118 * 1e21 ** -0.1250, rel=1e-12)
+    for name, peak in (("h100-ib", 989e12), ("a100-ib", 312e12), ("h200-ib", 989e12)):
+        c = load_cluster(name)
+        assert c.peak_flops_per_s == peak and c.gpus_per_node == 8 and c.source
+    assert load_cluster("h200-ib").memory_bytes == 141e9
+    with pytest.raises(SettingError) as e:
+        load_cluster("h900")
+    assert e.value.field == "cluster"
+
+
+def test_yaml_cluster_keys_are_checked_one_by_one(tmp_path):
+    from globalbatch.scale import load_cluster
+
+    base = ("gpus_per_node: 4\npeak_flops_per_s: 3.12e14\nmemory_bytes: 40e9\nintra_busbw_bytes_per_s: 2e11\n"
+            "inter_busbw_bytes_per_s: 2.5e10\n")
+    p = tmp_path / "c.yaml"
+    p.write_text(base + "gpu_hour_price: 2.5\n")
+    c = load_cluster(str(p))
+    assert c.name == "c" and c.peak_flops_per_s == 3.12e14 and c.gpu_hour_price == 2.5  # "3.12e14": YAML 1.1 string
+    for extra, key in (("gpus_per_node: 0\n", "gpus_per_node"), ("memory_bytes: -1\n", "memory_bytes"),
+                       ("base_latency_s: -1e-6\n", "base_latency_s"), ("bogus: 1\n", "bogus"),
+                       ("peak_flops_per_s: fast\n", "peak_flops_per_s"), ("gpu_hour_price: .nan\n", "gpu_hour_price")):
+        lines = [ln for ln in base.splitlines() if not ln.startswith(extra.split(":")[0] + ":")]
+        p.write_text("\n".join(lines) + "\n" + extra)
+        with pytest.raises(SettingError) as e:
+            load_cluster(str(p))
+        assert e.value.field == key, (extra, e.value)
