@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from globalbatch.errors import Raw, SettingError
 from globalbatch.plan import arithmetic as P
 
 from globalbatch.plan.config import PlanConfig, _ref, _spelled, config_error, resolve_plan_config
@@ -106,10 +107,8 @@ def build_plan(cfg: PlanConfig, *, names: Optional[dict[str, str]] = None) -> Pl
         # Flags only: "--global-batch G --micro-batch M --dp D --round-down".
         per_accum = m0 * d0
         if g0 < per_accum:
-            raise ValueError(
-                f"global batch {cfg.global_batch} is smaller than micro_batch {cfg.micro_batch} × dp "
-                f"{cfg.dp_world_size} = {per_accum}; allowed: a smaller micro_batch or dp"
-            )
+            raise SettingError("global_batch", g0, "a smaller micro_batch or dp",
+                               why=f"global batch {g0} is smaller than micro_batch {m0} × dp {d0} = {per_accum}")
         geo = P.solve_geometry(micro_batch=m0, grad_accum_steps=g0 // per_accum, dp_world_size=d0)
         dp_change = {
             "from_dp_world_size": None, "from_grad_accum_steps": None,
@@ -159,13 +158,13 @@ def build_plan(cfg: PlanConfig, *, names: Optional[dict[str, str]] = None) -> Pl
     valid_per_seq = cfg.valid_tokens_per_seq
     if cfg.padding_fraction is not None:
         if cfg.seq_len is None:
-            raise ValueError("padding_fraction needs seq_len; allowed: give --seq-len too")
+            raise SettingError("padding_fraction", cfg.padding_fraction, "seq_len as well", why="it needs seq_len",
+                               see={"seq_len": "seq_len"})
         from_pf = cfg.seq_len * (1 - cfg.padding_fraction)
         if valid_per_seq is not None and abs(valid_per_seq - from_pf) > 1e-9 * cfg.seq_len:
-            raise ValueError(
-                f"valid_tokens_per_seq {fmt(valid_per_seq)} disagrees with (1 − padding_fraction {cfg.padding_fraction}) "
-                f"× seq_len {cfg.seq_len} = {fmt(from_pf)} valid; allowed: give one of them"
-            )
+            raise SettingError("valid_tokens_per_seq", Raw(fmt(valid_per_seq)), "valid_tokens_per_seq or padding_fraction, "
+                               "not both", why=f"it disagrees with (1 − padding_fraction {cfg.padding_fraction}) × seq_len "
+                                               f"{cfg.seq_len} = {fmt(from_pf)} valid")
         valid_per_seq = from_pf
     if cfg.seq_len is not None:
         out["global_batch_tokens"] = geo.tokens(cfg.seq_len)
@@ -183,7 +182,8 @@ def build_plan(cfg: PlanConfig, *, names: Optional[dict[str, str]] = None) -> Pl
     out["optimizer_steps"] = None
     if cfg.total_tokens is not None:
         if not tokens_per_step:
-            raise ValueError("total_tokens needs seq_len (tokens per sequence); allowed: give --seq-len too")
+            raise SettingError("total_tokens", Raw(fmt(cfg.total_tokens)), "seq_len (tokens per sequence) as well",
+                               why="it needs seq_len", see={"seq_len": "seq_len"})
         out["optimizer_steps"] = P.optimizer_steps(cfg.total_tokens, tokens_per_step)
 
     # LR
@@ -205,7 +205,8 @@ def build_plan(cfg: PlanConfig, *, names: Optional[dict[str, str]] = None) -> Pl
     out["warmup_given_in"] = "tokens" if cfg.warmup_tokens is not None else ("steps" if cfg.warmup_steps is not None else None)
     if cfg.warmup_tokens is not None:
         if not tokens_per_step:
-            raise ValueError("warmup_tokens needs seq_len (tokens per sequence) to become steps; allowed: give --seq-len too")
+            raise SettingError("warmup_tokens", Raw(fmt(cfg.warmup_tokens)), "seq_len (tokens per sequence) as well",
+                               why="it needs seq_len to become steps", see={"seq_len": "seq_len"})
         out["warmup_tokens"] = _int_if_whole(cfg.warmup_tokens)
         out["warmup_steps"] = P.warmup_tokens_to_steps(cfg.warmup_tokens, tokens_per_step)
     elif cfg.warmup_steps is not None and tokens_per_step:
@@ -246,7 +247,8 @@ def build_plan(cfg: PlanConfig, *, names: Optional[dict[str, str]] = None) -> Pl
                 g_min = m * per_m
             out["min_global_batch_for_bubble"] = g_min
     elif cfg.max_bubble is not None:
-        raise ValueError("max_bubble needs pp_stages; allowed: give --pp-stages too")
+        raise SettingError("max_bubble", cfg.max_bubble, "pp_stages as well", why="it needs pp_stages",
+                           see={"pp_stages": "pp_stages"})
 
     # Communication
     out["allreduce_bytes_per_step"] = None
