@@ -76,7 +76,7 @@ def test_world_size_change_from_config_keeps_the_global_batch():
         (["plan", "--lr", "fast", "--micro-batch", "2", "--grad-accum", "2"], "--lr 'fast' is not allowed; allowed: a number"),
         (["plan", "--dp", "0", "--micro-batch", "2", "--grad-accum", "2"], "--dp 0 is not allowed; allowed: a whole number ≥ 1"),
         (["plan", "--global-batch", "1000", "--micro-batch", "4", "--dp", "64"], "global batch 1000 is not divisible by micro_batch 4 × dp 64 = 256"),
-        (["plan", "--micro-batch", "2", "--grad-accum", "2", "--total-tokens", "lots"], "--total-tokens 'lots' is not a quantity"),
+        (["plan", "--micro-batch", "2", "--grad-accum", "2", "--total-tokens", "lots"], "--total-tokens 'lots' is not allowed (not a quantity)"),
         (["plan", "--micro-batch", "2", "--grad-accum", "2", "--lr-rule", "cubic"], "--lr-rule 'cubic' is not allowed"),
         (["plan", "--config", "/nonexistent.yaml"], "does not exist"),
         (["plan", "--micro-batch", "2", "--grad-accum", "2", "--padding-fraction", "1.5", "--seq-len", "8"],
@@ -129,7 +129,7 @@ def test_decimal_budget_on_the_command_line():
     out = json.loads(cli("plan", *SEED, "--total-tokens", "4.1B", "--json").stdout)
     assert out["optimizer_steps"] == 1956  # ceil(4.1e9 / 2,097,152)
     bad = cli("plan", *SEED, "--total-tokens", "1,5B")
-    assert bad.returncode == 2 and "--total-tokens '1,5B' is not a quantity" in bad.stderr
+    assert bad.returncode == 2 and "--total-tokens '1,5B' is not allowed (not a quantity)" in bad.stderr
 
 
 def test_plan_model_flops_per_step_is_the_labelled_6n_formula():

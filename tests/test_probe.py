@@ -519,7 +519,7 @@ def test_cli_help_lists_the_flags(capsys):
 def test_cli_bad_memory_limit_is_one_line_exit_2(capsys):
     code, out, err = run_cli(capsys, "probe", "--memory-limit", "lots")
     assert code == 2
-    assert err.strip().startswith("error: --memory-limit 'lots' is not a quantity")
+    assert err.strip().startswith("error: --memory-limit 'lots' is not allowed (not a quantity)")
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 

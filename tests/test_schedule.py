@@ -209,8 +209,8 @@ def test_lr_schedule_takes_count_strings_and_integral_floats():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(total=1.5), r"total 1.5 is not a whole number"),
-    (dict(total="2X"), r"total '2X' is not a quantity"),
+    (dict(total=1.5), r"total 1.5 is not allowed \(not a whole number\)"),
+    (dict(total="2X"), r"total '2X' is not allowed \(not a quantity\)"),
     (dict(total=True), r"total True is not allowed; allowed: a whole number of units >= 0"),
     (dict(total=None), r"total None is not allowed"),
     (dict(total=-5), r"total -5 is not allowed"),

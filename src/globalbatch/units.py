@@ -61,18 +61,18 @@ def _parse(text: object, field_name: str, table: dict[str, int], allowed: str) -
         match = _QTY.match(str(text))
         suffix = match.group(2).upper() if match else None
         if not match or suffix not in table:
-            raise ValueError(f"{field_name} {text!r} is not a quantity; allowed: {allowed}")
+            raise SettingError(field_name, text, allowed, why="not a quantity")
         digits = Decimal(match.group(1).replace(",", "").replace("_", ""))
         if digits.adjusted() > _MAX_EXPONENT:  # 1e400, 1e999999999: an error, not an Overflow later
-            raise ValueError(f"{field_name} {text!r} is too large; allowed: {allowed}, at most 1e{_MAX_EXPONENT}")
+            raise SettingError(field_name, text, f"{allowed}, at most 1e{_MAX_EXPONENT}", why="too large")
         try:
             value = digits * table[suffix]
         except InvalidOperation:  # pragma: no cover - the regex admits only valid numbers
-            raise ValueError(f"{field_name} {text!r} is not a quantity; allowed: {allowed}") from None
+            raise SettingError(field_name, text, allowed, why="not a quantity") from None
     if value < 0:
         raise SettingError(field_name, text, allowed)
     if value != 0 and value.adjusted() > _MAX_EXPONENT:
-        raise ValueError(f"{field_name} {text!r} is too large; allowed: {allowed}, at most 1e{_MAX_EXPONENT}")
+        raise SettingError(field_name, text, f"{allowed}, at most 1e{_MAX_EXPONENT}", why="too large")
     return value
 
 
@@ -85,7 +85,7 @@ def parse_count(text: object, field_name: str = "count") -> int:
     allowed = "a number with an optional K, M, B or T suffix, e.g. 2M, 4.1B or 100B"
     value = _parse(text, field_name, _COUNT_SUFFIX, allowed)
     if value != value.to_integral_value():
-        raise ValueError(f"{field_name} {text!r} is not a whole number; allowed: {allowed}")
+        raise SettingError(field_name, text, allowed, why="not a whole number")
     return int(value)
 
 
