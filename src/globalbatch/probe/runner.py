@@ -25,6 +25,7 @@ from globalbatch.probe.search import (
     probe_micro_batch,
 )
 from globalbatch.probe.trial import TrialResult, _one_line, _over_budget
+from globalbatch.validate import whole
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,12 +43,8 @@ class TrialConfig:
     """CPU peak memory: ``"tensors"`` (profiler allocation events) or ``"rss"`` (process peak RSS)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.steps_per_trial, bool) or not isinstance(self.steps_per_trial, int) \
-                or self.steps_per_trial < 1:
-            raise SettingError("steps_per_trial", self.steps_per_trial, "an int ≥ 1")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 1:
-            raise ValueError(f"warmup_steps {self.warmup_steps!r} is not allowed; allowed: an int ≥ 1 "
-                             "(the first step allocates optimizer state)")
+        whole(self.steps_per_trial, "steps_per_trial")
+        whole(self.warmup_steps, "warmup_steps", allowed="a whole number ≥ 1 (the first step allocates optimizer state)")
         if self.cpu_memory not in ("tensors", "rss"):
             raise SettingError("cpu_memory", self.cpu_memory, "'tensors' or 'rss'")
         if self.memory_limit_bytes is not None and self.memory_limit_bytes < 1:

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from globalbatch.errors import SettingError
+from globalbatch.validate import whole
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,7 @@ class TrialResult:
     """Why a trial failed (one line), or extra detail."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.micro_batch, bool) or not isinstance(self.micro_batch, int) or self.micro_batch < 1:
-            raise SettingError("micro_batch", self.micro_batch, "an int ≥ 1")
+        whole(self.micro_batch, "micro_batch")
 
     @property
     def fits(self) -> bool:
