@@ -318,3 +318,24 @@ def test_yaml_cluster_keys_are_checked_one_by_one(tmp_path):
         with pytest.raises(SettingError) as e:
             load_cluster(str(p))
         assert e.value.field == key, (extra, e.value)
+
+
+def test_deadline_and_budget_filter_the_answer():
+    conv = kaplan_prior(params=1e9)
+    model = ModelSpec(params=1e9, seq_len=2048)
+    curve = default_mfu_curve()
+    free = scale(conv, model, C, curve, ScaleConfig(target_loss=2.6, max_gpus=64))
+    fastest = min(free.rows, key=lambda r: r.time_s)
+    cheapest = min(free.rows, key=lambda r: r.gpu_hours)
+    assert free.best is fastest
+    assert scale(conv, model, C, curve, ScaleConfig(target_loss=2.6, max_gpus=64, objective="cost")).best.gpus == cheapest.gpus
+    budget = sorted(r.gpu_hours for r in free.rows)[len(free.rows) // 2]
+    capped = scale(conv, model, C, curve, ScaleConfig(target_loss=2.6, max_gpus=64, budget_gpu_hours=budget))
+    assert capped.best.gpu_hours <= budget and capped.best is min((r for r in capped.rows if r.meets_limits),
+                                                                   key=lambda r: r.time_s)
+    none = scale(conv, model, C, curve, ScaleConfig(target_loss=2.6, max_gpus=64, deadline_s=1.0))
+    assert none.best is None and none.best_ramp is None and any("deadline" in n for n in none.notes)
+    assert all(not r.meets_limits for r in none.rows)
+    priced = scale(conv, model, Cluster(**{**{f: getattr(C, f) for f in C.__slots__}, "gpu_hour_price": 2.0}), curve,
+                   ScaleConfig(target_loss=2.6, max_gpus=8)).to_dict()
+    assert priced["best"]["cost"] == pytest.approx(2.0 * priced["best"]["gpu_hours"])

@@ -176,18 +176,26 @@ class ScaleResult:
     search_seconds: float
     evaluated_geometries: int
 
+    def _priced(self, row: dict) -> dict:
+        """``cost``: GPU-hours × the cluster's ``gpu_hour_price`` (None without a price)."""
+        price = self.cluster.gpu_hour_price
+        row["cost"] = None if price is None else row["gpu_hours"] * price
+        return row
+
     def to_dict(self) -> dict:
         c = self.cluster
         return {
             "target_loss": self.target_loss, "extrapolated": self.extrapolated, "b_crit_tokens": self.b_crit_tokens,
             "b_crit_interval": list(self.b_crit_interval), "s_min": self.s_min, "objective": self.objective,
-            "rows": [r.to_dict() for r in self.rows], "best": None if self.best is None else self.best.to_dict(),
+            "rows": [self._priced(r.to_dict()) for r in self.rows],
+            "best": None if self.best is None else self._priced(self.best.to_dict()),
             "best_ramp": None if self.best_ramp is None else self.best_ramp.to_dict(),
             "pareto_gpus": [r.gpus for r in self.rows if r.pareto],
             "convergence": self.convergence.to_dict(),
             "cluster": {"name": c.name, "gpus_per_node": c.gpus_per_node, "peak_flops_per_s": c.peak_flops_per_s,
                         "memory_bytes": c.memory_bytes, "intra_busbw_bytes_per_s": c.intra_busbw_bytes_per_s,
-                        "inter_busbw_bytes_per_s": c.inter_busbw_bytes_per_s, "source": c.source},
+                        "inter_busbw_bytes_per_s": c.inter_busbw_bytes_per_s, "gpu_hour_price": c.gpu_hour_price,
+                        "source": c.source},
             "model": {"params": self.model.params, "seq_len": self.model.seq_len,
                       "tokens_per_sequence": self.model.tokens_per_seq,
                       "flops_per_token": self.model.train_flops_per_token, "sharding": self.model.sharding},
