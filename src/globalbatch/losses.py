@@ -27,6 +27,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.nn.functional as F
 
+from globalbatch.errors import Raw, SettingError
+
 __all__ = ["IGNORE_INDEX", "causal_lm_targets", "causal_lm_loss_sum", "count_causal_lm_targets", "LossHead",
            "causal_lm_head", "token_head", "sequence_classification_head", "logits_of", "model_loss", "causal_lm_loss"]
 
@@ -40,7 +42,7 @@ def causal_lm_targets(labels_bt: torch.Tensor, *, shift: bool = True, ignore_ind
     Same layout as the logits' first two dimensions, so ``logits[:, t]`` is scored against ``targets[:, t]``.
     """
     if labels_bt.dim() < 1:
-        raise ValueError(f"labels shape {tuple(labels_bt.shape)} is not allowed; allowed: (batch, time) or (time,)")
+        raise SettingError("labels shape", Raw(str(tuple(labels_bt.shape))), "(batch, time) or (time,)")
     if not shift:
         return labels_bt
     return F.pad(labels_bt[..., 1:], (0, 1), value=ignore_index)
@@ -73,8 +75,8 @@ def causal_lm_loss_sum(logits_btv: torch.Tensor, labels_bt: torch.Tensor, *, shi
         targets (``int64``), ready for ``StepDriver.backward(loss_sum, count)``. No host sync.
     """
     if logits_btv.dim() != labels_bt.dim() + 1 or logits_btv.shape[:-1] != labels_bt.shape:
-        raise ValueError(f"logits shape {tuple(logits_btv.shape)} and labels shape {tuple(labels_bt.shape)} are not "
-                         "allowed; allowed: logits (..., time, vocab) with labels (..., time)")
+        raise SettingError("logits shape", Raw(str(tuple(logits_btv.shape))), "logits (..., time, vocab) with labels (..., time)",
+                           why=f"with labels shape {tuple(labels_bt.shape)}")
     if upcast is not None and logits_btv.dtype.is_floating_point and logits_btv.dtype.itemsize < upcast.itemsize:
         logits_btv = logits_btv.to(upcast)
     targets = causal_lm_targets(labels_bt, shift=shift, ignore_index=ignore_index).to(logits_btv.device)
@@ -94,8 +96,8 @@ def logits_of(outputs: Any) -> torch.Tensor:
         return outputs.logits
     if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
         return outputs[0]
-    raise ValueError(f"outputs of type {type(outputs).__name__} are not allowed; allowed: logits, a dict or "
-                     "ModelOutput with 'logits', or a tuple whose first element is the logits")
+    raise SettingError("outputs", Raw(f"of type {type(outputs).__name__}"), "logits, a dict or ModelOutput with "
+                       "'logits', or a tuple whose first element is the logits")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,7 +122,7 @@ class LossHead:
 
 def _labels(batch: Mapping[str, Any], key: str = "labels") -> torch.Tensor:
     if key not in batch:
-        raise ValueError(f"batch keys {sorted(batch)} are not allowed; allowed: a batch with {key!r}")
+        raise SettingError("batch keys", sorted(batch), f"a batch with {key!r}")
     return batch[key]
 
 
@@ -169,8 +171,8 @@ def sequence_classification_head(*, ignore_index: int = IGNORE_INDEX,
     def loss_sum(outputs: Any, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         logits, labels = logits_of(outputs), _labels(batch)
         if logits.dim() != 2 or labels.dim() != 1 or logits.shape[0] != labels.shape[0]:
-            raise ValueError(f"logits shape {tuple(logits.shape)} and labels shape {tuple(labels.shape)} are not "
-                             "allowed; allowed: logits (batch, classes) with labels (batch,)")
+            raise SettingError("logits shape", Raw(str(tuple(logits.shape))), "logits (batch, classes) with labels (batch,)",
+                               why=f"with labels shape {tuple(labels.shape)}")
         if upcast is not None and logits.dtype.is_floating_point and logits.dtype.itemsize < upcast.itemsize:
             logits = logits.to(upcast)
         labels = labels.to(logits.device)
@@ -191,8 +193,8 @@ def model_loss(head: LossHead) -> Callable[[Any, Any], tuple[torch.Tensor, Any]]
     ``attention_mask``, …). The head scores the outputs (``logits``, a ``ModelOutput`` or a tuple) against the
     batch's labels."""
     if head.decoder_inputs_from_labels:
-        raise ValueError(f"head {head.name!r} is not allowed here; allowed: a head without decoder_inputs_from_labels "
-                         "(build the decoder inputs in the collate function)")
+        raise SettingError("head", head.name, "a head without decoder_inputs_from_labels (build the decoder inputs "
+                           "in the collate function)", why="not here")
     keys = set(head.label_keys)
 
     def loss_fn(model: Any, batch: Mapping[str, Any]) -> tuple[torch.Tensor, Any]:
