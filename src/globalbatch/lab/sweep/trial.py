@@ -81,7 +81,7 @@ def run_trial(
     task = load_task(cfg.task, **cfg.task_overrides)
     unit = task.unit
     micro = cfg.micro_batch_for(trial.batch)
-    warmup = cfg.warmup_units(trial.batch * (task.seq_len if unit == "token" else 1))
+    warmup = cfg.warmup_units(trial.batch * ((task.seq_len or 1) if unit == "token" else 1))
     lr_schedule = TokenLRSchedule(peak_lr=trial.lr, total=cfg.budget, warmup=warmup, shape=cfg.lr_shape, unit=unit)
 
     def noise_monitor(model, opt):
