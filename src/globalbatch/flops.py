@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 
 from globalbatch._util import SettingError
 from globalbatch.plan.arithmetic import dense_flops_per_token
+from globalbatch.validate import positive
 
 __all__ = ["PEAK_FLOPS", "transformer_flops_per_token", "dense_flops_per_token", "table_peak_flops", "measure_matmul_peak",
            "peak_flops_per_s", "count_flops", "FlopsCounter", "SequenceFlops", "mfu", "PeakFlops"]
@@ -49,9 +50,7 @@ def transformer_flops_per_token(*, params_non_embedding: float, n_layer: int, se
     """Training (forward + backward) FLOPs per token: ``6·N + 12·L·d·T`` (PaLM App. B; H·Q = d_model)."""
     for name, value in (("params_non_embedding", params_non_embedding), ("n_layer", n_layer),
                         ("seq_len", seq_len), ("d_model", d_model)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
-                or not math.isfinite(value):
-            raise SettingError(name, value, "a number > 0")
+        positive(value, name, allowed="a number > 0")
     return 6.0 * params_non_embedding + 12.0 * n_layer * d_model * seq_len
 
 
@@ -114,9 +113,7 @@ def peak_flops_per_s(*, device: str = "cpu", dtype: str = "fp32", override: Opti
     GPU); an accelerator missing from the table needs ``override``.
     """
     if override is not None:
-        if isinstance(override, bool) or not isinstance(override, (int, float)) or not override > 0 \
-                or not math.isfinite(override):
-            raise SettingError("peak_flops_per_s", override, "a FLOP/s number > 0, e.g. 989e12")
+        positive(override, "peak_flops_per_s", allowed="a FLOP/s number > 0, e.g. 989e12")
         return PeakFlops(flops_per_s=float(override), source="given")
     if device.startswith("cuda"):
         import torch

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from globalbatch.errors import SettingError
-from globalbatch.validate import number
+from globalbatch.validate import number, whole
 
 __all__ = ["SOURCES", "NoiseConfig"]
 
@@ -14,9 +14,7 @@ SOURCES = ("micro", "rank")
 
 
 def _check_every(every: Any) -> int:
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise SettingError("every", every, "a whole number ≥ 1 (measure one window in n)")
-    return every
+    return whole(every, "every", allowed="a whole number ≥ 1 (measure one window in n)")
 
 
 @dataclass(kw_only=True)
@@ -72,8 +70,7 @@ class NoiseConfig:
                    allowed="a fraction of the step time, 0 < budget < 1 (0.02: 2 %), or None")
         if not 0.0 < self.confidence < 1.0:
             raise SettingError("confidence", self.confidence, "0 < confidence < 1")
-        if isinstance(self.min_windows, bool) or not isinstance(self.min_windows, int) or self.min_windows < 2:
-            raise SettingError("min_windows", self.min_windows, "an int ≥ 2")
+        whole(self.min_windows, "min_windows", minimum=2)
         if not self.max_relative_stderr > 0:
             raise SettingError("max_relative_stderr", self.max_relative_stderr, "> 0")
         if not self.max_interval_ratio > 1:

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from globalbatch.errors import SettingError
 from globalbatch.units import fmt_int, parse_bytes, parse_count
-from globalbatch.validate import whole
+from globalbatch.validate import positive, whole
 
 __all__ = [
     "BatchGeometry",
@@ -416,6 +416,5 @@ def scaling_law_priors(
 def dense_flops_per_token(params: float) -> float:
     """``6·N``: training FLOPs per token of the weight matmuls alone (PaLM App. B without attention);
     ``plan``'s fallback when the layers and width are not known."""
-    if isinstance(params, bool) or not isinstance(params, (int, float)) or not params > 0 or not math.isfinite(params):
-        raise SettingError("params", params, "a number of parameters > 0")
+    positive(params, "params", allowed="a number of parameters > 0")
     return 6.0 * params

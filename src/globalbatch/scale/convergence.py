@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from globalbatch._util import SettingError
+from globalbatch.validate import positive
 
 __all__ = ["BCritLaw", "SMinLaw", "ConvergenceModel", "ScheduleCost", "fit_s_min", "s_min_at_targets", "from_points",
            "kaplan_prior",
@@ -229,8 +230,7 @@ class ConvergenceModel:
 
     def check_target(self, loss: float, field: str = "target_loss") -> float:
         """The target as a float, or a SettingError naming ``field`` when the fit cannot reach it."""
-        if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss) or loss <= 0:
-            raise SettingError(field, loss, "a loss in nats > 0")
+        positive(loss, field, allowed="a loss in nats > 0")
         if loss <= self.s_min_law.loss_floor * (1 + 1e-9):
             raise SettingError(field, loss, f"a loss above {self.s_min_law.loss_floor:.4g} nats",
                                why=f"the S_min(L) law's loss floor is {self.s_min_law.loss_floor:.4g}: "
@@ -443,8 +443,7 @@ def kaplan_prior(*, params: float) -> ConvergenceModel:
     """Kaplan et al. 2020 as a prior for a model of ``params`` non-embedding parameters: B_crit(L) = 2·10⁸/L^(1/0.21)
     tokens (eq. 5.2) and S_min from eq. 5.6 with Table 3's fit (α_N = 0.077, α_S = 0.76, N_c = 6.5·10¹³, S_c = 2.1·10³).
     WebText2 with their tokenizer, loss in nats: other data or tokenizers shift every loss."""
-    if isinstance(params, bool) or not isinstance(params, (int, float)) or not math.isfinite(params) or params <= 0:
-        raise SettingError("params", params, "a number of parameters > 0")
+    positive(params, "params", allowed="a number of parameters > 0")
     floor = (6.5e13 / params) ** 0.077
     return ConvergenceModel(
         b_crit_law=BCritLaw(b_ref_tokens=2.0e8, loss_ref=1.0, k=-1.0 / 0.21),
