@@ -110,12 +110,10 @@ class PlanConfig:
             if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
                 raise E(name, R(_show(v)), "a number > 0")
         for name in ("seq_len", "lr_base_batch", "pp_stages", "virtual_stages", "grad_bytes_per_param", "new_dp_world_size"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise E(name, R(_show(v)), "a whole number ≥ 1")
-        if self.warmup_steps is not None and (isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int)
-                                              or self.warmup_steps < 0):
-            raise E("warmup_steps", R(_show(self.warmup_steps)), "a whole number ≥ 0")
+            if getattr(self, name) is not None:
+                whole(getattr(self, name), name)
+        if self.warmup_steps is not None:
+            whole(self.warmup_steps, "warmup_steps", minimum=0)
         if self.warmup_tokens is not None and (not math.isfinite(self.warmup_tokens) or self.warmup_tokens < 0):
             raise E("warmup_tokens", R(_show(self.warmup_tokens)), "a number ≥ 0")
         if self.warmup_tokens is not None and self.warmup_steps is not None:
