@@ -284,7 +284,7 @@ def make_incomplete():
 
 
 def test_user_task_errors_are_clear(monkeypatch):
-    with pytest.raises(ValueError, match=r"missing required attribute\(s\) sample_order, collate, loss_sum, "
+    with pytest.raises(ValueError, match=r"has no sample_order, collate, loss_sum, "
                                          r"val_batches, tokens_in"):
         load_task(f"{__name__}:make_incomplete")
     with pytest.raises(ValueError, match=r"cannot import module 'no_such_pkg_xyz.mod'"):

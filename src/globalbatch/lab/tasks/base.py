@@ -99,12 +99,10 @@ class Task(abc.ABC):
 
     def __post_init__(self) -> None:
         if self.unit not in UNITS:
-            raise ValueError(f"unit: {self.unit!r}: expected one of {', '.join(map(repr, UNITS))}")
-        if isinstance(self.num_train_samples, bool) or not isinstance(self.num_train_samples, int) \
-                or self.num_train_samples < 1:
-            raise ValueError(f"num_train_samples: {self.num_train_samples!r}: must be an int >= 1")
-        if self.unit == "token" and (not isinstance(self.seq_len, int) or self.seq_len < 1):
-            raise ValueError(f"seq_len: {self.seq_len!r}: a token task needs an int >= 1")
+            raise SettingError("unit", self.unit, ", ".join(UNITS))
+        whole(self.num_train_samples, "num_train_samples")
+        if self.unit == "token":
+            whole(self.seq_len, "seq_len", allowed="a whole number ≥ 1 (a token task has a context length)")
 
     # -- data order -----------------------------------------------------------------
 
@@ -155,21 +153,21 @@ class Task(abc.ABC):
 
 def check_task(task: Any, origin: str = "task") -> Any:
     """Raise ``ValueError`` naming what ``task`` lacks of :data:`REQUIRED_ATTRIBUTES`; return it."""
+    allowed = f"a function returning a task with {', '.join(REQUIRED_ATTRIBUTES)}"
+    kind = f"its {type(task).__name__} object"
     missing = [a for a in REQUIRED_ATTRIBUTES if not hasattr(task, a)]
     if missing:
-        raise ValueError(
-            f"{origin}: {type(task).__name__} object: missing required attribute(s) {', '.join(missing)} "
-            f"(a task needs {', '.join(REQUIRED_ATTRIBUTES)})"
-        )
+        raise SettingError("task", origin, allowed, why=f"{kind} has no {', '.join(missing)}")
     not_callable = [a for a in _METHODS if not callable(getattr(task, a))]
     if not_callable:
-        raise ValueError(f"{origin}: {type(task).__name__} object: {', '.join(not_callable)} must be callable")
+        raise SettingError("task", origin, allowed, why=f"{kind}'s {', '.join(not_callable)} is not callable")
     if task.unit not in UNITS:
-        raise ValueError(f"{origin}.unit: {task.unit!r}: expected one of {', '.join(map(repr, UNITS))}")
+        raise SettingError("task", origin, allowed, why=f"{kind}'s unit {task.unit!r} is not {' or '.join(UNITS)}")
     n = task.num_train_samples
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"{origin}.num_train_samples: {n!r}: must be an int >= 1")
+        raise SettingError("task", origin, allowed, why=f"{kind}'s num_train_samples {n!r} is not a whole number ≥ 1")
     if task.unit == "token" and (not isinstance(task.seq_len, int) or task.seq_len < 1):
-        raise ValueError(f"{origin}.seq_len: {task.seq_len!r}: a token task needs an int >= 1")
+        raise SettingError("task", origin, allowed, why=f"{kind}'s seq_len {task.seq_len!r} is not a whole number ≥ 1 "
+                                                        "(a token task has a context length)")
     return task
 
