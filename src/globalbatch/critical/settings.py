@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
 from globalbatch.errors import SettingError
+from globalbatch.validate import number, whole
 
 __all__ = ["AnalysisSettings", "settings_from", "check_analysis_settings", "OBJECTIVES", "LR_SELECTIONS"]
 
@@ -29,10 +30,10 @@ def check_analysis_settings(*, objective: str = "time", tolerance: float = 0.05,
     """Raise a :class:`~globalbatch.errors.SettingError` for the first bad analysis setting."""
     if objective not in OBJECTIVES:
         raise SettingError("objective", objective, ", ".join(OBJECTIVES))
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
-        raise SettingError("tolerance", tolerance, "a fraction, 0 ≤ tolerance < 1 (0.05 = within 5%)")
-    if isinstance(ema_fraction, bool) or not isinstance(ema_fraction, (int, float)) or not 0 < ema_fraction < 1:
-        raise SettingError("ema_fraction", ema_fraction, "a fraction, 0 < ema_fraction < 1 (e.g. 0.05)")
+    number(tolerance, "tolerance", low=0.0, high=1.0, high_open=True,
+           allowed="a fraction, 0 ≤ tolerance < 1 (0.05 = within 5%)")
+    number(ema_fraction, "ema_fraction", low=0.0, high=1.0, low_open=True, high_open=True,
+           allowed="a fraction, 0 < ema_fraction < 1 (e.g. 0.05)")
     if halflife_steps is not None and not (isinstance(halflife_steps, (int, float)) and halflife_steps > 0
                                            and math.isfinite(halflife_steps)):
         raise SettingError("halflife_steps", halflife_steps, "a number of steps > 0")
@@ -77,12 +78,9 @@ class AnalysisSettings:
         if self.lr_selection not in LR_SELECTIONS:
             raise SettingError("lr_selection", self.lr_selection, ", ".join(LR_SELECTIONS))
         for name, low in (("n_targets", 2), ("first_seed_n_targets", 1), ("n_tighter", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise SettingError(name, v, f"a whole number ≥ {low}")
-        if isinstance(self.min_window_fraction, bool) or not isinstance(self.min_window_fraction, (int, float)) \
-                or not 0 <= self.min_window_fraction < 1:
-            raise SettingError("min_window_fraction", self.min_window_fraction, "a fraction, 0 ≤ x < 1")
+            whole(getattr(self, name), name, minimum=low)
+        number(self.min_window_fraction, "min_window_fraction", low=0.0, high=1.0, high_open=True,
+               allowed="a fraction, 0 ≤ x < 1")
         for name in ("targets", "first_seed_targets"):
             v = getattr(self, name)
             if v is None:

@@ -425,8 +425,8 @@ def _hf(data: dict, flags: dict, dp: Optional[int], path: str, warnings: list[st
     if data.get("learning_rate") is not None:
         out["lr"] = _file_lr(data["learning_rate"], f"{path}: learning_rate")
     ws = data.get("warmup_steps")
-    if ws is not None and (isinstance(ws, bool) or not isinstance(ws, int) or ws < 0):
-        raise ValueError(f"{path}: warmup_steps {ws!r} is not allowed; allowed: a whole number of steps ≥ 0")
+    if ws is not None:
+        whole(ws, f"{path}: warmup_steps", minimum=0, allowed="a whole number of steps ≥ 0")
     if ws:
         out["warmup_steps"] = ws
     if _number(data.get("warmup_ratio")):

@@ -103,8 +103,7 @@ def check_cluster(c: Cluster) -> None:
     if not isinstance(c.name, str) or not c.name:
         raise SettingError("name", c.name, "a non-empty name")
     g = c.gpus_per_node
-    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
-        raise SettingError("gpus_per_node", g, _CLUSTER_ALLOWED["gpus_per_node"])
+    whole(g, "gpus_per_node", allowed=_CLUSTER_ALLOWED["gpus_per_node"])
     for key in ("peak_flops_per_s", "memory_bytes", "intra_busbw_bytes_per_s", "inter_busbw_bytes_per_s"):
         v = getattr(c, key)
         if not (_num_ok(v) and v > 0):
@@ -304,8 +303,8 @@ class ModelSpec:
                                                                 and self.activation_bytes_per_token > 0):
             raise SettingError("activation_bytes_per_token", self.activation_bytes_per_token, "bytes > 0")
         whole(self.virtual_stages, "virtual_stages")
-        if self.layers is not None and (isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1):
-            raise SettingError("layers", self.layers, "a whole number ≥ 1")
+        if self.layers is not None:
+            whole(self.layers, "layers")
 
     @property
     def tokens_per_seq(self) -> float:

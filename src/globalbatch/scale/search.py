@@ -35,6 +35,7 @@ from globalbatch.scale.cluster import (
     step_times_grid,
 )
 from globalbatch.scale.convergence import ConvergenceModel
+from globalbatch.validate import whole
 
 __all__ = ["OBJECTIVES", "ScaleConfig", "Choice", "RampChoice", "ScaleResult", "scale", "gpu_counts",
            "format_count", "schedule_string"]
@@ -75,8 +76,7 @@ class ScaleConfig:
     """Smallest global batch tried, in sequences."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_gpus, bool) or not isinstance(self.max_gpus, int) or not 1 <= self.max_gpus <= 10**7:
-            raise SettingError("max_gpus", self.max_gpus, "a whole number from 1 to 10,000,000")
+        whole(self.max_gpus, "max_gpus", maximum=10**7, allowed="a whole number from 1 to 10,000,000")
         if self.objective not in OBJECTIVES:
             raise SettingError("objective", self.objective, ", ".join(OBJECTIVES))
         for name in ("deadline_s", "budget_gpu_hours"):
@@ -85,8 +85,7 @@ class ScaleConfig:
                 raise SettingError(name, v, "a number > 0")
         if not (isinstance(self.overlap, (int, float)) and 0 <= self.overlap <= 1):
             raise SettingError("overlap", self.overlap, "a share from 0 to 1")
-        if isinstance(self.max_stages, bool) or not isinstance(self.max_stages, int) or not 1 <= self.max_stages <= 8:
-            raise SettingError("max_stages", self.max_stages, "a whole number from 1 to 8")
+        whole(self.max_stages, "max_stages", maximum=8, allowed="a whole number from 1 to 8")
         if self.lr_rule not in LR_RULE_TEXT:
             raise SettingError("lr_rule", self.lr_rule, ", ".join(LR_RULE_TEXT))
         for name in ("tp_options", "pp_options"):

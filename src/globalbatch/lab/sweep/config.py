@@ -127,8 +127,7 @@ class SweepConfig:
         if self.warmup is not None and (isinstance(self.warmup, bool) or int(self.warmup) != self.warmup
                                         or self.warmup < 0 or self.warmup >= self.budget):
             raise E("warmup", self.warmup, f"a whole number of units, 0 ≤ warmup < budget ({self.budget:,})")
-        if isinstance(self.eval_points, bool) or not isinstance(self.eval_points, int) or self.eval_points < 2:
-            raise E("eval_points", self.eval_points, "a whole number ≥ 2 (30 or more for a sound read-out)")
+        whole(self.eval_points, "eval_points", minimum=2, allowed="a whole number ≥ 2 (30 or more for a sound read-out)")
         whole(self.eval_batch, "eval_batch")
         if self.micro_batch is not None:
             bad = [b for b in self.batches if b % self.micro_batch and b > self.micro_batch] if self.micro_batch >= 1 else []
@@ -147,9 +146,7 @@ class SweepConfig:
             raise E("precision", self.precision, ", ".join(PRECISIONS))
         if not isinstance(self.device, str) or not self.device.strip():
             raise E("device", self.device, "cpu, cuda, cuda:N or mps")
-        if isinstance(self.warmup_min_steps, bool) or not isinstance(self.warmup_min_steps, int) \
-                or self.warmup_min_steps < 0:
-            raise E("warmup_min_steps", self.warmup_min_steps, "a whole number of steps ≥ 0")
+        whole(self.warmup_min_steps, "warmup_min_steps", minimum=0, allowed="a whole number of steps ≥ 0")
         if not 0.0 <= self.warmup_fraction < 1.0:
             raise E("warmup_fraction", self.warmup_fraction, "0 ≤ warmup_fraction < 1")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
