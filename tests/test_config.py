@@ -37,7 +37,7 @@ def test_yaml_and_toml_agree(tmp_path):
 
 def test_unknown_key_in_our_schema_is_an_error(tmp_path):
     p = write(tmp_path, "a.yaml", "micro_batch: 2\ngrad_acum_steps: 8\n")
-    with pytest.raises(ValueError, match=r"a.yaml: unknown key 'grad_acum_steps' \(did you mean 'grad_accum_steps'\?\); allowed: compute_flops, dp_world_size"):
+    with pytest.raises(ValueError, match=r"a.yaml: key 'grad_acum_steps' is not allowed \(unknown; did you mean 'grad_accum_steps'\?\); allowed: compute"):
         load_config(p)
 
 
@@ -49,9 +49,9 @@ def test_unknown_key_in_our_schema_is_an_error(tmp_path):
         ("dp_world_size: 64\ndp_world_size: 32\n", r"duplicate key 'dp_world_size' at line 2"),
         ("micro_batch: 0\n", r"micro_batch 0 is not allowed"),
         ("no_sync: 3\n", r"no_sync 3 is not allowed; allowed: true or false"),
-        ("- 1\n- 2\n", r"holds a list; allowed: a mapping"),
+        ("- 1\n- 2\n", r"\(it holds a list\); allowed: a mapping"),
         ("a: [1,\n", r"cannot be parsed"),
-        ("lr: fast\n", r"lr 'fast' is not a number"),
+        ("lr: fast\n", r"a.yaml: lr 'fast' is not allowed; allowed: a number"),
     ],
 )
 def test_bad_values_in_yaml(tmp_path, text, match):
@@ -238,7 +238,7 @@ def test_unusual_files(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(ValueError, match="is not a regular file"):
         read_config_file(fifo)
-    with pytest.raises(ValueError, match="is not UTF-8 text"):
+    with pytest.raises(ValueError, match=r"\(not UTF-8 text \(byte"):
         read_config_file(_latin1(tmp_path))
     bom = tmp_path / "b.json"
     bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"train_batch_size": 8}).encode())

@@ -166,7 +166,7 @@ def _coerce(name: str, value: Any) -> Any:
             try:
                 value = float(str(value))
             except ValueError:
-                raise ValueError(f"{name} {value!r} is not a number; allowed: a number") from None
+                raise SettingError(name, value, "a number") from None
         if not math.isfinite(value):
             raise SettingError(name, value, "a finite number")
         if name == "padding_fraction" and not 0 <= value < 1:
@@ -277,16 +277,16 @@ def read_config_file(path: str | Path) -> tuple[str, dict]:
     try:
         size = path.stat().st_size
         if size > _MAX_CONFIG_BYTES:
-            raise ValueError(f"config {name!r} is {size:,} bytes; allowed: at most {_MAX_CONFIG_BYTES:,}")
+            raise SettingError("config", name, f"a file of at most {_MAX_CONFIG_BYTES:,} bytes", why=f"{size:,} bytes")
         raw = path.read_bytes()
     except OSError as exc:
-        raise ValueError(f"config {name!r} cannot be read: {exc.strerror or exc}") from None
+        raise SettingError("config", name, a_file, why=f"it cannot be read: {exc.strerror or exc}") from None
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"config {name!r} is not UTF-8 text (byte {exc.start}); allowed: a UTF-8 file") from None
+        raise SettingError("config", name, "a UTF-8 file", why=f"not UTF-8 text (byte {exc.start})") from None
     if not text.strip():
-        raise ValueError(f"config {name!r} is empty; allowed: a mapping of keys to values")
+        raise SettingError("config", name, "a mapping of keys to values", why="it is empty")
     kind = kinds[suffix]
     try:
         if kind == "yaml":
@@ -296,9 +296,10 @@ def read_config_file(path: str | Path) -> tuple[str, dict]:
         else:
             data = _json_load_unique(text)
     except Exception as exc:  # yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError, duplicate key
-        raise ValueError(f"config {name!r} cannot be parsed as {kind.upper()}: {_parse_error(exc)}") from None
+        raise SettingError("config", name, f"a {kind.upper()} file", why=f"it cannot be parsed as {kind.upper()}: "
+                                                                        f"{_parse_error(exc)}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"config {name!r} holds a {type(data).__name__}; allowed: a mapping of keys to values")
+        raise SettingError("config", name, "a mapping of keys to values", why=f"it holds a {type(data).__name__}")
     # Keys that only our schema has decide for it (warmup_steps is also an HF key).
     if kind == "json" and not (set(data) & (_OURS - {"warmup_steps"})):
         if set(data) & _DS_KEYS or ("gradient_accumulation_steps" in data and not set(data) & _HF_KEYS):
@@ -315,14 +316,14 @@ def _from_mapping(data: dict, source: str, path: str) -> dict:
             import difflib
 
             close = difflib.get_close_matches(str(key), sorted(_OURS), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"{path}: unknown key {key!r}{hint}; allowed: {', '.join(sorted(_OURS))}")
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise SettingError(f"{path}: key", key, ", ".join(sorted(_OURS)), why=f"unknown{hint}")
         if value is None:
             continue
         try:
             out[key] = _coerce(key, value)
-        except ValueError as exc:  # the file's value: the line names the file
-            raise ValueError(f"{path}: {exc}") from None
+        except SettingError as exc:  # the file's value: the line names the file and its key
+            raise SettingError(f"{path}: {exc.field}", exc.value, exc.allowed, why=exc.why) from None
     out["source"] = source
     return out
 
@@ -359,7 +360,8 @@ def _deepspeed(data: dict, flags: dict, dp: Optional[int], path: str, warnings: 
         values[ours] = flag if flag is not None else v
     train, micro, gas = values["global_batch"], values["micro_batch"], values["grad_accum_steps"]
     if train is None and micro is None:
-        raise ValueError(f"{path}: either train_batch_size or train_micro_batch_size_per_gpu needs to be provided")
+        raise SettingError(f"{path}: train_batch_size", None, "train_batch_size or train_micro_batch_size_per_gpu",
+                           why="either train_batch_size or train_micro_batch_size_per_gpu needs to be provided")
     if dp is None:
         if train is not None and micro is not None and gas is not None:
             per = micro * gas
