@@ -30,6 +30,7 @@ def probe_cmd(
     import logging
 
     from .. import validate as V
+    from ..errors import Raw, SettingError
     from ..lab.tasks import load_task_checked
     from ..plan import parse_bytes
     from ..lab.probe_run import probe_task
@@ -38,7 +39,7 @@ def probe_cmd(
     overrides = V.key_values(task_arg, "task_arg")
     limit = None if memory_limit is None else parse_bytes(memory_limit, "--memory-limit")
     if limit is not None and limit < 1:
-        raise ValueError(f"--memory-limit {memory_limit} is not allowed; allowed: a budget of at least 1 byte")
+        raise SettingError("--memory-limit", Raw(memory_limit), "a budget of at least 1 byte", flag=True)
     check_probe_settings(global_batch=global_batch, dp_world_size=dp, max_micro_batch=max_micro_batch,
                          steps_per_trial=steps_per_trial, tolerance=tolerance, names=flag_names_of("probe"))
     checked_device(device, "device", precision=precision, default_cuda=True)

@@ -139,12 +139,13 @@ def _memory_inputs(memory: str, *, params: Optional[str], dp: Optional[int], opt
                    checkpoint_divisor: Optional[float], task: Optional[str], task_arg: list[str]) -> tuple:
     """Check every ``plan --memory`` flag (before anything is printed), then measure the task if one is given."""
     from .._util import SettingError, flag_names
+    from ..errors import Raw
     from ..plan.memory import Activations, MemoryConfig
     from ..plan import parse_bytes, parse_count
 
     device_bytes = parse_bytes(memory, "--memory")
     if device_bytes < 1:
-        raise ValueError(f"--memory {memory} is not allowed; allowed: a device memory of at least 1 byte")
+        raise SettingError("--memory", Raw(memory), "a device memory of at least 1 byte", flag=True)
     if task is not None and (params is not None or activation_bytes is not None):
         given = "--params" if params is not None else "--activation-bytes-per-sample"
         raise ValueError(f"{given} is not allowed with --task {task}: the task's model gives it; "
@@ -161,7 +162,7 @@ def _memory_inputs(memory: str, *, params: Optional[str], dp: Optional[int], opt
     if activation_bytes is not None:
         per_sample = parse_bytes(activation_bytes, "--activation-bytes-per-sample")
         if per_sample < 1:
-            raise ValueError(f"--activation-bytes-per-sample {activation_bytes} is not allowed; allowed: at least 1 byte")
+            raise SettingError("--activation-bytes-per-sample", Raw(activation_bytes), "at least 1 byte", flag=True)
     names = {"params": "--params", "optimizer": "--optimizer", "precision": "--precision", "sharding": "--sharding",
              "dp_world_size": "--dp", "checkpoint_divisor": "--checkpoint-divisor"}
     common: dict[str, Any] = dict(optimizer=optimizer or "adamw", precision=precision or "fp32", sharding=sharding or "none",
