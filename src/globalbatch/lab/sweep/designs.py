@@ -143,7 +143,3 @@ def design_statement(name: str, n_batches: int, n_lrs: int, n_seeds: int) -> str
     return (f"Design {d.name}: {d.summary} — {frac:.0%} of the full design's tokens as planned. "
             + (f"Measured agreement with a full 5-seed sweep: {d.measured}." if d.measured
                else "Its agreement with a full sweep is not measured.") + seeds)
-
-
-def is_fraction(x: float) -> bool:
-    return 0 < x <= 1 and math.isfinite(x)
