@@ -74,5 +74,4 @@ class NoiseConfig:
         if not self.max_relative_stderr > 0:
             raise SettingError("max_relative_stderr", self.max_relative_stderr, "> 0")
         if not self.max_interval_ratio > 1:
-            raise ValueError(f"max_interval_ratio {self.max_interval_ratio!r} is not allowed; allowed: > 1 "
-                             "(or math.inf)")
+            raise SettingError("max_interval_ratio", self.max_interval_ratio, "> 1 (or math.inf)")

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from globalbatch.errors import SettingError
+from globalbatch.errors import Raw, SettingError
 
 __all__ = [
     "NEEDS_TWO_BATCH_SIZES",
@@ -77,19 +77,19 @@ def window_estimates(small_sq_norms: Any, small_counts: Any, big_sq_norm: Any, b
     sq = _as_tensor(small_sq_norms).reshape(-1)
     counts = _as_tensor(small_counts, sq.device).reshape(-1)
     if sq.numel() != counts.numel():
-        raise ValueError(f"small_counts with {counts.numel()} values for {sq.numel()} small_sq_norms is not allowed; "
-                         f"allowed: one count per small batch ({sq.numel()})")
+        raise SettingError("small_counts", Raw(f"with {counts.numel()} values for {sq.numel()} small_sq_norms"),
+                           f"one count per small batch ({sq.numel()})")
     k = sq.numel()
     if k < 2:
-        raise ValueError(f"small batches k={k} is not allowed; allowed: k ≥ 2 (the noise scale {NEEDS_TWO_BATCH_SIZES})")
+        raise SettingError("small batches", Raw(f"k={k}"), f"k ≥ 2 (the noise scale {NEEDS_TWO_BATCH_SIZES})")
     total = counts.sum()
     big = total if big_count is None else _as_tensor(big_count, sq.device).reshape(())
     if counts.device.type == "cpu" and big.device.type == "cpu":  # validation only where it costs no sync
         if bool((counts <= 0).any()):
             raise SettingError("small_counts", counts.tolist(), "every count > 0")
         if not math.isclose(float(total), float(big), rel_tol=1e-9):
-            raise ValueError(f"big_count {float(big):g} is not allowed; allowed: sum(small_counts) = {float(total):g} "
-                             "(the small batches partition the big one)")
+            raise SettingError("big_count", Raw(f"{float(big):g}"), f"sum(small_counts) = {float(total):g} "
+                               "(the small batches partition the big one)")
     return _window_from_sums((counts * sq).sum(), torch.tensor(float(k), dtype=torch.float64, device=sq.device),
                              _as_tensor(big_sq_norm, sq.device).reshape(()), big)
 
@@ -364,8 +364,7 @@ class NoiseScaleEstimator:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("unit", self.unit) != self.unit:
-            raise ValueError(f"checkpoint unit {sd.get('unit')!r} is not allowed; allowed: {self.unit!r} "
-                             "(this estimator's unit)")
+            raise SettingError("checkpoint unit", sd.get("unit"), f"{self.unit!r} (this estimator's unit)")
         self.state.copy_(sd["state"].to(self.state.device))
         self._started = bool(sd["started"])
 

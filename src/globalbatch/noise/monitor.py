@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from globalbatch.errors import SettingError
+from globalbatch.errors import Raw, SettingError
 from globalbatch.noise.estimator import (
     _B0,
     _STATE_LEN,
@@ -128,14 +128,14 @@ class NoiseScaleMonitor:
         self._unit = unit
         self.optimizer = optimizer
         if self.config.adam and optimizer is None:
-            raise ValueError("optimizer None is not allowed with adam=True; allowed: the Adam/AdamW optimizer "
-                             "(the variant needs its exp_avg_sq)")
+            raise SettingError("optimizer", None, "the Adam/AdamW optimizer (the variant needs its exp_avg_sq)",
+                               why="with adam=True")
         info = inspect_parallel(model)
         ddp = info.sync_module if info.kind == "ddp" else None
         self._fsdp = info.sync_module if info.kind == "fsdp2" else None
         if self._fsdp is not None and self.config.adam:
-            raise ValueError("adam True is not allowed with an FSDP2 model; allowed: adam False (the variant "
-                             "is measured on plain and DDP models only)")
+            raise SettingError("adam", True, "adam False (the variant is measured on plain and DDP models only)",
+                               why="with an FSDP2 model")
         if process_group is not None and ddp is None and self._fsdp is None:
             raise ValueError("process_group is not allowed with a plain module; allowed: a DDP model (the monitor "
                              "sees each rank's gradient before the all-reduce)")
@@ -153,8 +153,8 @@ class NoiseScaleMonitor:
         self.sources = tuple(s for s in self.config.sources
                              if s != "rank" or (self.dp_world_size > 1 and self._fsdp is None))
         if not self.sources:
-            raise ValueError(f"sources {self.config.sources!r} is not allowed with dp_world_size {self.dp_world_size}; "
-                             f"allowed: add 'micro' with grad_accum_steps ≥ 2 (the noise scale {NEEDS_TWO_BATCH_SIZES})")
+            raise SettingError("sources", self.config.sources, f"add 'micro' with grad_accum_steps ≥ 2 (the noise scale "
+                               f"{NEEDS_TWO_BATCH_SIZES})", why=f"with dp_world_size {self.dp_world_size}")
         self._micro = "micro" in self.sources
         self._adam_on = self.config.adam
         self._every = _check_every(self.config.every)
@@ -371,8 +371,8 @@ class NoiseScaleMonitor:
                 bcs.append((1.0 - beta2 ** step) ** 0.5)
                 epss.append(eps)
         if len(vs) != len(self._params):
-            raise ValueError(f"optimizer holding {len(vs)} of the model's {len(self._params)} trainable parameters is "
-                             "not allowed with adam=True; allowed: an optimizer over all of them")
+            raise SettingError("optimizer", Raw(f"holding {len(vs)} of the model's {len(self._params)} trainable parameters"),
+                               "an optimizer over all of them", why="with adam=True")
         if self._precond is None:
             self._precond = [torch.empty_like(p) for p in self._params]
         order = sorted(range(len(vs)), key=lambda j: vs[j][0])
@@ -909,8 +909,8 @@ class NoiseScaleMonitor:
         key = f"{source}{'_adam' if adam else ''}/{unit}"
         allowed = self._keys()
         if key not in allowed:
-            raise ValueError(f"estimate {key!r} is not allowed: not measured; allowed: {', '.join(allowed)} "
-                             f"(the noise scale {NEEDS_TWO_BATCH_SIZES})")
+            raise SettingError("estimate", key, f"{', '.join(allowed)} (the noise scale {NEEDS_TWO_BATCH_SIZES})",
+                               why="not measured")
         est = self.estimators.get(key)
         if est is None:
             est = self._estimator(key)
