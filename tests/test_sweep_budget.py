@@ -22,7 +22,9 @@ def test_the_plan_is_the_cheapest_holding_design_that_fits(fraction):
         return
     assert plan.design.name in fits and plan.planned_fraction == cost[plan.design.name] <= fraction
     holding = [n for n in fits if DESIGNS[n].holds]
-    if holding:
+    if fraction >= 1:
+        assert plan.design.name == "full"
+    elif holding:
         assert plan.design.holds and cost[plan.design.name] == min(cost[n] for n in holding)
     else:
         assert "NOT shown to hold" in plan.statement
