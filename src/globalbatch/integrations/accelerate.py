@@ -36,6 +36,7 @@ from typing import Any, Optional
 
 import torch
 
+from globalbatch.errors import Raw, SettingError
 from globalbatch.integrations import require
 
 require("accelerate", "hf")
@@ -55,8 +56,8 @@ class ExactAccumulation:
     def __init__(self, accelerator: Any, model: torch.nn.Module, *, monitor: Any = None) -> None:
         dt = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
         if dt not in ("NO", "MULTI_CPU", "MULTI_GPU"):
-            raise ValueError(f"distributed_type {dt} is not allowed; allowed: NO, MULTI_CPU, MULTI_GPU "
-                             "(DeepSpeed scales the loss itself; FSDP shards the gradients)")
+            raise SettingError("distributed_type", Raw(str(dt)), "NO, MULTI_CPU, MULTI_GPU "
+                               "(DeepSpeed scales the loss itself; FSDP shards the gradients)")
         self.accelerator = accelerator
         self.model = model
         self.monitor = monitor
@@ -68,7 +69,7 @@ class ExactAccumulation:
     def backward(self, loss_sum: torch.Tensor, count: Any, *, samples: Optional[int] = None) -> None:
         """``accelerator.backward`` of one micro-batch's **summed** loss; its count joins the window's."""
         if loss_sum.dim() != 0:
-            raise ValueError(f"loss_sum shape {tuple(loss_sum.shape)} is not allowed; allowed: a 0-d summed loss")
+            raise SettingError("loss_sum shape", Raw(str(tuple(loss_sum.shape))), "a 0-d summed loss")
         count_t = torch.as_tensor(count, device=loss_sum.device).detach().to(torch.float64).reshape(())
         pair = torch.stack([count_t, loss_sum.detach().to(torch.float64)])
         self._stats = pair if self._stats is None else self._stats + pair

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
+from globalbatch.errors import Raw, SettingError
 from globalbatch.integrations import require
 from globalbatch.integrations._common import CallbackSettings, check_plan, derive_grad_accum_steps, noise_metrics, plan_line
 from globalbatch.losses import IGNORE_INDEX, LossHead, causal_lm_head
@@ -136,8 +137,8 @@ class GlobalBatchTrainerMixin(_TrainerHost):
                  ignore_index: int = IGNORE_INDEX, shift_labels: bool = True, loss_head: Optional[LossHead] = None,
                  **kwargs: Any) -> None:
         if loss_head is not None and not isinstance(loss_head, LossHead):
-            raise ValueError(f"loss_head {type(loss_head).__name__} is not allowed; allowed: a "
-                             "globalbatch.losses.LossHead (e.g. sequence_classification_head()) or None")
+            raise SettingError("loss_head", Raw(type(loss_head).__name__), "a globalbatch.losses.LossHead "
+                               "(e.g. sequence_classification_head()) or None")
         targs = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
         if global_batch is not None:
             if targs is None:
@@ -160,11 +161,11 @@ class GlobalBatchTrainerMixin(_TrainerHost):
                              "{'fsdp_version': 2}: FSDP2's fully_shard, whose unsharded gradients the noise monitor "
                              "hooks)")
         if dt not in _SUPPORTED and dt != "FSDP":
-            raise ValueError(f"distributed_type {dt} is not allowed; allowed: {', '.join(_SUPPORTED)}, FSDP "
-                             "(single process, DDP or FSDP2)")
+            raise SettingError("distributed_type", Raw(str(dt)), f"{', '.join(_SUPPORTED)}, FSDP "
+                               "(single process, DDP or FSDP2)")
         if self.args.n_gpu > 1:
-            raise ValueError(f"n_gpu {self.args.n_gpu} (torch DataParallel) is not allowed; allowed: 1 per process "
-                             "(launch with torchrun for data parallelism)")
+            raise SettingError("n_gpu", Raw(f"{self.args.n_gpu} (torch DataParallel)"), "1 per process "
+                               "(launch with torchrun for data parallelism)")
         cb = next((c for c in self.callback_handler.callbacks if isinstance(c, GlobalBatchCallback)), None)
         if cb is None:
             cb = GlobalBatchCallback(global_batch=global_batch, noise=noise, noise_config=noise_config)

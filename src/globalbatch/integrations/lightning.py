@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from globalbatch.errors import Raw, SettingError
 from globalbatch.integrations import require
 from globalbatch.integrations._common import CallbackSettings, check_plan, derive_grad_accum_steps, noise_metrics, plan_line
 from globalbatch.step import StepConfig, StepDriver, StepResult
@@ -80,8 +81,8 @@ class GlobalBatchCallback(CallbackSettings, pl.Callback):
             loader = trainer.train_dataloader
             micro = getattr(loader, "batch_size", None)
             if micro is None:
-                raise ValueError("train_dataloader batch_size None is not allowed; allowed: a DataLoader with a "
-                                 "fixed batch_size (the plan is micro_batch × accumulation × ranks)")
+                raise SettingError("train_dataloader batch_size", None, "a DataLoader with a fixed batch_size "
+                                   "(the plan is micro_batch × accumulation × ranks)")
             accum = trainer.accumulate_grad_batches
         return micro, accum, trainer.world_size
 
@@ -135,8 +136,7 @@ class ExactAccumulationMixin(_ModuleHost):
         from globalbatch.losses import LossHead
 
         if loss_head is not None and not isinstance(loss_head, LossHead):
-            raise ValueError(f"loss_head {type(loss_head).__name__} is not allowed; allowed: a "
-                             "globalbatch.losses.LossHead or None")
+            raise SettingError("loss_head", Raw(type(loss_head).__name__), "a globalbatch.losses.LossHead or None")
         self.gb_loss_head = loss_head
         if (grad_accum_steps is None) == (global_batch is None):
             raise ValueError(f"grad_accum_steps {grad_accum_steps!r} and global_batch {global_batch!r}: allowed: "
@@ -192,8 +192,8 @@ class ExactAccumulationMixin(_ModuleHost):
         if getattr(self, "gb_micro_batch", None) is None:
             raise ValueError("configure_global_batch was not called; allowed: call it in __init__")
         if self.trainer.accumulate_grad_batches != 1:  # pragma: no cover - Lightning refuses this first
-            raise ValueError(f"accumulate_grad_batches {self.trainer.accumulate_grad_batches} is not allowed; "
-                             "allowed: 1 (configure_global_batch sets the accumulation)")
+            raise SettingError("accumulate_grad_batches", Raw(str(self.trainer.accumulate_grad_batches)),
+                               "1 (configure_global_batch sets the accumulation)")
         world = self.trainer.world_size
         if self.gb_pinned_global_batch is not None:
             self.gb_grad_accum_steps = derive_grad_accum_steps(self.gb_pinned_global_batch, self.gb_micro_batch, world)
