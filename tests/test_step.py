@@ -428,7 +428,7 @@ def test_example_checkpoint_resume_is_bitwise(tmp_path, capsys):
     (["--log-every", "0"], r"--log-every 0 is not allowed; allowed: a whole number >= 1"),
     (["--steps", "abc"], r"argument --steps: invalid int value: 'abc'"),
     (["--checkpoint", "x.pt"], r"--checkpoint 'x.pt' and --checkpoint-every 0 are not allowed"),
-    (["--batch-schedule", "0:8 1K"], r"--batch-schedule: batch schedule entry '1K' is not THRESHOLD:BATCH"),
+    (["--batch-schedule", "0:8 1K"], r"--batch-schedule: batch schedule entry '1K' is not allowed \(it is not THRESHOLD:BATCH\)"),
 ])
 def test_example_argument_errors_are_one_line_exit_2(tmp_path, capsys, args, match):
     args = [str(tmp_path / "missing.pt") if a == "MISSING" else a for a in args]

@@ -39,6 +39,7 @@ from typing import Callable, Optional
 
 from globalbatch.errors import Raw, SettingError
 from globalbatch.plan import LR_RULES, fmt_int, parse_count, scale_lr
+from globalbatch.validate import whole
 
 __all__ = [
     "SCHEDULE_UNITS",
@@ -176,23 +177,20 @@ class StepBatchSchedule(BatchSchedule):
         _check_unit(self.unit, "StepBatchSchedule")
         _check_rule(self.lr_rule)
         if not self.steps:
-            raise ValueError("batch schedule is empty; allowed: at least one THRESHOLD:BATCH entry starting at 0")
+            raise SettingError("batch schedule", Raw("()"), "at least one THRESHOLD:BATCH entry starting at 0",
+                               why="it is empty")
         for t, b in self.steps:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise ValueError(f"batch schedule threshold {t!r} is not allowed; allowed: a whole number >= 0")
-            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-                raise ValueError(f"batch schedule batch {b!r} is not allowed; allowed: a whole number >= 1")
+            whole(t, "batch schedule threshold", minimum=0)
+            whole(b, "batch schedule batch")
         if self.steps[0][0] != 0:
-            raise ValueError(f"batch schedule first threshold {fmt_int(self.steps[0][0])} is not allowed; allowed: 0")
+            raise SettingError("batch schedule first threshold", Raw(fmt_int(self.steps[0][0])), "0")
         for (t0, b0), (t1, b1) in zip(self.steps, self.steps[1:]):
             if t1 <= t0:
-                raise ValueError(
-                    f"batch schedule thresholds {fmt_int(t0)} then {fmt_int(t1)} are not strictly increasing"
-                )
+                raise SettingError("batch schedule thresholds", Raw(f"{fmt_int(t0)} then {fmt_int(t1)}"),
+                                   "strictly increasing thresholds", why="they are not strictly increasing")
             if b1 <= b0:
-                raise ValueError(
-                    f"batch schedule batch {b0} then {b1} at {fmt_int(t1)} does not grow; allowed: each batch > the previous"
-                )
+                raise SettingError("batch schedule batch", Raw(f"{b0} then {b1} at {fmt_int(t1)}"),
+                                   "each batch > the previous", why="it does not grow")
 
     def batch_at(self, position: int) -> int:
         if position < 0:
@@ -223,14 +221,13 @@ def parse_step_schedule(text: str, *, unit: Optional[str] = None, lr_rule: str =
     Raises a one-line ``ValueError`` naming the offending entry.
     """
     if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"batch schedule {text!r} is empty; allowed: entries THRESHOLD:BATCH, e.g. '0:256 2B:512'")
+        raise SettingError("batch schedule", text, "entries THRESHOLD:BATCH, e.g. '0:256 2B:512'", why="it is empty")
     steps = []
     for entry in re.split(r"[\s,]+", text.strip()):
         m = _ENTRY.match(entry)
         if m is None:
-            raise ValueError(
-                f"batch schedule entry {entry!r} is not THRESHOLD:BATCH; allowed: e.g. '0:256 2B:512 8B:1024'"
-            )
+            raise SettingError("batch schedule entry", entry, "THRESHOLD:BATCH, e.g. '0:256 2B:512 8B:1024'",
+                               why="it is not THRESHOLD:BATCH")
         threshold = parse_count(m.group(1), "batch schedule threshold")
         batch = parse_count(m.group(2), "batch schedule batch")
         steps.append((threshold, batch))
@@ -267,15 +264,14 @@ class RampupBatchSchedule(BatchSchedule):
             allowed = "a whole number >= 1 (or a count such as '300K')"
             v = _whole_count(getattr(self, name), f"rampup {name}", allowed)
             if v < 1:
-                raise ValueError(f"rampup {name} {v!r} is not allowed; allowed: {allowed}")
+                raise SettingError(f"rampup {name}", v, allowed)
             object.__setattr__(self, name, v)  # frozen: store the parsed int
         if self.final <= self.start:
-            raise ValueError(f"rampup final {self.final} is not allowed; allowed: > start {self.start}")
+            raise SettingError("rampup final", self.final, f"> start {self.start}")
         if (self.final - self.start) % self.increment:
-            raise ValueError(
-                f"rampup interval final {self.final} - start {self.start} = {self.final - self.start} "
-                f"is not divisible by increment {self.increment}"
-            )
+            raise SettingError("rampup increment", self.increment, "a divisor of final − start",
+                               why=f"rampup interval final {self.final} - start {self.start} = {self.final - self.start} "
+                                   f"is not divisible by increment {self.increment}")
 
     @property
     def num_increments(self) -> int:
@@ -365,7 +361,7 @@ class LRSchedule:
     def __post_init__(self) -> None:
         _check_unit(self.unit, "the LR schedule")
         if self.shape not in LR_SHAPES:
-            raise ValueError(f"lr shape {self.shape!r} is not allowed; allowed: {', '.join(list_lr_shapes())}")
+            raise SettingError("lr shape", self.shape, ", ".join(list_lr_shapes()))
         if not (isinstance(self.peak_lr, (int, float)) and self.peak_lr > 0 and math.isfinite(self.peak_lr)):
             raise SettingError("peak_lr", self.peak_lr, "a finite number > 0")
         for name in ("total", "warmup"):
