@@ -26,7 +26,7 @@ def run(argv):
 
 
 def test_every_command_has_json():
-    assert set(_commands()) == {"plan", "probe", "sweep", "report", "noise", "branch", "demo", "adaptive"}
+    assert set(_commands()) == {"plan", "probe", "sweep", "report", "noise", "branch", "demo", "adaptive", "scale"}
     for name in _commands():
         assert flag_names_of(name)["as_json"] == "--json", name
 
