@@ -142,6 +142,10 @@ def test_refine_cells_run_the_rules_lr_from_the_neighbour_once():
     summaries += [{"batch": t.batch, "lr": t.lr, "seed": t.seed} for t in cells]
     assert refine_cells(cfg, summaries, falls) == []
     assert refine_cells(cfg, summaries, [(4, 8, 5.657e-3, 2e-3)]) == []  # each batch already holds one extra LR
+    # A fall over two grid steps (batch 4 at its top 5.657e-3, batch 8 at its bottom 2e-3): the midpoints are grid
+    # LRs both batches ran, so the interval is halved towards each chosen LR.
+    two = refine_cells(cfg, summaries[:18], [(4, 8, 5.657e-3, 2e-3)])
+    assert {(t.batch, t.lr) for t in two} == {(8, 2.828e-3), (4, 4e-3)}
     assert refine_cells(SweepConfig(**{**cfg.__dict__, "lr_refine": 0}), summaries[:12], falls) == []
 
 

@@ -132,19 +132,24 @@ def refine_cells(config: SweepConfig, summaries: list[dict[str, Any]],
     """Cells that refine the neighbourhood of a falling chosen LR: for each ``(batch_low, batch_high, lr_low,
     lr_high)`` (samples), at each batch of the pair, the geometric midpoint between its chosen LR and the LR the
     rule predicts from the other batch's (on a grid that follows the rule both were run already: the fall is
-    the grid's coarseness or noise, so the half-step between them decides), for every seed — unless already run
-    (within 1 %) or the batch already holds ``lr_refine`` LRs outside its grid and edge extensions."""
+    the grid's coarseness or noise, so the half-step between them decides; when the fall spans several grid
+    steps that midpoint was run too, and the interval is halved towards the chosen LR), for every seed — unless
+    already run (within 1 %) or the batch already holds ``lr_refine`` LRs outside its grid and edge extensions."""
     if not falls or config.lr_refine <= 0:
         return []
     seeds = config.seed_list()
     p = config.rule_power()
     out: dict[str, TrialSpec] = {}
     for b_lo, b_hi, lr_lo, lr_hi in falls:
-        for b, lr in ((b_hi, float(f"{math.sqrt(lr_hi * lr_lo * (b_hi / b_lo) ** p):.4g}")),
-                      (b_lo, float(f"{math.sqrt(lr_lo * lr_hi * (b_lo / b_hi) ** p):.4g}"))):
+        for b, chosen, rule in ((b_hi, lr_hi, lr_lo * (b_hi / b_lo) ** p), (b_lo, lr_lo, lr_hi * (b_lo / b_hi) ** p)):
             ran = {float(s["lr"]) for s in summaries if int(s["batch"]) == b}
             known = set(config.lrs_for(b)) | _edge_values(config, b)
             extra = [x for x in ran if not _near(x, known)]
+            lr = float(f"{math.sqrt(chosen * rule):.4g}")
+            for _ in range(3):  # a fall over several grid steps: the midpoint was run; halve towards the chosen LR
+                if not _near(lr, ran):
+                    break
+                lr = float(f"{math.sqrt(chosen * lr):.4g}")
             if _near(lr, ran) or len(extra) >= config.lr_refine:
                 continue
             for s in seeds:
