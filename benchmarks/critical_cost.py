@@ -9,8 +9,10 @@ link (trials are deterministic: a rerun reproduces them bit for bit), and its co
 
 Prints per design: its tokens as a fraction of the full sweep's (median over reps), and at each of the full
 sweep's common targets the ratio of its B_crit to the full sweep's (median over seeds there), median and
-worst (the largest of r and 1/r) over the reps; a rep whose B_crit at a target is missing (non-monotone,
-extrapolated, unreached) counts as a miss. The same from the joint fit B_crit(L) (Kaplan's form) beside it.
+worst (the largest of r and 1/r) over the reps that have a point estimate there, with how many do (a seed's
+fit beyond the swept batches is a one-sided bound, non-monotone cells are not fitted); and the same from the
+joint fit B_crit(L) = B_ref·(L/L_ref)^k over targets and seeds (Kaplan's form), which gives a point at every
+target.
 
     python benchmarks/critical_cost.py --task tinygpt|mnist [--full-dir DIR] [--out DIR] [--reps 3]
         [--designs seeds1,narrow1,narrow2] [--workers 2] [--threads 1] [--analyze-only]
@@ -155,19 +157,22 @@ def main(argv=None) -> int:
                          f"{sa.monotone_share():.0%} monotone, {len(sa.lr_falls)} falling-LR pair(s)")
         rows[name] = (fracs, ratios, jratios, notes)
 
-    def worst(xs):
-        return max((max(x, 1 / x) if x else math.inf) for x in xs) if xs else math.nan
+    def worst(xs):  # over the reps with a point estimate at this target
+        ok = [max(x, 1 / x) for x in xs if x]
+        return max(ok) if ok else math.nan
 
     def med(xs):
         ok = [x for x in xs if x]
         return statistics.median(ok) if ok else math.nan
 
     print(f"\n{'design':<9} {'compute':>8}  " + "  ".join(f"{t:>17.4f}" for t in targets) + "   worst (all targets)")
-    print(f"{'':<9} {'':>8}  " + "  ".join(f"{'median / worst':>17}" for _ in targets))
+    print(f"{'':<9} {'':>8}  " + "  ".join(f"{'median / worst (n)':>17}" for _ in targets)
+          + "   (n: reps with a point estimate there; a one-seed fit beyond the swept batches is a bound, not a point)")
     for name, (fracs, ratios, jratios, notes) in rows.items():
         for label, rs in (("per-target", ratios), ("joint", jratios)):
-            cells = [f"{med(rs[t]):>8.2f} / {worst(rs[t]):>6.2f}" for t in targets]
-            w = max(worst(rs[t]) for t in targets)
+            cells = [f"{med(rs[t]):.2f} / {worst(rs[t]):.2f} ({sum(1 for x in rs[t] if x)}/{len(rs[t])})"
+                     for t in targets]
+            w = max((worst(rs[t]) for t in targets if any(rs[t])), default=math.nan)
             print(f"{name if label == 'per-target' else '':<9} "
                   f"{(f'{statistics.median(fracs):.1%}' if label == 'per-target' else label):>8}  "
                   + "  ".join(f"{c:>17}" for c in cells) + f"   {w:.2f} ({label})")
