@@ -280,7 +280,7 @@ def run_arm(cfg: AdaptiveConfig, out: str | os.PathLike, arm: str, seed: int, *,
     from globalbatch.lab.loop import Experiment
     from globalbatch.lab.tasks import load_task
     from globalbatch.noise import NoiseConfig, NoiseScaleMonitor
-    from globalbatch.schedule import TokenLRSchedule
+    from globalbatch.schedule import LRSchedule
 
     out = Path(out)
     rdir = _run_dir(out, arm, seed, cfg)
@@ -292,14 +292,14 @@ def run_arm(cfg: AdaptiveConfig, out: str | os.PathLike, arm: str, seed: int, *,
     batch = cfg.start_batch if adaptive else int(arm[1:])
     micro = cfg.adaptive_micro_batch if adaptive else min(cfg.micro_batch, batch)
     lr = cfg.fixed_lr(batch)  # the adaptive run's LR at its first batch; changes rescale it from there
-    lr_schedule = TokenLRSchedule(peak_lr=lr, total=cfg.budget, warmup=int(cfg.warmup_fraction * cfg.budget),
-                                  shape="constant", unit=unit)
+    lr_schedule = LRSchedule(peak_lr=lr, total=cfg.budget, warmup=int(cfg.warmup_fraction * cfg.budget),
+                             shape="constant")  # in the task's unit (Experiment: StepConfig.unit)
     sched = None
     if adaptive:
         feasible = FeasibleBatches(micro_batch=micro, min_batch=batch, max_batch=cfg.top_batch,
                                    powers_of_two=cfg.powers_of_two)
         sched = AdaptiveBatchSchedule(_build_policy(cfg, throughput or {}), feasible, batch,
-                                      lr_rule=cfg.lr_rule, unit=unit, decide_every=cfg.decide_every,
+                                      lr_rule=cfg.lr_rule, decide_every=cfg.decide_every,
                                       min_interval_steps=cfg.min_interval_steps, patience=cfg.patience)
 
     def callbacks(model, opt):
@@ -307,7 +307,7 @@ def run_arm(cfg: AdaptiveConfig, out: str | os.PathLike, arm: str, seed: int, *,
             return []
         mon = NoiseScaleMonitor(model, optimizer=opt, unit=unit,
                                 config=NoiseConfig(sources=("micro",), half_life_windows=cfg.noise_half_life_windows))
-        return [mon, sched.attach(mon)]
+        return [mon]  # the schedule (StepConfig.batch_schedule) finds its monitor among the callbacks
 
     exp = Experiment(task, batch=None if adaptive else batch, batch_schedule=sched, micro_batch=micro,
                      optimizer=cfg.optimizer, lr=lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,

@@ -66,7 +66,7 @@ def run_trial(
 
     from globalbatch.lab.loop import Experiment
     from globalbatch.lab.tasks import load_task
-    from globalbatch.schedule import TokenLRSchedule
+    from globalbatch.schedule import LRSchedule
 
     cfg = SweepConfig.from_dict(config)
     trial = TrialSpec(**spec)
@@ -82,7 +82,7 @@ def run_trial(
     unit = task.unit
     micro = cfg.micro_batch_for(trial.batch)
     warmup = cfg.warmup_units(trial.batch * ((task.seq_len or 1) if unit == "token" else 1))
-    lr_schedule = TokenLRSchedule(peak_lr=trial.lr, total=cfg.budget, warmup=warmup, shape=cfg.lr_shape, unit=unit)
+    lr_schedule = LRSchedule(peak_lr=trial.lr, total=cfg.budget, warmup=warmup, shape=cfg.lr_shape)  # the task's unit
 
     def noise_monitor(model, opt):
         if not cfg.noise:
