@@ -179,7 +179,17 @@ def _c(id_, argv, field, *files):
 
 ADAPTIVE = ["adaptive", "--out", "o", "--seeds", "0,1"]
 
+PLAN_SCHED = ["plan", "--micro-batch", "2", "--dp", "64", "--seq-len", "2048", "--total-tokens", "100B"]
+
 CASES = [
+    _c("plan-batch-schedule-indivisible", PLAN_SCHED + ["--batch-schedule", "0:1024 2B:2000"], "--batch-schedule"),
+    _c("plan-batch-schedule-first-indivisible", PLAN_SCHED + ["--batch-schedule", "0:1000"], "--batch-schedule"),
+    _c("plan-batch-schedule-word", PLAN_SCHED + ["--batch-schedule", "soon"], "--batch-schedule"),
+    _c("plan-batch-schedule-shrinks", PLAN_SCHED + ["--batch-schedule", "0:1024 2B:512"], "--batch-schedule"),
+    _c("plan-batch-schedule-not-first-global", PLAN_SCHED + ["--global-batch", "512", "--batch-schedule", "0:1024"],
+       "--batch-schedule"),
+    _c("plan-batch-schedule-no-seq-len", ["plan", "--micro-batch", "2", "--dp", "64", "--total-tokens", "100B",
+                                          "--batch-schedule", "0:1024"], "--batch-schedule"),
     # plan: numbers
     _c("plan-total-1e400", PLAN + ["--total-tokens", "1e400"], "--total-tokens"),
     _c("plan-total-1e999999999", PLAN + ["--total-tokens", "1e999999999"], "--total-tokens"),

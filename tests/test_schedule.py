@@ -283,3 +283,37 @@ def test_driver_lr_schedule_argument_is_a_deprecated_alias():
     assert drv.config.lr_schedule is lr and drv.lr_schedule is lr
     with pytest.raises(ValueError, match="StepConfig.lr_schedule only"):
         StepDriver(model, opt, StepConfig(micro_batch=1, global_batch=2, lr_schedule=lr), lr_schedule=lr)
+
+
+def test_step_schedule_stages_are_the_geometry_and_steps_of_each_stage():
+    from globalbatch.errors import SettingError
+    from globalbatch.schedule import parse_step_schedule
+
+    sched = parse_step_schedule("0:1024 2B:2048 10B:4096")
+    stages = sched.stages(total=100 * 10**9, micro_batch=2, dp_world_size=64, units_per_sample=2048)
+    # by hand: 2e9 / (1024·2048) = 953.67 → 954; 8e9 / (2048·2048) = 1907.3 → 1908; 9e10 / (4096·2048) = 10728.8 → 10729
+    assert [(s.start, s.end, s.global_batch, s.grad_accum_steps, s.optimizer_steps) for s in stages] == [
+        (0, 2 * 10**9, 1024, 8, 954), (2 * 10**9, 10 * 10**9, 2048, 16, 1908), (10 * 10**9, 100 * 10**9, 4096, 32, 10729)]
+    # a total inside the second stage cuts it there and drops the third
+    short = sched.stages(total=3 * 10**9, micro_batch=2, dp_world_size=64, units_per_sample=2048)
+    assert [(s.end, s.optimizer_steps) for s in short] == [(2 * 10**9, 954), (3 * 10**9, 239)]
+    with pytest.raises(SettingError, match="not divisible by micro_batch 2 × dp 64 = 128"):
+        parse_step_schedule("0:1024 2B:2000").stages(total=10**10, micro_batch=2, dp_world_size=64)
+
+
+def test_plan_takes_the_batch_schedule_string_as_scale_writes_it():
+    import contextlib
+    import io
+    import json
+
+    from globalbatch.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exc:
+        main(["plan", "--micro-batch", "2", "--dp", "64", "--seq-len", "2048", "--total-tokens", "100B",
+              "--batch-schedule", "0:1024 2B:2048", "--json"])
+    assert exc.value.code == 0
+    data = json.loads(out.getvalue())
+    assert data["global_batch_sequences"] == 1024  # the first stage is the plan's global batch
+    assert [(s["global_batch"], s["grad_accum_steps"], s["optimizer_steps"]) for s in data["batch_schedule"]] == [
+        (1024, 8, 954), (2048, 16, 23366)]  # 9.8e10 / (2048·2048) = 23365.5 → 23366

@@ -206,8 +206,47 @@ class StepBatchSchedule(BatchSchedule):
     def all_batches(self) -> list[int]:
         return [b for _, b in self.steps]
 
+    def stages(self, *, total: int, micro_batch: int, dp_world_size: int,
+               units_per_sample: int = 1) -> list["BatchStage"]:
+        """The schedule's stages up to ``total`` units: each one's geometry (checked: every batch must divide
+        by micro × dp) and its optimizer steps, ⌈units in the stage ÷ units per step⌉."""
+        from globalbatch.plan import solve_geometry
+
+        whole(total, "total", minimum=1)
+        whole(units_per_sample, "units_per_sample")
+        out = []
+        ends = [t for t, _ in self.steps[1:]] + [total]
+        for (start, batch), end in zip(self.steps, ends):
+            if start >= total:
+                break
+            geo = solve_geometry(global_batch=batch, micro_batch=micro_batch, dp_world_size=dp_world_size)
+            per_step = batch * units_per_sample
+            span = min(end, total) - start
+            out.append(BatchStage(start=start, end=min(end, total), global_batch=batch,
+                                  grad_accum_steps=geo.grad_accum_steps, units_per_step=per_step,
+                                  optimizer_steps=-(-span // per_step)))
+        return out
+
     def __str__(self) -> str:
         return " ".join(f"{t}:{b}" for t, b in self.steps)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BatchStage:
+    """One stage of a batch schedule over a run (:meth:`StepBatchSchedule.stages`)."""
+
+    start: int
+    """First consumed unit of the stage."""
+    end: int
+    """Consumed units at its end (the next threshold, or the run's total)."""
+    global_batch: int
+    """Samples per optimizer step in the stage."""
+    grad_accum_steps: int
+    """Micro-batches per step per rank: global_batch ÷ (micro_batch × dp_world_size)."""
+    units_per_step: int
+    """global_batch × units per sample (tokens for a language model)."""
+    optimizer_steps: int
+    """⌈(end − start) ÷ units_per_step⌉."""
 
 
 _ENTRY = re.compile(r"^\s*([^:\s]+)\s*:\s*([^:\s]+)\s*$")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Optional, cast
 
@@ -43,6 +44,7 @@ def plan_cmd(
     checkpoint_divisor: Optional[float] = typer.Option(None, "--checkpoint-divisor", help="With --memory: activation checkpointing divides activations by this (default 1: none)."),
     task: Optional[str] = typer.Option(None, "--task", help="With --memory: measure params and activations of this task (tinygpt, mnist or package.module:function; needs torch)."),
     task_arg: list[str] = typer.Option([], "--task-arg", help="With --task: override KEY=VALUE (repeatable), e.g. d_model=64."),
+    batch_schedule: Optional[str] = typer.Option(None, "--batch-schedule", help="A batch schedule in tokens, e.g. '0:256 2B:512' (what `globalbatch scale` proposes and StepDriver takes): each stage's accum and steps; the first stage is the plan's global batch."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys."),
 ) -> None:
     """State the whole batch geometry of a run, check it, and say what follows from it."""
@@ -101,7 +103,36 @@ def plan_cmd(
         "compute_flops": count(compute, "--compute"), "loss_nats": loss,
         "no_sync": False if sync_every_micro_step else None,
     }
-    report = make_plan(config, flags, dp_world_size=dp, round_down=round_down, names=flag_names_of("plan"))
+    schedule = None
+    if batch_schedule is not None:
+        from ..errors import SettingError, flag_names
+        from ..schedule import parse_step_schedule
+
+        with flag_names({"batch schedule": "--batch-schedule", "batch schedule entry": "--batch-schedule",
+                         "batch schedule threshold": "--batch-schedule", "batch schedule batch": "--batch-schedule",
+                         "batch schedule first threshold": "--batch-schedule",
+                         "batch schedule thresholds": "--batch-schedule"}):
+            schedule = parse_step_schedule(batch_schedule)
+        first = schedule.first_batch
+        if global_batch is not None and global_batch != first:
+            raise SettingError("--batch-schedule", batch_schedule, f"a first stage of --global-batch {global_batch}",
+                               why=f"its first batch is {first}", flag=True)
+        for flag, value in (("--seq-len", seq_len), ("--total-tokens", total_tokens), ("--micro-batch", micro_batch)):
+            if value is None:
+                raise SettingError("--batch-schedule", batch_schedule, f"with {flag} given (stages count tokens)",
+                                   why=f"{flag} is missing", flag=True)
+        if grad_accum is None:
+            flags["global_batch"] = first
+    from ..errors import flag_names as _renamed
+
+    # the first stage of --batch-schedule is the plan's global batch: its errors name that flag
+    with _renamed({"global_batch": "--batch-schedule"} if schedule is not None and global_batch is None else {}):
+        report = make_plan(config, flags, dp_world_size=dp, round_down=round_down, names=flag_names_of("plan"))
+    stages = None
+    if schedule is not None and total_tokens is not None and seq_len is not None:  # both checked above
+        with flag_names({"global batch": "--batch-schedule", "global_batch": "--batch-schedule"}):
+            stages = schedule.stages(total=P.parse_count(total_tokens, "--total-tokens"), micro_batch=report.micro_batch,
+                                     dp_world_size=report.dp_world_size, units_per_sample=seq_len)
     warnings = list(report.warnings)
     memory_section = None
     if memory_inputs is not None:
@@ -118,6 +149,8 @@ def plan_cmd(
         if memory_section is not None:
             out["memory"] = memory_section
             out["warnings"] = warnings
+        if stages is not None:
+            out["batch_schedule"] = [dataclasses.asdict(st) for st in stages]
         typer.echo(json.dumps(out, indent=2, sort_keys=True))
     else:
         from rich.console import Console
@@ -128,6 +161,8 @@ def plan_cmd(
             from ..plan.memory import memory_table
 
             console.print(memory_table(memory_section))
+        if stages is not None:
+            console.print(_stages_table(stages, report.micro_batch, report.dp_world_size))
         if report.priors:
             console.print("priors are scaling-law predictions, not measurements: measure with `globalbatch sweep`/`noise`.")
     for w in warnings:
@@ -209,3 +244,19 @@ def _print_memory(inputs: tuple, micro_batch: Optional[int], as_json: bool) -> N
     Console(width=max(Console().width, 120)).print(memory_table(report))
     if report["largest_micro_batch"] == 0:
         typer.echo("warning: not even micro-batch 1 fits: the static bytes alone exceed --memory", err=True)
+
+
+def _stages_table(stages: list, micro_batch: int, dp_world_size: int):
+    """The batch schedule's stages: tokens, global batch, accum at micro × dp, optimizer steps."""
+    from rich.table import Table
+
+    fmt = "{:,}".format
+    table = Table(title="batch schedule (tokens)", title_justify="left")
+    for name in ("from", "to", "global batch", "grad accum", "tokens per step", "steps"):
+        table.add_column(name, justify="right")
+    for st in stages:
+        table.add_row(fmt(st.start), fmt(st.end), f"{fmt(st.global_batch)} seq",
+                      f"{st.grad_accum_steps} (× {micro_batch} × {dp_world_size})", fmt(st.units_per_step),
+                      fmt(st.optimizer_steps))
+    table.add_row("", "", "", "", "total", fmt(sum(st.optimizer_steps for st in stages)))
+    return table
