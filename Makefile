@@ -25,8 +25,11 @@ browser:
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
 	    echo "could not install chromium; tests/test_report.py will say how to get it"; }
 
+# The suite runs on every core through pytest-xdist; TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= auto
+
 test: $(STAMP) browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 clean:
 	rm -rf $(VENV) demo_out
