@@ -394,6 +394,9 @@ CASES = [
     _c("noise-half-life-inf", NOISE + ["--half-life-windows", "inf"], "--half-life-windows"),
     _c("noise-threads-zero", NOISE + ["--threads", "0"], "--threads"),
     _c("noise-optimizer", NOISE + ["--optimizer", "lion"], "--optimizer"),
+    _c("noise-budget-zero", NOISE + ["--budget", "0"], "--budget"),
+    _c("noise-budget-percent-over", NOISE + ["--budget", "150%"], "--budget"),
+    _c("noise-budget-word", NOISE + ["--budget", "two"], "--budget"),
     _c("noise-steps-word", NOISE + ["--steps", "many"], "--steps"),
     # branch
     _c("branch-base-zero", BRANCH + ["--base-batch", "0"], "--base-batch"),

@@ -253,3 +253,47 @@ def test_hooks_read_the_clock_in_a_windows_first_micro_batch_only():
         assert later == [2, 2, 2] and first >= 2 * n_params + 2
     c = mon.cost()  # 4 micro-batches: the hooks' time counted 4 times, one tick per hook each
     assert c.monitor_s >= 3 * 4 * n_params * 1e-6
+
+
+@pytest.mark.parametrize("text, value", [("0.02", 0.02), ("2%", 0.02), (" 5 % ".strip(), 0.05), ("0.5", 0.5)])
+def test_parse_budget_reads_a_fraction_or_a_percentage(text, value):
+    from globalbatch.noise.budget import parse_budget
+
+    assert parse_budget(text) == pytest.approx(value, rel=1e-12)
+
+
+@pytest.mark.parametrize("text", ["0", "1", "100%", "-0.02", "nan", "inf", "2x", "", "%"])
+def test_parse_budget_refuses_what_is_not_a_fraction_naming_the_field(text):
+    from globalbatch.noise.budget import parse_budget
+
+    with pytest.raises(SettingError) as exc:
+        parse_budget(text, "budget")
+    assert exc.value.field == "budget" and "0 < budget < 1" in str(exc.value)
+
+
+def test_noise_cli_budget_reports_the_cost_and_windows_measured(tmp_path, capsys):
+    """``globalbatch noise --budget 2%``: the run measures its own cost; the JSON and the text carry it."""
+    import json
+
+    from globalbatch.cli import main
+
+    tiny = ["--task-arg", "d_model=16", "--task-arg", "n_layer=1", "--task-arg", "n_head=2", "--task-arg", "seq_len=16",
+            "--task-arg", "max_corpus_bytes=200000"]
+    args = ["noise", *tiny, "--micro-batch", "2", "--grad-accum", "3", "--steps", "8", "--log-every", "4",
+            "--threads", "1", "--budget", "2%"]
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--out", str(tmp_path / "a"), "--json"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    cost = json.loads(out)["cost"]
+    assert cost["budget"] == pytest.approx(0.02)
+    assert cost["windows"] == 8 and cost["windows_measured"] + cost["windows_unmeasured"] == 8
+    assert 1 <= cost["windows_measured"] <= 8 and cost["every"] >= 1
+    assert cost["monitor_s"] > 0 and cost["step_s"] > 0
+    assert cost["fraction"] == pytest.approx(cost["monitor_s"] / cost["step_s"])
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--out", str(tmp_path / "b")])
+    text = capsys.readouterr().out
+    assert exc.value.code == 0
+    assert "monitor budget 2.00% of the step" in text
+    assert "noise monitor cost" in text and "budget 2.00%" in text and "windows measured" in text

@@ -97,6 +97,7 @@ def noise_cmd(
     log_every: int = typer.Option(5, "--log-every", help="Steps between estimates (rows of the curve)."),
     half_life_windows: float = typer.Option(10.0, "--half-life-windows", help="EMA half-life in windows of the global batch (forgetting is per unit)."),
     adam_variant: bool = typer.Option(False, "--adam-variant", help="Also report the Adam-preconditioned variant g/(√v̂+eps)."),
+    budget: Optional[str] = typer.Option(None, "--budget", help="The monitor's cost allowed, a fraction of the step time (0.02 or 2%): it times itself and measures one window in n to stay within it (default: every window)."),
     out: str = typer.Option("runs/noise", "--out", help="Directory for noise.csv (and tb/ with --tensorboard)."),
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also write TensorBoard scalars (pip install 'globalbatch[tensorboard]')."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N or mps (default cuda when available)."),
@@ -116,8 +117,11 @@ def noise_cmd(
     from .. import validate as V
     from .._util import flag_names
     from ..lab.noise_run import NoiseRunConfig, check_noise_settings, format_estimate, format_interval, measure_noise
+    from ..noise.budget import parse_budget
 
     names = flag_names_of("noise")
+    with flag_names(names):
+        budget_fraction = None if budget is None else parse_budget(budget, "budget")
     check_noise_settings(micro_batch=micro_batch, grad_accum_steps=grad_accum, steps=steps, lr=lr, optimizer=optimizer,
                          log_every=log_every, half_life_windows=half_life_windows, adam_variant=adam_variant,
                          threads=threads, world_size=int(os.environ.get("WORLD_SIZE", "1")), names=names)
@@ -132,10 +136,11 @@ def noise_cmd(
     cfg = NoiseRunConfig(task=task, task_overrides=V.key_values(task_arg, "task_arg"), micro_batch=micro_batch,
                          grad_accum_steps=grad_accum, steps=steps, lr=lr, optimizer=optimizer, seed=seed,
                          log_every=log_every, half_life_windows=half_life_windows, adam_variant=adam_variant,
-                         device=device, precision=precision)
+                         device=device, precision=precision, budget=budget_fraction)
     console = Console(width=max(Console().width, 140))
     header = [f"noise: {task}, {micro_batch} samples × {grad_accum} accum per rank, {steps} steps, lr {lr:g} "
-              f"({optimizer}); EMA half-life {half_life_windows:g} windows"]
+              f"({optimizer}); EMA half-life {half_life_windows:g} windows"
+              + ("" if budget_fraction is None else f"; monitor budget {budget_fraction:.2%} of the step")]
 
     def show(row: dict) -> None:
         if as_json:
@@ -158,7 +163,8 @@ def noise_cmd(
         return  # not rank 0
     if as_json:
         echo_json({"unit": result.unit, "dp_world_size": result.dp_world_size, "csv": result.csv_path,
-                    "rows": result.rows, "final": {k: dataclasses.asdict(e) for k, e in result.final.items()}})
+                    "rows": result.rows, "final": {k: dataclasses.asdict(e) for k, e in result.final.items()},
+                    "cost": None if result.cost is None else result.cost.to_dict()})
         return
     table = Table(title=f"B_simple curve ({result.unit}-mean loss; interval {next(iter(result.final.values())).confidence:.0%} Fieller)")
     keys = [k[len("b_simple_"):] for k in result.rows[0] if k.startswith("b_simple_")]
@@ -180,6 +186,8 @@ def noise_cmd(
         console.print(f"B_simple ({label}, per {unit}): {format_estimate(est)}; lr {est.lr:g}, "
                       f"batch {est.big_count:,.0f} {unit}s, {est.windows} windows", markup=False, highlight=False,
                       soft_wrap=True)
+    if result.cost is not None:
+        console.print(result.cost.text(), markup=False, highlight=False, soft_wrap=True)
     if result.csv_path:
         console.print(f"wrote {result.csv_path}" + (f" and {out}/tb" if tensorboard else ""))
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from globalbatch._util import atomic_write_text
+from globalbatch.noise.budget import MonitorCost
 from globalbatch.noise.estimator import NoiseScaleEstimate
 from globalbatch.noise.monitor import NoiseConfig, NoiseScaleMonitor
 from globalbatch.optim import optimizer_names
@@ -47,8 +48,13 @@ class NoiseRunConfig:
     """``cpu``, ``cuda``, ``cuda:N``, ``mps``; default cuda when available (under torchrun: ``cuda:LOCAL_RANK``)."""
     precision: str = "fp32"
     """``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast + GradScaler)."""
+    budget: float | None = None
+    """The monitor's cost allowed, a fraction of the bare step time (``NoiseConfig.budget``: it picks how often to
+    measure); None: every window is measured."""
 
     def __post_init__(self) -> None:
+        if self.budget is not None:
+            NoiseConfig(budget=self.budget)  # the one check of a budget
         check_noise_settings(micro_batch=self.micro_batch, grad_accum_steps=self.grad_accum_steps, steps=self.steps,
                              lr=self.lr, optimizer=self.optimizer, log_every=self.log_every,
                              half_life_windows=self.half_life_windows, adam_variant=self.adam_variant)
@@ -104,6 +110,8 @@ class NoiseRunResult:
     unit: str
     dp_world_size: int
     csv_path: str | None = None
+    cost: MonitorCost | None = None
+    """What the monitor measured of its own cost and the windows it measured (rank 0)."""
 
 
 def _row(step: int, res: Any, estimates: dict[str, NoiseScaleEstimate], keys: Sequence[str]) -> dict[str, Any]:
@@ -176,7 +184,8 @@ def measure_noise(config: NoiseRunConfig, *, out_dir: str | None = None, tensorb
     task = load_task_checked(config.task, config.task_overrides)  # before the TensorBoard writer makes files
     writer = _tensorboard_writer(os.path.join(out_dir or "runs/noise", "tb")) if tensorboard and rank == 0 else None
     try:
-        noise_config = NoiseConfig(half_life_windows=config.half_life_windows, adam=config.adam_variant)
+        noise_config = NoiseConfig(half_life_windows=config.half_life_windows, adam=config.adam_variant,
+                                   budget=config.budget)
         exp = Experiment(task, batch=config.micro_batch * config.grad_accum_steps * world, micro_batch=config.micro_batch,
                          optimizer=config.optimizer, lr=config.lr, seed=config.seed, device=device,
                          precision=config.precision, ddp=world > 1, measure_flops=True,
@@ -208,7 +217,8 @@ def measure_noise(config: NoiseRunConfig, *, out_dir: str | None = None, tensorb
                         on_row(row)
         final = monitor.estimates()
         final = {**{k: final[k] for k in keys if k in final}, **final}  # the curve's column order: loss unit first
-        return NoiseRunResult(rows=rows, final=final, unit=task.unit, dp_world_size=world, csv_path=csv_path)
+        return NoiseRunResult(rows=rows, final=final, unit=task.unit, dp_world_size=world, csv_path=csv_path,
+                              cost=monitor.cost())
     finally:
         if writer is not None:
             writer.close()

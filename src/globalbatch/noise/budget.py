@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EveryController", "MonitorCost", "EVERY_MAX"]
+__all__ = ["EveryController", "MonitorCost", "EVERY_MAX", "parse_budget"]
 
 EVERY_MAX = 1024
 """The most windows one measured window may stand for under a budget."""
@@ -71,6 +71,25 @@ class MonitorCost:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+
+
+def parse_budget(text: object, field: str = "budget") -> float:
+    """A budget typed as a fraction (``0.02``) or a percentage (``2%``) → the fraction, 0 < budget < 1.
+
+    Raises:
+        SettingError: naming ``field`` (the CLI renames it to its flag), with what is allowed.
+    """
+    from globalbatch.errors import Raw, SettingError
+
+    allowed = "a fraction of the step time, 0 < budget < 1 (0.02 or 2%)"
+    raw = str(text).strip()
+    try:
+        value = float(raw[:-1]) / 100.0 if raw.endswith("%") else float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0.0 < value < 1.0):  # "nan", "inf", "0", "150%", "2 %%"
+        raise SettingError(field, Raw(raw), allowed)
+    return value
 
 
 class EveryController:
