@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from globalbatch.errors import SettingError
 from globalbatch.optim import build_optimizer, lr_for_batch, lr_scaling_rule, optimizer_names
 from globalbatch.optim.large_batch import LAMB, LARS
 
@@ -244,7 +245,7 @@ def test_lars_bad_settings_name_the_field(kw, field):
 
 
 def test_lamb_bad_betas():
-    with pytest.raises(ValueError, match=r"betas\[1\] 1.0 is not allowed"):
+    with pytest.raises(SettingError, match=r"^betas\[1\] 1 is not allowed; allowed: a number >= 0.0 and < 1.0$"):
         LAMB([nn.Parameter(torch.zeros(2, 2))], betas=(0.9, 1.0))
 
 

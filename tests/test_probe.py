@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import globalbatch.probe.memory as probe_memory
+from globalbatch.errors import SettingError
 from globalbatch.probe import (
     MemoryModel,
     ProbeConfig,
@@ -249,7 +250,7 @@ def test_non_oom_error_is_raised_not_retried():
 
 
 def test_memory_limit_needs_measured_peaks():
-    with pytest.raises(ValueError, match="memory_limit_bytes 100 needs trials that measure peak_memory_bytes"):
+    with pytest.raises(SettingError, match=r"memory_limit_bytes 100 is not allowed \(run_trial\(\d+\) returned peak_memory_bytes None\)"):
         probe_micro_batch(FakeOOM(10), memory_limit_bytes=100)
 
 

@@ -128,10 +128,11 @@ class FeasibleBatches:
         if self.max_batch < self.min_batch:
             raise SettingError("max_batch", self.max_batch, f">= min_batch {self.min_batch}")
         if not self.candidates():
-            raise ValueError(
-                f"no feasible global batch in [{self.min_batch}, {self.max_batch}] divisible by micro_batch "
+            raise SettingError(
+                "max_batch", self.max_batch, f"a range [min_batch, max_batch] holding a multiple of micro_batch "
                 f"{self.micro_batch} × dp_world_size {self.dp_world_size} = {self.quantum}"
-                + (" that is a power of two" if self.powers_of_two else ""))
+                + (" that is a power of two" if self.powers_of_two else ""),
+                why=f"no feasible global batch in [{self.min_batch}, {self.max_batch}]")
 
     @property
     def quantum(self) -> int:
@@ -370,8 +371,7 @@ class AdaptiveBatchSchedule(BatchSchedule):
         if not callable(getattr(policy, "propose", None)):
             raise SettingError("policy", policy, "an object with propose(observation, feasible)")
         if not feasible.contains(initial_batch):
-            raise ValueError(f"initial_batch {initial_batch!r} is not allowed; allowed: a feasible batch, one of "
-                             f"{feasible.candidates()}")
+            raise SettingError("initial_batch", initial_batch, f"a feasible batch, one of {feasible.candidates()}")
         self.policy = policy
         self.feasible = feasible
         self.initial_batch = int(initial_batch)
@@ -512,8 +512,8 @@ class AdaptiveBatchSchedule(BatchSchedule):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if int(state["initial_batch"]) != self.initial_batch:
-            raise ValueError(f"checkpoint initial_batch {state['initial_batch']} differs from the schedule's "
-                             f"{self.initial_batch}; allowed: the same initial batch")
+            raise SettingError("checkpoint initial_batch", state["initial_batch"],
+                               f"the schedule's initial batch {self.initial_batch}")
         self.history = [BatchChange(**c) for c in state["history"]]
         self._streak = int(state["streak"])
         self._last_change_step = int(state["last_change_step"])

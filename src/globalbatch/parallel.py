@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 from torch import nn
 
+from globalbatch.errors import Raw, SettingError
+
 __all__ = ["ParallelInfo", "inspect_parallel", "unwrap_model", "uncompiled", "fsdp_module_class"]
 
 _MAX_DEPTH = 64  # wrappers nest a few levels deep; a cycle would be a bug in a wrapper
@@ -44,7 +46,7 @@ def uncompiled(model: nn.Module) -> nn.Module:
         if not isinstance(inner, nn.Module):
             return model
         model = inner
-    raise ValueError(f"model: more than {_MAX_DEPTH} nested torch.compile wrappers; allowed: a finite nesting")
+    raise SettingError("model", Raw(f"in more than {_MAX_DEPTH} nested torch.compile wrappers"), "a finite nesting")
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ def inspect_parallel(model: nn.Module) -> ParallelInfo:
             found = ("fsdp2", m, None)
         break
     else:
-        raise ValueError(f"model: more than {_MAX_DEPTH} nested wrappers; allowed: a finite nesting")
+        raise SettingError("model", Raw(f"in more than {_MAX_DEPTH} nested wrappers"), "a finite nesting")
     if found is None:
         return ParallelInfo(kind="none", sync_module=m, module=m, process_group=None, compiled=compiled)
     kind, sync_module, group = found

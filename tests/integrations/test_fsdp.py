@@ -16,6 +16,8 @@ import pytest
 pytest.importorskip("transformers", reason="install the [hf] extra")
 pytest.importorskip("accelerate", reason="install the [hf] extra")
 
+from globalbatch.errors import SettingError  # noqa: E402
+
 
 @pytest.mark.dist
 @pytest.mark.slow  # one torchrun launch, ~12 s
@@ -45,5 +47,5 @@ def test_deepspeed_and_fsdp1_are_refused_naming_why(monkeypatch, dt, fsdp_versio
         self.args = SimpleNamespace(n_gpu=1)
 
     monkeypatch.setattr(transformers.Trainer, "__init__", fake_init)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(SettingError, match=match):
         GlobalBatchTrainer(model=None)

@@ -17,6 +17,7 @@ from integ_common import (DocDataset, collate, hf_collator, max_rel_diff, refere
                           stdlib_documents, tiny_gpt2)
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
+from globalbatch.errors import SettingError  # noqa: E402
 from globalbatch.integrations.hf import GlobalBatchCallback, GlobalBatchTrainer  # noqa: E402
 from globalbatch.losses import causal_lm_loss_sum  # noqa: E402
 
@@ -129,14 +130,14 @@ def test_pinned_global_batch_rederives_accumulation_or_stops(tmp_path):
     trainer = GlobalBatchTrainer(model=tiny_gpt2(), args=_args(tmp_path, gradient_accumulation_steps=1),
                                  train_dataset=DocDataset(docs), data_collator=hf_collator, global_batch=8)
     assert trainer.args.gradient_accumulation_steps == 4
-    with pytest.raises(ValueError, match=r"global batch 7 is not divisible by micro_batch 2"):
+    with pytest.raises(SettingError, match=r"global batch 7 is not divisible by micro_batch 2"):
         GlobalBatchTrainer(model=tiny_gpt2(), args=_args(tmp_path), train_dataset=DocDataset(docs),
                            data_collator=hf_collator, global_batch=7)
     # A plain Trainer with the callback: the plan is checked at train start, before any step.
     plain = Trainer(model=tiny_gpt2(), args=_args(tmp_path), train_dataset=DocDataset(docs),
                     data_collator=hf_collator, callbacks=[GlobalBatchCallback(global_batch=16)])
-    with pytest.raises(ValueError, match=r"global_batch 16 is not what this run would train: micro_batch 2 × "
-                                         r"grad_accum_steps 4 × dp_world_size 1 = 8"):
+    with pytest.raises(SettingError, match=r"global_batch 16 is not allowed \(this run would train micro_batch 2 × "
+                                           r"grad_accum_steps 4 × dp_world_size 1 = 8\)"):
         plain.train()
     assert plain.state.global_step == 0
 

@@ -18,6 +18,7 @@ import torch  # noqa: E402
 from integ_common import (collate, list_logger, logged_per_window, max_rel_diff, reference_grads,  # noqa: E402
                           stdlib_documents, tiny_gpt2)
 
+from globalbatch.errors import SettingError  # noqa: E402
 from globalbatch.integrations.lightning import ExactAccumulationMixin, GlobalBatchCallback  # noqa: E402
 from globalbatch.losses import causal_lm_loss_sum  # noqa: E402
 
@@ -123,8 +124,8 @@ def test_callback_logs_and_noise_matches_the_monitor(capsys):
 def test_pinned_global_batch_mismatch_stops_before_any_step():
     docs = stdlib_documents(8)
     module = DefaultLM()
-    with pytest.raises(ValueError, match=r"global_batch 16 is not what this run would train: micro_batch 2 × "
-                                         r"grad_accum_steps 4 × dp_world_size 1 = 8"):
+    with pytest.raises(SettingError, match=r"global_batch 16 is not allowed \(this run would train micro_batch 2 × "
+                                           r"grad_accum_steps 4 × dp_world_size 1 = 8\)"):
         _fit(module, docs, callbacks=[GlobalBatchCallback(global_batch=16)], accumulate_grad_batches=ACCUM)
     # The mixin re-derives the accumulation from a pinned global batch for the world size.
     exact = ExactLM(micro_batch=MICRO, global_batch=8)

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from globalbatch.errors import SettingError
 from globalbatch.plan import solve_geometry
 
 __all__ = ["derive_grad_accum_steps", "check_plan", "plan_line", "WindowMeter", "noise_metrics", "CallbackSettings"]
@@ -26,20 +27,20 @@ class CallbackSettings:
 
 
 def derive_grad_accum_steps(global_batch: int, micro_batch: int, dp_world_size: int) -> int:
-    """Accumulation steps that keep ``global_batch`` on this world size; a ValueError with the numbers if none does."""
+    """Accumulation steps that keep ``global_batch`` on this world size; a SettingError with the numbers if none does."""
     return solve_geometry(global_batch=global_batch, micro_batch=micro_batch, dp_world_size=dp_world_size).grad_accum_steps
 
 
 def check_plan(*, global_batch: Optional[int], micro_batch: int, grad_accum_steps: int, dp_world_size: int) -> int:
-    """The global batch the framework will run; with a pinned ``global_batch`` a mismatch is a ValueError with the numbers."""
+    """The global batch the framework will run; with a pinned ``global_batch`` a mismatch is a SettingError with the numbers."""
     actual = micro_batch * grad_accum_steps * dp_world_size
     if global_batch is not None and actual != global_batch:
-        raise ValueError(
-            f"global_batch {global_batch} is not what this run would train: micro_batch {micro_batch} × "
-            f"grad_accum_steps {grad_accum_steps} × dp_world_size {dp_world_size} = {actual}; allowed: "
+        raise SettingError(
+            "global_batch", global_batch,
             f"grad_accum_steps = {global_batch} / ({micro_batch} × {dp_world_size}) when it divides "
-            "(GlobalBatchTrainer(global_batch=...) re-derives it), else change micro_batch or the world size"
-        )
+            "(GlobalBatchTrainer(global_batch=...) re-derives it), else change micro_batch or the world size",
+            why=f"this run would train micro_batch {micro_batch} × grad_accum_steps {grad_accum_steps} × "
+                f"dp_world_size {dp_world_size} = {actual}")
     return actual
 
 

@@ -142,14 +142,15 @@ class GlobalBatchTrainerMixin(_TrainerHost):
         targs = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
         if global_batch is not None:
             if targs is None:
-                raise ValueError("global_batch is set but no TrainingArguments were given; allowed: pass args=")
+                raise SettingError("args", None, "TrainingArguments (args=) when global_batch is set",
+                                   why=f"global_batch {global_batch} needs the per-device batch and world size")
             targs.gradient_accumulation_steps = derive_grad_accum_steps(
                 global_batch, targs.per_device_train_batch_size, targs.world_size)
         super().__init__(*args, **kwargs)
         dt = str(getattr(self.accelerator.distributed_type, "value", self.accelerator.distributed_type))
         if dt == "DEEPSPEED":
-            raise ValueError(
-                "distributed_type DEEPSPEED is not allowed; allowed: NO, MULTI_CPU, MULTI_GPU, FSDP (version 2). "
+            raise SettingError(
+                "distributed_type", Raw("DEEPSPEED"), "NO, MULTI_CPU, MULTI_GPU, FSDP (version 2)", why=
                 "DeepSpeed owns the loss and the step: engine.backward divides each loss by its "
                 "gradient_accumulation_steps (runtime/engine.py _scale_loss_by_gas; the Trainer turns that off with "
                 "scale_wrt_gas=False), averages gradients over ranks, and clips and applies its own fp16 loss scale "
@@ -157,9 +158,8 @@ class GlobalBatchTrainerMixin(_TrainerHost):
                 "its backward, so the noise monitor never sees a micro-batch gradient")
         fsdp_version = getattr(getattr(self.accelerator.state, "fsdp_plugin", None), "fsdp_version", None)
         if dt == "FSDP" and fsdp_version != 2:
-            raise ValueError(f"fsdp_version {fsdp_version} is not allowed; allowed: 2 (fsdp_config="
-                             "{'fsdp_version': 2}: FSDP2's fully_shard, whose unsharded gradients the noise monitor "
-                             "hooks)")
+            raise SettingError("fsdp_version", fsdp_version, "2 (fsdp_config={'fsdp_version': 2}: FSDP2's "
+                               "fully_shard, whose unsharded gradients the noise monitor hooks)")
         if dt not in _SUPPORTED and dt != "FSDP":
             raise SettingError("distributed_type", Raw(str(dt)), f"{', '.join(_SUPPORTED)}, FSDP "
                                "(single process, DDP or FSDP2)")
@@ -199,9 +199,9 @@ class GlobalBatchTrainerMixin(_TrainerHost):
         if not batch_samples:
             return batch_samples, None
         if not any(k in batch_samples[0] for k in self.gb_loss_head.label_keys):
-            raise ValueError(f"batch keys {sorted(batch_samples[0])} are not allowed; allowed: a batch with "
-                             f"{' or '.join(map(repr, self.gb_loss_head.label_keys))} (GlobalBatchTrainer computes "
-                             f"the {self.gb_loss_head.name} loss from them)")
+            raise SettingError("batch keys", sorted(batch_samples[0]), f"a batch with "
+                               f"{' or '.join(map(repr, self.gb_loss_head.label_keys))} (GlobalBatchTrainer computes "
+                               f"the {self.gb_loss_head.name} loss from them)")
         stats = torch.zeros(3, dtype=torch.float64, device=device)
         for b in batch_samples:
             ids = next((b[k] for k in ("input_ids", "labels", *self.gb_loss_head.label_keys) if k in b))
@@ -222,8 +222,7 @@ class GlobalBatchTrainerMixin(_TrainerHost):
         """The head's summed loss × dp_world_size / global count (training); its mean loss otherwise."""
         head = self.gb_loss_head
         if not any(k in inputs for k in head.label_keys):
-            raise ValueError(f"inputs keys {sorted(inputs)} are not allowed; allowed: inputs with "
-                             f"{' or '.join(map(repr, head.label_keys))}")
+            raise SettingError("inputs keys", sorted(inputs), f"inputs with {' or '.join(map(repr, head.label_keys))}")
         model_inputs = {k: v for k, v in inputs.items() if k not in head.label_keys}
         if head.decoder_inputs_from_labels and "decoder_input_ids" not in model_inputs:
             base = self.accelerator.unwrap_model(model)

@@ -139,8 +139,8 @@ class ExactAccumulationMixin(_ModuleHost):
             raise SettingError("loss_head", Raw(type(loss_head).__name__), "a globalbatch.losses.LossHead or None")
         self.gb_loss_head = loss_head
         if (grad_accum_steps is None) == (global_batch is None):
-            raise ValueError(f"grad_accum_steps {grad_accum_steps!r} and global_batch {global_batch!r}: allowed: "
-                             "exactly one of them")
+            raise SettingError("grad_accum_steps", grad_accum_steps, "exactly one of grad_accum_steps and global_batch",
+                               why=f"global_batch {global_batch!r}")
         self.automatic_optimization = False
         self.gb_micro_batch = int(micro_batch)
         self.gb_pinned_global_batch = global_batch
@@ -163,9 +163,8 @@ class ExactAccumulationMixin(_ModuleHost):
             base = getattr(self, "model", None)
             prepare = getattr(base, "prepare_decoder_input_ids_from_labels", None)
             if prepare is None:
-                raise ValueError("batch without decoder_input_ids is not allowed with a seq2seq head here: the "
-                                 "module has no self.model.prepare_decoder_input_ids_from_labels; allowed: put "
-                                 "decoder_input_ids in the batch")
+                raise SettingError("batch keys", sorted(batch), "a batch with decoder_input_ids for a seq2seq head",
+                                   why="the module has no self.model.prepare_decoder_input_ids_from_labels")
             inputs["decoder_input_ids"] = prepare(labels=batch["labels"])
         return head.loss_sum(self(**inputs), batch)
 
@@ -190,7 +189,7 @@ class ExactAccumulationMixin(_ModuleHost):
 
     def on_fit_start(self) -> None:
         if getattr(self, "gb_micro_batch", None) is None:
-            raise ValueError("configure_global_batch was not called; allowed: call it in __init__")
+            raise SettingError("configure_global_batch", Raw("not called"), "call it in __init__")
         if self.trainer.accumulate_grad_batches != 1:  # pragma: no cover - Lightning refuses this first
             raise SettingError("accumulate_grad_batches", Raw(str(self.trainer.accumulate_grad_batches)),
                                "1 (configure_global_batch sets the accumulation)")
@@ -215,16 +214,17 @@ class ExactAccumulationMixin(_ModuleHost):
         inside = {id(p) for p in root.parameters()}
         outside = [n for n, p in self.named_parameters() if p.requires_grad and id(p) not in inside]
         if outside:
-            raise ValueError(f"trainable parameters outside the fully_shard root {type(root).__name__} "
-                             f"({', '.join(outside[:3])}{', ...' if len(outside) > 3 else ''}) are not allowed; "
-                             "allowed: shard the module that holds every trainable parameter last in configure_model")
+            raise SettingError("model", Raw(f"with trainable parameters outside the fully_shard root "
+                                            f"{type(root).__name__} ({', '.join(outside[:3])}"
+                                            f"{', ...' if len(outside) > 3 else ''})"),
+                               "shard the module that holds every trainable parameter last in configure_model")
         return root
 
     def _gb_build_driver(self) -> StepDriver:
         model = self._gb_data_parallel_model()
         optimizer = self.optimizers()
         if isinstance(optimizer, list):
-            raise ValueError(f"{len(optimizer)} optimizers are not allowed; allowed: one")
+            raise SettingError("optimizers", Raw(str(len(optimizer))), "one")
         schedulers = self.lr_schedulers()
         cb = self._gb_callback()
         callbacks = []

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from globalbatch.errors import SettingError
 from globalbatch.validate import whole
 
 __all__ = ["GhostBatchNorm1d", "GhostBatchNorm2d", "GhostBatchNorm3d", "convert_to_ghost_bn",
@@ -43,11 +44,18 @@ def _check_ghost(ghost_batch_size: object) -> int:
 
 class _GhostBatchNorm(_BatchNorm):
     ghost_batch_size: int
+    _input_dims: tuple[tuple[int, ...], str]
+    """The input dimensions allowed, and how the error says them."""
 
     def __init__(self, num_features: int, ghost_batch_size: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  affine: bool = True, track_running_stats: bool = True, device=None, dtype=None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.ghost_batch_size = _check_ghost(ghost_batch_size)
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        dims, allowed = self._input_dims
+        if x.dim() not in dims:
+            raise SettingError("input dimensions", x.dim(), allowed)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", ghost_batch_size={self.ghost_batch_size}"
@@ -74,25 +82,19 @@ class _GhostBatchNorm(_BatchNorm):
 class GhostBatchNorm1d(_GhostBatchNorm):
     """BatchNorm1d with statistics over ghost batches of ``ghost_batch_size`` samples."""
 
-    def _check_input_dim(self, x: torch.Tensor) -> None:
-        if x.dim() not in (2, 3):
-            raise ValueError(f"input dimensions {x.dim()} are not allowed; allowed: 2 or 3 (N, C[, L])")
+    _input_dims = ((2, 3), "2 or 3 (N, C[, L])")
 
 
 class GhostBatchNorm2d(_GhostBatchNorm):
     """BatchNorm2d with statistics over ghost batches of ``ghost_batch_size`` samples."""
 
-    def _check_input_dim(self, x: torch.Tensor) -> None:
-        if x.dim() != 4:
-            raise ValueError(f"input dimensions {x.dim()} are not allowed; allowed: 4 (N, C, H, W)")
+    _input_dims = ((4,), "4 (N, C, H, W)")
 
 
 class GhostBatchNorm3d(_GhostBatchNorm):
     """BatchNorm3d with statistics over ghost batches of ``ghost_batch_size`` samples."""
 
-    def _check_input_dim(self, x: torch.Tensor) -> None:
-        if x.dim() != 5:
-            raise ValueError(f"input dimensions {x.dim()} are not allowed; allowed: 5 (N, C, D, H, W)")
+    _input_dims = ((5,), "5 (N, C, D, H, W)")
 
 
 _GHOST: dict[type, Type[_GhostBatchNorm]] = {

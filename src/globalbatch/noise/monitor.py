@@ -137,10 +137,11 @@ class NoiseScaleMonitor:
             raise SettingError("adam", True, "adam False (the variant is measured on plain and DDP models only)",
                                why="with an FSDP2 model")
         if process_group is not None and ddp is None and self._fsdp is None:
-            raise ValueError("process_group is not allowed with a plain module; allowed: a DDP model (the monitor "
-                             "sees each rank's gradient before the all-reduce)")
+            raise SettingError("process_group", Raw(repr(process_group)), "None with a plain module, or a DDP model (the "
+                               "monitor sees each rank's gradient before the all-reduce)")
         if comm_hook is not None and ddp is None:
-            raise ValueError("comm_hook is not allowed with a plain module; allowed: a DDP model")
+            raise SettingError("comm_hook", Raw(getattr(comm_hook, "__name__", type(comm_hook).__name__)),
+                               "None with a plain module, or a DDP model")
         self.model = model
         self._ddp = ddp
         self._params = [p for p in model.parameters() if p.requires_grad]
@@ -419,8 +420,9 @@ class NoiseScaleMonitor:
             self._slots_adam.drop()
             return
         if self._synced_micro >= 0:
-            raise ValueError(f"micro_backward: micro-batch {len(self._counts)} follows a DDP gradient sync in "
-                             f"micro-batch {self._synced_micro}: run all but the last under model.no_sync()")
+            raise SettingError("micro_backward", Raw(f"micro-batch {len(self._counts)} after a DDP gradient sync in "
+                                                     f"micro-batch {self._synced_micro}"),
+                               "all but the last micro-batch under model.no_sync()")
         if self._hook_rank:
             self._synced_micro = len(self._counts)
         if isinstance(count, torch.Tensor) and count.device.type == "cpu":
@@ -564,9 +566,8 @@ class NoiseScaleMonitor:
         k_local = len(self._counts)
         if k_local * self.dp_world_size < 2:
             if not (self._empty_micros and (k_local + self._empty_micros) * self.dp_world_size >= 2):
-                raise ValueError(f"grad_accum_steps {k_local} with dp_world_size {self.dp_world_size} is not "
-                                 f"allowed; allowed: ≥ 2 small batches per window (the noise scale "
-                                 f"{NEEDS_TWO_BATCH_SIZES})")
+                raise SettingError("grad_accum_steps", k_local, f"≥ 2 small batches per window (the noise scale "
+                                   f"{NEEDS_TWO_BATCH_SIZES})", why=f"with dp_world_size {self.dp_world_size}")
             if self.dp_world_size == 1:
                 self._last_measured = False  # empty micro-batches left fewer than two small batches: not measured
                 return

@@ -7,6 +7,8 @@ from typing import Any, Callable
 
 import torch
 
+from globalbatch.errors import Raw, SettingError
+
 _vector_norm = torch._C._linalg.linalg_vector_norm  # type: ignore[attr-defined]  # torch.linalg.vector_norm, called positionally in the hooks
 _FOLD_EVERY_HOST = 256  # windows queued on the CPU host path before a fold: a fold costs ≈ 2 ms of small calls
 
@@ -138,15 +140,16 @@ class _CommHookDispatch:
         disp = getattr(ddp, "_globalbatch_noise_hook", None)
         if disp is None:
             if getattr(ddp, "_comm_hooks", None):
-                raise ValueError("model: this DDP model already has a comm hook, and DDP allows one; allowed: "
-                                 "pass yours to the monitor (NoiseScaleMonitor(..., comm_hook=hook, comm_state=state)) "
-                                 "instead of registering it, or sources=('micro',) (no comm hook needed)")
+                raise SettingError("model", Raw("a DDP model with a comm hook"), "yours passed to the monitor "
+                                   "(NoiseScaleMonitor(..., comm_hook=hook, comm_state=state)) instead of registered, "
+                                   "or sources=('micro',) (no comm hook needed)", why="DDP allows one comm hook")
             disp = _CommHookDispatch(user_hook, user_state)
             ddp.register_comm_hook(group, disp.hook_for(group))
             ddp._globalbatch_noise_hook = disp
         elif user_hook is not None and user_hook is not disp.user_hook:
-            raise ValueError("comm_hook is not allowed here: this DDP model's comm hook is already set through "
-                             "another monitor; allowed: comm_hook=None (the monitors share it)")
+            raise SettingError("comm_hook", Raw(getattr(user_hook, "__name__", type(user_hook).__name__)),
+                               "None (the monitors share it)",
+                               why="this DDP model's comm hook is already set through another monitor")
         disp.monitors.append(monitor)
 
     def hook_for(self, group: Any) -> Callable[..., Any]:

@@ -51,10 +51,12 @@ from globalbatch.errors import SettingError
 __all__ = ["LARS", "LAMB"]
 
 
-def _check(name: str, value: float, low: float, high: float = float("inf"), *, open_low: bool = False) -> None:
+def _check(name: str, value: float, low: float, high: float = float("inf"), *, open_low: bool = False,
+           open_high: bool = False) -> None:
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not number or ((value <= low) if open_low else (value < low)) or value > high:
-        rng = f"{'>' if open_low else '>='} {low}" + ("" if high == float("inf") else f" and <= {high}")
+    if not number or ((value <= low) if open_low else (value < low)) or ((value >= high) if open_high else value > high):
+        rng = f"{'>' if open_low else '>='} {low}" + ("" if high == float("inf") else
+                                                      f" and {'<' if open_high else '<='} {high}")
         raise SettingError(name, value, f"a number {rng}")
 
 
@@ -106,7 +108,8 @@ class LARS(torch.optim.Optimizer):
         _check("trust_coefficient", trust_coefficient, 0.0, open_low=True)
         _check("eps", eps, 0.0)
         if nesterov and momentum == 0:
-            raise ValueError("nesterov True with momentum 0 is not allowed; allowed: nesterov with momentum > 0")
+            raise SettingError("nesterov", True, "False with momentum 0 (Nesterov needs momentum > 0)",
+                               why="with momentum 0")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient,
                         eps=eps, nesterov=nesterov, exclude_1d=exclude_1d, trust_ratio=trust_ratio)
         super().__init__(params, defaults)
@@ -156,9 +159,7 @@ class LAMB(torch.optim.Optimizer):
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise SettingError("betas", betas, "two numbers in [0, 1)")
         for i, b in enumerate(betas):
-            _check(f"betas[{i}]", b, 0.0, 1.0)
-            if b == 1.0:
-                raise ValueError(f"betas[{i}] {b!r} is not allowed; allowed: a number >= 0 and < 1")
+            _check(f"betas[{i}]", b, 0.0, 1.0, open_high=True)
         _check("eps", eps, 0.0)
         _check("weight_decay", weight_decay, 0.0)
         if max_weight_norm is not None:

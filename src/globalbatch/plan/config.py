@@ -182,7 +182,7 @@ def _coerce(name: str, value: Any) -> Any:
         if value not in P.LR_RULES:
             raise SettingError("lr_rule", value, ", ".join(P.LR_RULES))
         return str(value)
-    raise ValueError(f"{name} is not a PlanConfig field")  # pragma: no cover
+    raise RuntimeError(f"{name} is not a PlanConfig field")  # pragma: no cover
 
 
 def _nonneg_int(name: str, value: Any) -> int:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from globalbatch.errors import SettingError
 from globalbatch.probe.trial import TrialResult
 
 _OOM_MESSAGES = (
@@ -181,7 +182,7 @@ def _read_status_kib(key: str) -> int:
         for line in fh:
             if line.startswith(key + ":"):
                 return int(line.split()[1])
-    raise ValueError(f"cpu_memory 'rss' needs {key} in /proc/self/status; allowed on Linux only")
+    raise SettingError("cpu_memory", "rss", "'rss' on Linux only", why=f"no {key} in /proc/self/status")
 
 
 def _reset_peak_rss() -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Optional, cast
 
-from globalbatch.errors import SettingError
+from globalbatch.errors import Raw, SettingError
 from globalbatch.plan import BatchGeometry, solve_geometry
 from globalbatch.probe import memory  # memory.release_memory() looked up per call: tests patch it
 from globalbatch.probe.memory import MemoryModel, fit_memory_model, is_oom_error
@@ -266,13 +266,13 @@ class _Search:
             memory.release_memory()
             result = TrialResult(micro_batch=size, oom=True, note=oom_note or "out of memory")
         if result.micro_batch != size:
-            raise ValueError(f"run_trial({size}) returned a TrialResult for micro_batch {result.micro_batch}; "
-                             "allowed: the size it was asked to run")
+            raise SettingError("run_trial", Raw(f"returning a TrialResult for micro_batch {result.micro_batch}"),
+                               f"a TrialResult for the size it was asked to run ({size})")
         limit = self.config.memory_limit_bytes
         if not result.oom and limit is not None:
             if result.peak_memory_bytes is None:
-                raise ValueError(f"memory_limit_bytes {limit} needs trials that measure peak_memory_bytes; "
-                                 f"run_trial({size}) returned None")
+                raise SettingError("memory_limit_bytes", limit, "None, or trials that measure peak_memory_bytes",
+                                   why=f"run_trial({size}) returned peak_memory_bytes None")
             if result.peak_memory_bytes > limit:
                 result = dataclasses.replace(
                     result, oom=True, step_time_s=None,
