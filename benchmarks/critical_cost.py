@@ -95,6 +95,7 @@ def main(argv=None) -> int:
                     "still be running elsewhere); analyse later with --analyze-only")
     args = ap.parse_args(argv)
 
+    from globalbatch.critical import AnalysisSettings
     from globalbatch.lab.sweep import analyze_sweep_seeds, run_sweep
 
     base = config_for(args.task)
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
                 print(f"  {name} rep {r}: {len(res.ran)} trials run, {linked} reused, {time.time() - t0:,.0f} s so far",
                       flush=True)
             try:
-                _, sa = analyze_sweep_seeds(run, targets=targets)
+                _, sa = analyze_sweep_seeds(run, settings=AnalysisSettings(targets=targets))
             except Exception as exc:  # a design that cannot be analysed at the full sweep's targets is a miss
                 notes.append(f"rep {r}: {exc}")
                 fracs.append(_tokens(run) / full_tokens)

@@ -78,6 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--analyze-only", action="store_true", help="analyse the finished trials in --out, run nothing")
     args = ap.parse_args(argv)
 
+    from globalbatch.critical import AnalysisSettings
     from globalbatch.lab.sweep import analyze_sweep_seeds, run_sweep
 
     cfg = config_for(args.task, args.config)
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
           f"{sum(get(s, 'eval_time_s') for s in data.summaries.values()) / max(cpu, 1e-9):.0%})")
 
     for readout in ("heldout", "train"):
-        data, sa = analyze_sweep_seeds(out, readout=readout)
+        data, sa = analyze_sweep_seeds(out, settings=AnalysisSettings(readout=readout))
         name = {"heldout": "held-out read-out (default)", "train": "training-loss read-out, EMA ≥ 2% of the budget"}[readout]
         print(f"\n== {name}")
         share = sa.monotone_share()

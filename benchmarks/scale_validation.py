@@ -520,12 +520,13 @@ def check_timing(sweep: str | None) -> dict:
 # ---------------------------------------------------------------------------
 
 def check_transfer(sweep: str, sweep2: str) -> dict:
+    from globalbatch.critical import AnalysisSettings
     from globalbatch.lab.sweep.store import analyze_sweep_seeds
 
     _, a1 = analyze_sweep_seeds(sweep)
     targets = [st.target for st in a1.targets]
     try:
-        _, a2 = analyze_sweep_seeds(sweep2, targets=targets)
+        _, a2 = analyze_sweep_seeds(sweep2, settings=AnalysisSettings(targets=targets))
     except ValueError as exc:
         print(f"\n[T] transfer: the second sweep does not reach the first one's targets ({exc})")
         return {"error": str(exc)}

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from globalbatch.critical import (
+    AnalysisSettings,
     BatchPoint,
     Curve,
     analyze,
@@ -152,7 +153,7 @@ def synthetic_curves(rng, *, batches=(16, 32, 64, 128, 256, 512), lrs=(3e-4, 1e-
 def test_analyze_recovers_b_crit_and_best_lr_from_curves():
     rng = np.random.default_rng(0)
     curves = synthetic_curves(rng)
-    res = analyze(curves, n_targets=3, n_tighter=2)
+    res = analyze(curves, settings=AnalysisSettings(first_seed_n_targets=3, n_tighter=2))
     assert len(res.targets) == 5
     primary = res.targets[0]
     # Every batch reaches the primary target (that is how it is chosen), with LR 1e-3.
@@ -291,19 +292,19 @@ def test_analyze_rejects_bad_settings_instead_of_dropping_the_recommendation():
     curves = [Curve(batch_size=b, lr=1e-3, examples=b * np.arange(1, 201), loss=3.0 - 1e-5 * b * np.arange(200),
                     examples_per_s=1.0) for b in (8, 16, 32, 64)]
     with pytest.raises(ValueError, match="^objective 'speed' is not allowed; allowed: time, cost$"):
-        analyze(curves, objective="speed")
+        analyze(curves, settings=AnalysisSettings(objective="speed"))
     for bad in (-1, 5, 1.0):
         with pytest.raises(ValueError, match=f"^tolerance {bad:g} is not allowed; allowed: a fraction, 0 ≤ tolerance < 1"):
-            analyze(curves, tolerance=bad)
+            analyze(curves, settings=AnalysisSettings(tolerance=bad))
     with pytest.raises(ValueError, match="ema_fraction 0 is not allowed"):
-        analyze(curves, ema_fraction=0.0)
+        analyze(curves, settings=AnalysisSettings(ema_fraction=0.0))
     with pytest.raises(ValueError, match="halflife_steps -1 is not allowed"):
-        analyze(curves, halflife_steps=-1.0)
+        analyze(curves, settings=AnalysisSettings(halflife_steps=-1.0))
     # Without throughput a time objective has no recommendation, but the fits stand.
     slow = [Curve(batch_size=c.batch_size, lr=c.lr, examples=c.examples, loss=c.loss) for c in curves]
-    a = analyze(slow, targets=[2.99])
+    a = analyze(slow, settings=AnalysisSettings(first_seed_targets=[2.99]))
     assert a.recommendation is None and a.targets[0].points
-    assert analyze(slow, targets=[2.99], objective="cost").recommendation is not None
+    assert analyze(slow, settings=AnalysisSettings(first_seed_targets=[2.99], objective="cost")).recommendation is not None
 
 
 def test_flat_steps_give_a_sane_upper_bound_over_many_seeds():

@@ -13,7 +13,8 @@ import math
 import numpy as np
 import pytest
 
-from globalbatch.critical import Curve
+from globalbatch.critical import AnalysisSettings, Curve
+from globalbatch.errors import SettingError
 from globalbatch.critical.seeds import analyze_seeds, lr_falls, lr_selection_text, seed_analysis_json
 from test_critical_seeds import BATCHES, BUDGET, b_crit_true, s_min_true
 
@@ -61,7 +62,7 @@ def two_lr_curves(seeds=(0, 1, 2)):
 def test_one_lr_per_batch_is_kept_where_it_serves_every_target():
     """Every batch's best LR is the same at every target: auto = per batch at every target, and says so."""
     curves = [curve(b, s, lr, f) for s in (0, 1, 2) for b in BATCHES for lr, f in ((1e-3, 1.0), (2e-3, 1.25))]
-    a = analyze_seeds(curves, n_targets=5)
+    a = analyze_seeds(curves, settings=AnalysisSettings(n_targets=5))
     assert all(st.lr_selection == "per_batch" for st in a.targets)
     assert a.lr_falls == []
     assert "one LR per batch at every target" in lr_selection_text(a)
@@ -77,9 +78,8 @@ def test_lr_rechosen_per_target_where_one_lr_per_batch_leaves_seeds_non_monotone
     targets non-monotone; auto re-chooses the LR there (≥ 90 % of cells monotone, from < 90 %), and the statement
     says where and why."""
     curves = two_lr_curves()
-    kw = dict(n_targets=5)
-    one = analyze_seeds(curves, lr_selection="per_batch", **kw)
-    auto = analyze_seeds(curves, **kw)
+    one = analyze_seeds(curves, settings=AnalysisSettings(n_targets=5, lr_selection="per_batch"))
+    auto = analyze_seeds(curves, settings=AnalysisSettings(n_targets=5))
     assert [st.target for st in one.targets] == [st.target for st in auto.targets]
     early = [st for st in one.targets if not st.all_monotone]
     assert len(early) >= 2 and all(st.target > 2.9 for st in early)  # the failure one LR per batch has
@@ -96,10 +96,10 @@ def test_lr_rechosen_per_target_where_one_lr_per_batch_leaves_seeds_non_monotone
     doc = seed_analysis_json(auto, lambda u: int(u))
     assert doc["lr_selection"] == "auto" and "re-chosen" in doc["lr_selection_text"]
     assert {t["lr_selection"] for t in doc["targets"]} == {"per_batch", "per_target"}
-    per_target = analyze_seeds(curves, lr_selection="per_target", **kw)
+    per_target = analyze_seeds(curves, settings=AnalysisSettings(n_targets=5, lr_selection="per_target"))
     assert all(st.lr_selection == "per_target" for st in per_target.targets)
-    with pytest.raises(ValueError, match="lr_selection"):
-        analyze_seeds(curves, lr_selection="best", **kw)
+    with pytest.raises(SettingError, match="lr_selection"):
+        AnalysisSettings(n_targets=5, lr_selection="best")
 
 
 def test_a_chosen_lr_that_falls_as_the_batch_grows_is_flagged():
@@ -110,7 +110,7 @@ def test_a_chosen_lr_that_falls_as_the_batch_grows_is_flagged():
         for b in BATCHES:
             lo, hi = {1000.0: (1.3, 1.0), 2000.0: (1.0, 1.3)}.get(b, (1.0, 1.3))
             curves += [curve(b, s, 1e-3 * math.sqrt(b / 250), lo), curve(b, s, 2e-3 * math.sqrt(b / 250), hi)]
-    a = analyze_seeds(curves, n_targets=4)
+    a = analyze_seeds(curves, settings=AnalysisSettings(n_targets=4))
     falls = a.lr_falls
     assert len(falls) == 1
     f = falls[0]
@@ -122,7 +122,7 @@ def test_a_chosen_lr_that_falls_as_the_batch_grows_is_flagged():
     # The same LR rising with the batch: nothing flagged.
     good = [c for c in curves if c.batch_size not in (1000.0, 2000.0)]
     good += [curve(b, s, 1e-3 * math.sqrt(b / 250), 1.0) for s in (0, 1, 2) for b in (1000.0, 2000.0)]
-    assert lr_falls(analyze_seeds(good, n_targets=4).targets) == []
+    assert lr_falls(analyze_seeds(good, settings=AnalysisSettings(n_targets=4)).targets) == []
 
 
 def test_refine_cells_run_the_rules_lr_from_the_neighbour_once():
@@ -171,9 +171,8 @@ def test_narrow_design_runs_the_base_grid_then_the_rules_lr_elsewhere():
 def test_one_settings_dataclass_for_every_analysis_and_the_old_keywords_still_work():
     from dataclasses import FrozenInstanceError
 
-    from globalbatch.critical import AnalysisSettings, analyze
+    from globalbatch.critical import analyze
     from globalbatch.critical.settings import settings_from
-    from globalbatch.errors import SettingError
 
     s = AnalysisSettings(objective="cost", tolerance=0.1, n_targets=3)
     with pytest.raises(FrozenInstanceError):
@@ -183,14 +182,20 @@ def test_one_settings_dataclass_for_every_analysis_and_the_old_keywords_still_wo
                 dict(targets=[float("nan")]), dict(min_window_fraction=1.5)):
         with pytest.raises(SettingError, match=next(iter(bad))):
             AnalysisSettings(**bad)
-    assert settings_from(s, tolerance=0.2).tolerance == 0.2 and settings_from(s).n_targets == 3
+    assert settings_from(s, {}, caller="f") is s
+    with pytest.warns(FutureWarning, match=r"f\(tolerance=\) is deprecated: pass settings=AnalysisSettings\(tolerance="):
+        assert settings_from(s, {"tolerance": 0.2}, caller="f").tolerance == 0.2
+    with pytest.raises(TypeError, match="f\\(\\) got unexpected keyword argument\\(s\\): n_tagrets"):
+        settings_from(s, {"n_tagrets": 3}, caller="f")
     curves = [curve(b, sd, lr, f) for sd in (0, 1) for b in BATCHES for lr, f in ((1e-3, 1.0), (2e-3, 1.25))]
-    by_kw = analyze_seeds(curves, n_targets=3, objective="cost", tolerance=0.1)
+    with pytest.warns(FutureWarning, match="analyze_seeds"):  # the old keywords: one release, with a warning
+        by_kw = analyze_seeds(curves, n_targets=3, objective="cost", tolerance=0.1)
     by_settings = analyze_seeds(curves, settings=s)
     assert [t.target for t in by_kw.targets] == [t.target for t in by_settings.targets]
     assert [t.b_crit for t in by_kw.targets] == [t.b_crit for t in by_settings.targets]
     assert by_kw.recommendation.batch_size == by_settings.recommendation.batch_size
     first = [c for c in curves if c.seed == 0]
-    a1 = analyze(first, n_targets=3, n_tighter=1, objective="cost")
+    with pytest.warns(FutureWarning, match="analyze"):
+        a1 = analyze(first, n_targets=3, n_tighter=1, objective="cost")
     a2 = analyze(first, settings=AnalysisSettings(first_seed_n_targets=3, n_tighter=1, objective="cost"))
     assert [t.target for t in a1.targets] == [t.target for t in a2.targets] and len(a1.targets) == 4

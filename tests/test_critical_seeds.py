@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 
-from globalbatch.critical import Curve
+from globalbatch.critical import AnalysisSettings, Curve
 from globalbatch.critical.seeds import (analyze_seeds, common_lr, common_targets, fit_joint, is_monotone,
                                         recommend_over_seeds, seed_analysis_json, target_over_seeds)
 from globalbatch.critical.readout import heldout_crossing, monotone_fit
@@ -96,7 +96,7 @@ def test_heldout_readout_is_monotone_and_recovers_b_crit_over_many_seeds():
     mono, errors, ks, covered, n_int = [], [], [], 0, 0
     for rep in range(10):
         curves = _curves([3 * rep, 3 * rep + 1, 3 * rep + 2])
-        a = analyze_seeds(curves, n_targets=5)
+        a = analyze_seeds(curves, settings=AnalysisSettings(n_targets=5))
         mono += [m for t in a.targets for m in t.monotone.values()]
         for t in a.targets:
             if t.b_crit is not None:
@@ -147,7 +147,7 @@ def test_non_monotone_cells_are_flagged_and_left_out_of_the_fit():
     curves = _curves([0, 1, 2])
     bad = next(c for c in curves if c.seed == 1 and c.batch_size == 1000.0)
     bad.eval_loss = bad.eval_loss + 0.3  # that batch now needs far more steps than batch 500
-    a = analyze_seeds(curves, n_targets=4)
+    a = analyze_seeds(curves, settings=AnalysisSettings(n_targets=4))
     for t in a.targets:
         assert not t.monotone[1] and t.b_crit_per_seed[1] is None
         assert "non-monotone" in t.b_crit_text_per_seed[1]
@@ -169,7 +169,7 @@ def test_joint_fit_recovers_exact_parameters():
 
 def test_recommendation_states_probabilities_and_ties():
     curves = _curves([0, 1, 2, 3, 4])
-    a = analyze_seeds(curves, n_targets=3)
+    a = analyze_seeds(curves, settings=AnalysisSettings(n_targets=3))
     rec = a.recommendation
     assert rec is not None and sum(rec.probability_fastest.values()) == pytest.approx(1.0)
     assert set(rec.per_seed) == {0, 1, 2, 3, 4} and rec.batch_size in rec.tie
@@ -187,7 +187,7 @@ def test_recommendation_states_probabilities_and_ties():
 
 def test_json_has_the_documented_keys():
     curves = _curves([0, 1, 2])
-    a = analyze_seeds(curves, n_targets=3)
+    a = analyze_seeds(curves, settings=AnalysisSettings(n_targets=3))
     doc = seed_analysis_json(a, lambda u: int(u // 62))
     t = doc["targets"][0]
     for key in ("target_loss", "b_crit", "b_crit_per_seed", "steps_to_target", "monotone"):
@@ -203,7 +203,7 @@ def test_b_simple_is_read_at_the_same_losses_from_the_best_lr_trials():
     curves = _curves([0, 1])
     for c in curves:
         c.b_simple = [(e, 100.0 + e / 100.0) for e in np.geomspace(BUDGET / 100, BUDGET, 10)]  # rises along the run
-    a = analyze_seeds(curves, n_targets=3)
+    a = analyze_seeds(curves, settings=AnalysisSettings(n_targets=3))
     assert set(a.b_simple) == {t.target for t in a.targets}
     locals_ = [a.b_simple[t.target]["local"] for t in a.targets]
     assert locals_ == sorted(locals_)  # tighter targets are reached later, where B_simple is larger
@@ -257,7 +257,7 @@ def test_the_primary_targets_lr_is_kept_at_every_target_and_targets_follow_it():
             c.eval_loss[:] = np.maximum(c.eval_loss, 2.8)
             c.loss[:] = np.maximum(c.loss, 2.8)
             curves.append(c)
-    a = analyze_seeds(curves, n_targets=4)
+    a = analyze_seeds(curves, settings=AnalysisSettings(n_targets=4))
     assert a.targets[-1].target < 2.8 and a.targets[0].target > 2.8  # the range spans where A stalls
     for st in a.targets:
         assert all(st.best_lr[b][s] == 1e-3 for b in BATCHES for s in seeds), st.target

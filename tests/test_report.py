@@ -18,6 +18,7 @@ import pytest
 
 from globalbatch._util import atomic_write_json
 from globalbatch.lab.sweep import SweepConfig, load_sweep
+from globalbatch.critical import AnalysisSettings
 from globalbatch.lab.report import write_report
 
 TOKENS_PER_SAMPLE = 20
@@ -85,7 +86,7 @@ class _Images(HTMLParser):
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep")
     write_synthetic_sweep(out)
-    return write_report(out, n_targets=3)
+    return write_report(out, settings=AnalysisSettings(first_seed_n_targets=3))
 
 
 def test_report_recovers_known_b_crit_end_to_end(report):
@@ -183,7 +184,7 @@ def test_throughput_comes_from_the_timing_pass_not_the_contended_trials(tmp_path
             s = json.loads(f.read_text())
             s["units_per_s"] = 1e9 if b == 16 else 1e3  # contention-distorted in-trial numbers
             atomic_write_json(f, s)
-    res = write_report(tmp_path, tmp_path / "r", n_targets=1)
+    res = write_report(tmp_path, tmp_path / "r", settings=AnalysisSettings(first_seed_n_targets=1))
     assert res.analysis.recommendation.batch_size == 64 * TOKENS_PER_SAMPLE
     page = Path(res.html).read_text()
     assert "in-trial tokens/s" in page and "1,000,000,000" in page
@@ -195,11 +196,36 @@ def test_report_shows_the_timing_pass_mfu(tmp_path):
     for i, b in enumerate((16, 32, 64, 128, 256, 512)):
         atomic_write_json(tmp_path / "timing" / f"b{b}.json",
                           {"batch": b, "units_per_s": 2000.0 * math.sqrt(b * TOKENS_PER_SAMPLE), "mfu": 0.125 + i / 100})
-    res = write_report(tmp_path, tmp_path / "r", n_targets=1)
+    res = write_report(tmp_path, tmp_path / "r", settings=AnalysisSettings(first_seed_n_targets=1))
     page = Path(res.html).read_text()
     shown = [f"{0.125 + i / 100:.1%}" for i in range(6)]
     assert sum(s in page for s in shown) >= 3  # the batches that reached the target show their MFU
 
+
+def test_the_old_analysis_keywords_still_work_with_a_future_warning(tmp_path):
+    """write_report, analyze_sweep, analyze_sweep_seeds and seed_analysis_or_note took their settings as keywords
+    before AnalysisSettings; for one release they still do, with a FutureWarning naming the new spelling."""
+    from globalbatch.errors import SettingError
+    from globalbatch.lab.report import seed_analysis_or_note
+    from globalbatch.lab.sweep import analyze_sweep, analyze_sweep_seeds
+
+    write_synthetic_sweep(tmp_path, with_noise_scale=False)
+    first = AnalysisSettings(first_seed_n_targets=1)
+    with pytest.warns(FutureWarning, match=r"write_report\(n_targets=\) is deprecated: pass "
+                                           r"settings=AnalysisSettings\(first_seed_n_targets=\)"):
+        res = write_report(tmp_path, tmp_path / "r", n_targets=1)
+    with pytest.warns(FutureWarning, match=r"analyze_sweep\(n_targets=\)"):
+        _, old = analyze_sweep(tmp_path, n_targets=1)
+    _, new = analyze_sweep(tmp_path, settings=first)
+    assert [t.target for t in res.analysis.targets] == [t.target for t in old.targets] == [t.target for t in new.targets]
+    assert len(new.targets) == 1 + first.n_tighter and res.analysis.recommendation.batch_size == new.recommendation.batch_size
+    with pytest.warns(FutureWarning, match=r"analyze_sweep_seeds\(readout=\)"), \
+            pytest.raises(SettingError, match="share a loss range"):
+        analyze_sweep_seeds(tmp_path, readout="heldout")
+    with pytest.warns(FutureWarning, match=r"seed_analysis_or_note\(readout=\)"):
+        assert seed_analysis_or_note(tmp_path, readout="heldout")[1] is not None
+    with pytest.raises(TypeError, match=r"write_report\(\) got unexpected keyword argument\(s\): n_tagrets"):
+        write_report(tmp_path, n_tagrets=1)
 
 def test_extrapolated_b_crit_is_reported_as_a_one_sided_bound(tmp_path):
     """Every batch in the perfect-scaling regime: no two-sided CI, a lower bound instead."""
@@ -219,7 +245,7 @@ def test_extrapolated_b_crit_is_reported_as_a_one_sided_bound(tmp_path):
         atomic_write_json(d / "summary.json", {"completed": True, "trial": t.name, "batch": t.batch, "lr": t.lr, "unit": "token",
                                                "steps": n, "consumed": n * b_tok, "mean_batch_units": float(b_tok),
                                                "units_per_s": 1000.0, "final_val_loss": float(loss[-1])})
-    res = write_report(tmp_path, tmp_path / "r", targets=[2.0])
+    res = write_report(tmp_path, tmp_path / "r", settings=AnalysisSettings(first_seed_targets=[2.0]))
     t = res.analysis.targets[0]
     assert t.fit is not None and t.b_crit_bound is not None and t.b_crit_bound[0] == "lower" and t.b_crit_ci95 is None
     page = Path(res.html).read_text()
@@ -233,7 +259,7 @@ def test_no_legend_warning_when_nothing_is_labelled(tmp_path):
     write_synthetic_sweep(tmp_path, with_noise_scale=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # any UserWarning fails the test
-        res = write_report(tmp_path, tmp_path / "r", targets=[0.5])
+        res = write_report(tmp_path, tmp_path / "r", settings=AnalysisSettings(first_seed_targets=[0.5]))
     assert res.analysis.recommendation is None and res.analysis.targets[0].points == []
 
 
@@ -245,7 +271,7 @@ def test_header_throughput_source_and_load_warning(tmp_path):
     s = json.loads(f.read_text())
     s["units_per_s"] *= 2.1
     atomic_write_json(f, s)
-    res = write_report(tmp_path, tmp_path / "r", n_targets=1)
+    res = write_report(tmp_path, tmp_path / "r", settings=AnalysisSettings(first_seed_n_targets=1))
     page = Path(res.html).read_text()
     assert "task <code>tinygpt</code>; batches" in page and "{}" not in page.split("<h2>")[0]
     text = res.analysis.recommendation.text()
@@ -256,7 +282,7 @@ def test_header_throughput_source_and_load_warning(tmp_path):
     assert "warning: batch 32: in-trial tokens/s vary 2.1×" in text and "warning: batch 32" in page
     for b in (16, 32, 64, 128, 256, 512):
         atomic_write_json(tmp_path / "timing" / f"b{b}.json", {"batch": b, "units_per_s": 1000.0 * b})
-    res = write_report(tmp_path, tmp_path / "r2", n_targets=1)
+    res = write_report(tmp_path, tmp_path / "r2", settings=AnalysisSettings(first_seed_n_targets=1))
     assert "(timed pass)" in res.analysis.recommendation.text() and "the timed pass is used" in res.analysis.warnings[0]
     assert "timing pass" in Path(res.html).read_text()
 
@@ -315,7 +341,7 @@ class _Sections(HTMLParser):
 def seeds_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep_seeds")
     write_synthetic_sweep(out, seeds=[0, 1, 2], with_noise_scale=False)
-    return write_report(out, n_targets=3, readout="train")  # (its few held-out points share no loss range)
+    return write_report(out, settings=AnalysisSettings(first_seed_n_targets=3, readout="train"))  # (its few held-out points share no loss range)
 
 
 def test_one_answer_per_page_comparisons_collapsed(seeds_report):

@@ -20,6 +20,7 @@ from globalbatch.lab.rundir import pid_alive
 
 from globalbatch import validate as V
 from globalbatch._util import atomic_write_json, read_jsonl
+from globalbatch.critical import AnalysisSettings
 from globalbatch.errors import SettingError
 from globalbatch.lab.sweep import SweepConfig, analyze_sweep, load_sweep, run_sweep, run_trial
 
@@ -146,7 +147,7 @@ def test_rerun_skips_finished_trials_and_changed_grid_is_an_error(reference_swee
 
 def test_analyze_sweep_gives_points_and_recommendation(reference_sweep):
     out, _, _ = reference_sweep
-    data, analysis = analyze_sweep(out, n_targets=2)
+    data, analysis = analyze_sweep(out, settings=AnalysisSettings(first_seed_n_targets=2))
     primary = analysis.targets[0]
     assert {p.batch_size for p in primary.points} == set(data.batch_units().values())
     assert analysis.recommendation is not None and "recommend batch" in analysis.recommendation.text()
@@ -396,7 +397,7 @@ def test_timing_pass_is_sequential_recorded_and_used_by_the_analysis(reference_s
         # the best-LR config of the batch (lowest final validation loss)
         best = min((s for s in res.summaries if s["batch"] == b), key=lambda s: s["final_val_loss"])
         assert rec["lr"] == best["lr"]
-    data, analysis = analyze_sweep(out, n_targets=2)
+    data, analysis = analyze_sweep(out, settings=AnalysisSettings(first_seed_n_targets=2))
     units = data.batch_units()
     for p in analysis.targets[0].points:
         b = next(k for k, v in units.items() if v == p.batch_size)

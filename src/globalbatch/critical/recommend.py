@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from globalbatch.critical.curves import Curve, ema_smooth, steps_to_target
 from globalbatch.critical.fit import HyperbolaFit, fit_hyperbola
-from globalbatch.critical.settings import OBJECTIVES, check_analysis_settings, settings_from
+from globalbatch.critical.settings import (FIRST_SEED_NAMES, OBJECTIVES, AnalysisSettings, check_analysis_settings,
+                                          settings_from)
 from globalbatch.errors import SettingError
 
 __all__ = ["BatchPoint", "TargetResult", "Recommendation", "Analysis", "OBJECTIVES", "points_for_target",
@@ -311,37 +312,30 @@ def recommend(
 def analyze(
     curves: Sequence[Curve],
     *,
-    settings=None,
-    targets: Optional[Sequence[float]] = None,
-    n_targets: Optional[int] = None,
-    n_tighter: Optional[int] = None,
-    ema_fraction: Optional[float] = None,
-    halflife_steps: Optional[float] = None,
-    objective: Optional[str] = None,
-    tolerance: Optional[float] = None,
+    settings: Optional[AnalysisSettings] = None,
     unit: str = "example",
     label: Optional[Callable[[float], str]] = None,
     throughput_source: Optional[Callable[[float], str]] = None,
     warnings: Sequence[str] = (),
+    **old: Any,
 ) -> Analysis:
     """Fits at every target and the recommendation at the primary (first) target (see :func:`default_targets`).
 
     ``warnings`` (e.g. unreliable throughput) are kept in :attr:`Analysis.warnings` and
     added to the recommendation's text. ``settings``: a :class:`globalbatch.critical.AnalysisSettings` (its
-    ``first_seed_targets``, ``first_seed_n_targets``, ``n_tighter``, smoothing, objective and tolerance); the
-    keywords, when given, override its fields (``targets`` and ``n_targets`` are the ``first_seed_`` ones).
+    ``first_seed_targets``, ``first_seed_n_targets``, ``n_tighter``, smoothing, objective and tolerance).
+    ``old``: the keywords before ``settings`` (deprecated, :func:`~globalbatch.critical.settings.settings_from`;
+    ``targets`` and ``n_targets`` are the ``first_seed_`` ones).
     """
-    s = settings_from(settings, first_seed_targets=targets, first_seed_n_targets=n_targets, n_tighter=n_tighter,
-                      ema_fraction=ema_fraction, halflife_steps=halflife_steps, objective=objective,
-                      tolerance=tolerance)
-    targets, n_targets, n_tighter = s.first_seed_targets, s.first_seed_n_targets, s.n_tighter
+    s = settings_from(settings, old, caller="analyze", renames=FIRST_SEED_NAMES)
+    targets: Optional[Sequence[float]] = s.first_seed_targets
     ema_fraction, halflife_steps, objective, tolerance = s.ema_fraction, s.halflife_steps, s.objective, s.tolerance
     curves = list(curves)
     if not curves:
         raise ValueError("curves: empty; nothing to analyze")
     if targets is None:
-        targets = default_targets(curves, n_targets=n_targets, n_tighter=n_tighter, ema_fraction=ema_fraction,
-                                  halflife_steps=halflife_steps)
+        targets = default_targets(curves, n_targets=s.first_seed_n_targets, n_tighter=s.n_tighter,
+                                  ema_fraction=ema_fraction, halflife_steps=halflife_steps)
     targets = [float(t) for t in targets]
     if not targets:
         raise ValueError("targets: empty")

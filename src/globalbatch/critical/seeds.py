@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, cast
+from typing import Any, Callable, Optional, Sequence, cast
 
 import numpy as np
 
@@ -46,7 +46,7 @@ from globalbatch.critical.curves import Curve, ema_smooth, steps_to_target
 from globalbatch.critical.fit import HyperbolaFit, fit_hyperbola
 from globalbatch.critical.readout import monotone_fit
 from globalbatch.critical.recommend import TargetResult, points_for_target, recommend
-from globalbatch.critical.settings import LR_SELECTIONS, settings_from
+from globalbatch.critical.settings import LR_SELECTIONS, AnalysisSettings, settings_from
 
 __all__ = ["SeedTarget", "JointFit", "SeedRecommendation", "SeedAnalysis", "LrFall", "common_targets", "is_monotone",
            "common_lr", "fit_joint", "recommend_over_seeds", "analyze_seeds", "lr_falls", "lr_selection_text", "MONOTONE_SLACK",
@@ -599,15 +599,15 @@ def _b_simple_at(curve: Curve, examples: float) -> tuple[Optional[float], Option
     return local, float(np.mean(upto)) if upto.size else None
 
 
-def analyze_seeds(curves: Sequence[Curve], *, settings=None, targets: Optional[Sequence[float]] = None,
-                  n_targets: Optional[int] = None, readout: Optional[str] = None,
-                  min_window_examples: Optional[float] = None, tolerance: Optional[float] = None,
-                  objective: Optional[str] = None, unit: str = "example", label: Optional[Callable[[float], str]] = None,
-                  warnings: Sequence[str] = (), lr_selection: Optional[str] = None) -> SeedAnalysis:
+def analyze_seeds(curves: Sequence[Curve], *, settings: Optional[AnalysisSettings] = None,
+                  min_window_examples: Optional[float] = None, unit: str = "example",
+                  label: Optional[Callable[[float], str]] = None, warnings: Sequence[str] = (),
+                  **old: Any) -> SeedAnalysis:
     """Targets, per-target results over seeds, the joint fit, LR-edge and falling-LR flags and the recommendation.
 
     ``settings``: a :class:`globalbatch.critical.AnalysisSettings` (targets, n_targets, readout, tolerance,
-    objective, lr_selection); the keywords, when given, override its fields.
+    objective, lr_selection). ``old``: the keywords before ``settings`` (deprecated,
+    :func:`~globalbatch.critical.settings.settings_from`).
 
     ``lr_selection`` (:data:`LR_SELECTIONS`): where one LR per batch cannot serve every target — it
     leaves seeds non-monotone at a target (measured on a non-demo tinygpt: batch 16's LR 0.0020 below
@@ -615,9 +615,8 @@ def analyze_seeds(curves: Sequence[Curve], *, settings=None, targets: Optional[S
     that target at LRs re-chosen there, when that leaves fewer seeds non-monotone; each target states
     which rule it used and why (``SeedTarget.lr_selection``/``lr_selection_reason``).
     """
-    s = settings_from(settings, targets=targets, n_targets=n_targets, readout=readout, tolerance=tolerance,
-                      objective=objective, lr_selection=lr_selection)
-    targets = s.targets
+    s = settings_from(settings, old, caller="analyze_seeds")
+    targets: Optional[Sequence[float]] = s.targets
     n_targets, readout, tolerance, objective, lr_selection = s.n_targets, s.readout, s.tolerance, s.objective, \
         s.lr_selection
     curves = list(curves)

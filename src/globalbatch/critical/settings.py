@@ -2,20 +2,23 @@
 
 :func:`globalbatch.critical.analyze` (one seed, training-loss read-out),
 :func:`globalbatch.critical.seeds.analyze_seeds` (over seeds), ``lab.sweep.store.analyze_sweep(_seeds)`` and
-``lab.report.write_report`` take one :class:`AnalysisSettings` (``settings=``) instead of repeating the same
-keywords; the old keywords still work and override the settings' fields.
+``lab.report.write_report`` take one :class:`AnalysisSettings` (``settings=``). Their old keywords
+(``n_targets=``, ``objective=`` …) still work for one release through :func:`settings_from`, with a
+``FutureWarning``.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, fields, replace
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from globalbatch.errors import SettingError
 from globalbatch.validate import number, whole
 
-__all__ = ["AnalysisSettings", "settings_from", "check_analysis_settings", "OBJECTIVES", "LR_SELECTIONS"]
+__all__ = ["AnalysisSettings", "settings_from", "check_analysis_settings", "OBJECTIVES", "LR_SELECTIONS",
+           "FIRST_SEED_NAMES"]
 
 OBJECTIVES = ("time", "cost")
 LR_SELECTIONS = ("auto", "per_batch", "per_target")
@@ -97,14 +100,26 @@ class AnalysisSettings:
 _NAMES = frozenset(f.name for f in fields(AnalysisSettings))
 
 
-def settings_from(settings: Optional[AnalysisSettings], **given: Any) -> AnalysisSettings:
-    """``settings`` (default: the defaults) with the keywords a caller passed explicitly (not None) replacing its
-    fields: the old keyword API of the analysis functions, kept working."""
+FIRST_SEED_NAMES = {"targets": "first_seed_targets", "n_targets": "first_seed_n_targets"}
+"""The old keywords of the first-seed analyses (``analyze``, ``analyze_sweep``) → the settings' fields."""
+
+
+def settings_from(settings: Optional[AnalysisSettings], old: Mapping[str, Any], *, caller: str,
+                  renames: Mapping[str, str] = {}) -> AnalysisSettings:
+    """The settings an analysis runs with: ``settings`` (default: the defaults).
+
+    ``old``: the keywords of the API before :class:`AnalysisSettings` (``n_targets=4``), deprecated: each is
+    renamed by ``renames`` and replaces that field (None: not given), with one ``FutureWarning`` naming
+    ``caller``. A keyword that names no field is the ``TypeError`` Python gives an unknown keyword."""
     base = settings if settings is not None else AnalysisSettings()
-    changes = {k: v for k, v in given.items() if v is not None}
-    unknown = set(changes) - _NAMES
+    if not old:
+        return base
+    changes = {renames.get(k, k): v for k, v in old.items()}
+    unknown = sorted(k for k, v in old.items() if renames.get(k, k) not in _NAMES)
     if unknown:
-        raise TypeError(f"unknown analysis setting(s): {', '.join(sorted(unknown))}")
-    if "targets" in changes or "first_seed_targets" in changes:
-        changes = {k: (tuple(v) if k in ("targets", "first_seed_targets") else v) for k, v in changes.items()}
-    return replace(base, **changes) if changes else base
+        raise TypeError(f"{caller}() got unexpected keyword argument(s): {', '.join(unknown)}")
+    warnings.warn(f"{caller}({', '.join(f'{k}=' for k in old)}) is deprecated: pass "
+                  f"settings=AnalysisSettings({', '.join(f'{k}=' for k in changes)})", FutureWarning, stacklevel=3)
+    changes = {k: (tuple(v) if k in ("targets", "first_seed_targets") else v)
+               for k, v in changes.items() if v is not None}
+    return replace(base, **changes)

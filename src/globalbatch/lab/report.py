@@ -28,12 +28,13 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from globalbatch.critical import Analysis, ema_smooth
 from globalbatch._util import atomic_write, atomic_write_json, atomic_write_text
+from globalbatch.critical.settings import FIRST_SEED_NAMES, AnalysisSettings, settings_from
 from globalbatch.critical.seeds import SeedAnalysis, lr_selection_text, seed_analysis_json
 from globalbatch.lab.sweep import SweepData, analyze_sweep, analyze_sweep_seeds
 
@@ -692,17 +693,14 @@ def _throughput_note(data: SweepData) -> str:
             "while trials shared the machine.")
 
 
-def seed_analysis_or_note(run_dir: str | os.PathLike, *, settings=None, targets: Optional[Sequence[float]] = None,
-                          readout: Optional[str] = None, objective: Optional[str] = None,
-                          tolerance: Optional[float] = None) -> tuple[Optional[SeedAnalysis], Optional[str]]:
+def seed_analysis_or_note(run_dir: str | os.PathLike, *, settings: Optional[AnalysisSettings] = None,
+                          **old: Any) -> tuple[Optional[SeedAnalysis], Optional[str]]:
     """The analysis over seeds, falling back to the training read-out for a sweep without enough held-out
     evaluations (older sweeps, ``--eval-every`` runs); ``(None, why)`` when there is none. ``settings``: a
-    :class:`globalbatch.critical.AnalysisSettings`; the keywords, when given, override its fields."""
+    :class:`globalbatch.critical.AnalysisSettings`; ``old``: the keywords before ``settings`` (deprecated)."""
     from dataclasses import replace
 
-    from globalbatch.critical.settings import settings_from
-
-    s = settings_from(settings, targets=targets, readout=readout, objective=objective, tolerance=tolerance)
+    s = settings_from(settings, old, caller="seed_analysis_or_note")
     try:
         return analyze_sweep_seeds(run_dir, settings=s)[1], None
     except ValueError as exc:
@@ -715,36 +713,22 @@ def seed_analysis_or_note(run_dir: str | os.PathLike, *, settings=None, targets:
         return None, f"no analysis over seeds: {exc}"
 
 
-def write_report(
-    run_dir: str | os.PathLike,
-    out_dir: Optional[str | os.PathLike] = None,
-    *,
-    settings=None,
-    targets: Optional[Sequence[float]] = None,
-    n_targets: Optional[int] = None,
-    n_tighter: Optional[int] = None,
-    ema_fraction: Optional[float] = None,
-    halflife_steps: Optional[float] = None,
-    objective: Optional[str] = None,
-    tolerance: Optional[float] = None,
-    readout: Optional[str] = None,
-    seed_targets: Optional[Sequence[float]] = None,
-) -> ReportResult:
+REPORT_NAMES = {**FIRST_SEED_NAMES, "seed_targets": "targets"}
+"""The old keywords of :func:`write_report` → the settings' fields (``targets`` were the first seed's)."""
+
+
+def write_report(run_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike] = None, *,
+                 settings: Optional[AnalysisSettings] = None, **old: Any) -> ReportResult:
     """Analyse the sweep in ``run_dir`` and write the plots, ``analysis.json`` and ``report.html``.
 
     Args:
         out_dir: where to write; default ``run_dir/report``.
-        readout, seed_targets: of the analysis over seeds (:func:`analyze_sweep_seeds`); the
-            other settings are the first seed's training-loss analysis.
-        settings: a :class:`globalbatch.critical.AnalysisSettings` for both analyses; the keywords, when
-            given, override its fields (``targets``/``n_targets`` are its ``first_seed_`` ones, ``seed_targets``
-            its ``targets``).
+        settings: a :class:`globalbatch.critical.AnalysisSettings` for both analyses: the analysis over seeds
+            (:func:`analyze_sweep_seeds`) and the first seed's training-loss one (its ``first_seed_`` fields).
+        old: the keywords before ``settings`` (deprecated: ``targets``/``n_targets`` are its ``first_seed_``
+            ones, ``seed_targets`` its ``targets``).
     """
-    from globalbatch.critical.settings import settings_from
-
-    s = settings_from(settings, first_seed_targets=targets, first_seed_n_targets=n_targets, n_tighter=n_tighter,
-                      ema_fraction=ema_fraction, halflife_steps=halflife_steps, objective=objective,
-                      tolerance=tolerance, readout=readout, targets=seed_targets)
+    s = settings_from(settings, old, caller="write_report", renames=REPORT_NAMES)
     seed_analysis, seed_note = seed_analysis_or_note(run_dir, settings=s)
     data, analysis = analyze_sweep(run_dir, settings=s)
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from globalbatch._util import SettingError
+from globalbatch.critical.settings import AnalysisSettings
 from globalbatch.lab.tasks import load_task_checked
 from globalbatch.lab.device import check_device
 from globalbatch.lab.rundir import check_manifest, lock_run_dir, remove_stale_tmp
@@ -61,7 +62,7 @@ def analysis_flags(out: Path) -> tuple[Optional[dict[int, str]], Optional[list[t
     """The analysis' LR-edge flags (batch → "low"/"high") and falling-LR pairs ``(batch_low, batch_high, lr_low,
     lr_high)``, batches in samples; ``(None, None)`` when the sweep cannot be analysed yet."""
     try:
-        data, sa = analyze_sweep_seeds(out, objective="cost")
+        data, sa = analyze_sweep_seeds(out, settings=AnalysisSettings(objective="cost"))
     except ValueError:  # not analysable yet (too few finished cells, no common target): the final loss decides
         return None, None
     units = data.batch_units()

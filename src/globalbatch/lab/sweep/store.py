@@ -6,9 +6,10 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional
 
 from globalbatch._util import SettingError, read_json_checked
+from globalbatch.critical.settings import FIRST_SEED_NAMES, AnalysisSettings, settings_from
 from globalbatch.lab.records import TIMING as TIMING_FIELDS, TrialSummary, damaged, read_record, read_records, read_summary
 from globalbatch.lab.sweep.config import SweepConfig, TrialSpec
 from globalbatch.lab.sweep.timing import timing_path
@@ -195,74 +196,46 @@ def curves_from_sweep(data: SweepData):
     return curves
 
 
-def analyze_sweep(
-    out_dir: str | os.PathLike,
-    *,
-    settings=None,
-    targets: Optional[Sequence[float]] = None,
-    n_targets: Optional[int] = None,
-    n_tighter: Optional[int] = None,
-    ema_fraction: Optional[float] = None,
-    halflife_steps: Optional[float] = None,
-    objective: Optional[str] = None,
-    tolerance: Optional[float] = None,
-):
-    """Load a sweep and run :func:`globalbatch.critical.analyze` on its first seed; returns ``(data, analysis)``.
-
-    ``settings``: a :class:`globalbatch.critical.AnalysisSettings` (its ``first_seed_*``, smoothing, objective and
-    tolerance fields); the keywords, when given, override its fields (``n_targets`` is ``first_seed_n_targets``)."""
-    from globalbatch.critical import analyze
-    from globalbatch.critical.settings import settings_from
-
-    s = settings_from(settings, first_seed_targets=targets, first_seed_n_targets=n_targets, n_tighter=n_tighter,
-                      ema_fraction=ema_fraction, halflife_steps=halflife_steps, objective=objective,
-                      tolerance=tolerance)
-    data = load_sweep(out_dir)
-    first = data.config.seed_list()[0]
-    curves = [c for c in curves_from_sweep(data) if c.seed == first]  # one seed: see analyze_sweep_seeds for all
+def _finished_curves(data: SweepData, seed: Optional[int] = None) -> list:
+    """The sweep's curves (of ``seed`` only, when given); a sweep without a finished trial is a SettingError."""
+    curves = [c for c in curves_from_sweep(data) if seed is None or c.seed == seed]
     if not curves:
         raise SettingError("run_dir", data.out_dir, "a sweep with at least one finished trial",
                            why=f"no finished trial yet, {len(data.missing)} pending")
+    return curves
+
+
+def analyze_sweep(out_dir: str | os.PathLike, *, settings: Optional[AnalysisSettings] = None, **old: Any):
+    """Load a sweep and run :func:`globalbatch.critical.analyze` on its first seed; returns ``(data, analysis)``.
+
+    ``settings``: a :class:`globalbatch.critical.AnalysisSettings` (its ``first_seed_*``, smoothing, objective and
+    tolerance fields); ``old``: the keywords before ``settings`` (deprecated, ``n_targets`` is
+    ``first_seed_n_targets``)."""
+    from globalbatch.critical import analyze
+
+    s = settings_from(settings, old, caller="analyze_sweep", renames=FIRST_SEED_NAMES)
+    data = load_sweep(out_dir)
+    curves = _finished_curves(data, seed=data.config.seed_list()[0])  # one seed: see analyze_sweep_seeds for all
     analysis = analyze(curves, settings=s, unit=data.unit, label=data.label,
                        throughput_source=data.throughput_source, warnings=data.throughput_warnings())
     return data, analysis
 
 
-
-
-def analyze_sweep_seeds(
-    out_dir: str | os.PathLike,
-    *,
-    settings=None,
-    targets: Optional[Sequence[float]] = None,
-    n_targets: Optional[int] = None,
-    readout: Optional[str] = None,
-    min_window_fraction: Optional[float] = None,
-    objective: Optional[str] = None,
-    tolerance: Optional[float] = None,
-    lr_selection: Optional[str] = None,
-):
+def analyze_sweep_seeds(out_dir: str | os.PathLike, *, settings: Optional[AnalysisSettings] = None, **old: Any):
     """Load a sweep and run :func:`globalbatch.critical.seeds.analyze_seeds` over all its seeds.
 
     ``readout="train"`` reads the training loss instead of the held-out evaluations, with an
     EMA window of at least ``min_window_fraction`` × the budget in units for every batch.
-    ``settings``: a :class:`globalbatch.critical.AnalysisSettings`; the keywords, when given, override its fields.
-    Returns ``(data, seed_analysis)``.
+    ``settings``: a :class:`globalbatch.critical.AnalysisSettings`; ``old``: the keywords before ``settings``
+    (deprecated). Returns ``(data, seed_analysis)``.
     """
     from globalbatch.critical.seeds import analyze_seeds
-    from globalbatch.critical.settings import settings_from
 
-    s = settings_from(settings, targets=targets, n_targets=n_targets, readout=readout,
-                      min_window_fraction=min_window_fraction, objective=objective, tolerance=tolerance,
-                      lr_selection=lr_selection)
-    readout = s.readout
+    s = settings_from(settings, old, caller="analyze_sweep_seeds")
     data = load_sweep(out_dir)
-    curves = curves_from_sweep(data)
-    if not curves:
-        raise SettingError("run_dir", data.out_dir, "a sweep with at least one finished trial",
-                           why=f"no finished trial yet, {len(data.missing)} pending")
-    if readout == "heldout" and any(c.eval_loss is None or c.eval_loss.size < 4 for c in curves):
-        raise SettingError("readout", readout, "train (this sweep has too few held-out evaluations)")
+    curves = _finished_curves(data)
+    if s.readout == "heldout" and any(c.eval_loss is None or c.eval_loss.size < 4 for c in curves):
+        raise SettingError("readout", s.readout, "train (this sweep has too few held-out evaluations)")
     try:
         analysis = analyze_seeds(curves, settings=s, min_window_examples=s.min_window_fraction * data.config.budget,
                                  unit=data.unit, label=data.label, warnings=data.throughput_warnings())
