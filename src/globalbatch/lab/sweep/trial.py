@@ -2,6 +2,13 @@
 
 A trial appends to ``metrics.jsonl.tmp-<pid>``; at the end it ``os.replace``-s it to
 ``metrics.jsonl`` and then writes ``summary.json`` atomically — the done marker.
+
+A trial may pause at a rung (``pause_at``, one of the grid's held-out evaluation positions: successive halving,
+:mod:`globalbatch.lab.sweep.halving`): it saves a checkpoint of everything the run holds
+(:func:`globalbatch.checkpoint.save_checkpoint`: model, optimizer, driver, noise monitor, RNG) with the samples it
+drew and its loop state, its records so far, and last ``paused.json`` (the pause marker, naming both files). A
+later call resumes from that checkpoint and continues the same records; the result equals an uninterrupted trial's
+(``tests/test_sweep_halving.py``). A trial killed while running from a pause resumes from the same pause.
 """
 
 from __future__ import annotations
@@ -20,7 +27,10 @@ from globalbatch.lab.records import TrialSummary
 from globalbatch.lab.rundir import append_event, remove_stale_tmp
 from globalbatch.lab.sweep.config import SweepConfig, TrialSpec
 
-__all__ = ["run_trial", "trial_done"]
+__all__ = ["run_trial", "trial_done", "trial_paused", "PAUSE_MARKER"]
+
+PAUSE_MARKER = "paused.json"
+"""A paused trial's marker: where it stopped (``consumed`` units, ``val_loss`` there) and its checkpoint and records."""
 
 
 def exit_if_orphaned(parent_pid: Optional[int]) -> None:
@@ -46,6 +56,28 @@ def trial_done(trial_dir: Path, spec: TrialSpec) -> bool:
             and s.get("seed", 0) == spec.seed)
 
 
+def trial_paused(trial_dir: Path, spec: TrialSpec) -> Optional[dict[str, Any]]:
+    """The pause marker of ``spec`` in ``trial_dir`` (``consumed``, ``val_loss``, ``checkpoint``, ``records``) when it
+    is paused there and both files exist; None otherwise (not started, running, finished or damaged)."""
+    try:
+        m = json.loads((trial_dir / PAUSE_MARKER).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not (isinstance(m, dict) and m.get("batch") == spec.batch and m.get("lr") == spec.lr
+            and m.get("seed", 0) == spec.seed and isinstance(m.get("consumed"), int)):
+        return None
+    if not all(isinstance(m.get(k), str) and (trial_dir / m[k]).is_file() for k in ("checkpoint", "records")):
+        return None
+    return m
+
+
+def _drop_pauses(trial_dir: Path, keep: tuple[str, ...] = ()) -> None:
+    """Remove pause files other than ``keep`` (older rungs' checkpoints and records)."""
+    for old in list(trial_dir.glob("paused-*.pt")) + list(trial_dir.glob("paused-*.jsonl")):
+        if old.name not in keep:
+            old.unlink(missing_ok=True)
+
+
 def run_trial(
     config: dict[str, Any],
     spec: dict[str, Any],
@@ -54,6 +86,7 @@ def run_trial(
     threads: Optional[int] = None,
     parent_pid: Optional[int] = None,
     device: Any = None,
+    pause_at: Optional[int] = None,
 ) -> dict[str, Any]:
     """Train one (batch, LR) trial to the budget; returns its summary (also in ``summary.json``).
 
@@ -61,8 +94,15 @@ def run_trial(
     ``parent_pid`` is given and that process disappears (the sweep was killed), the trial
     stops at the next step instead of finishing as an orphan. ``device`` overrides the
     grid's device (a pool worker's own GPU).
+
+    ``pause_at``: stop after the first step at or past this many units (one of
+    :meth:`SweepConfig.eval_positions`, so the held-out loss is read there), save a checkpoint and return the
+    pause marker (``paused`` true, ``consumed``, ``val_loss``); a trial already paused at or past it returns its
+    marker without training. Without ``pause_at`` a paused trial resumes from its checkpoint to the budget.
     """
     import torch
+
+    from globalbatch.checkpoint import load_checkpoint, save_checkpoint
 
     from globalbatch.lab.loop import Experiment
     from globalbatch.lab.tasks import load_task
@@ -74,6 +114,13 @@ def run_trial(
     trial_dir = out / "trials" / trial.name
     exit_if_orphaned(parent_pid)  # a worker whose sweep died starts no trial
     trial_dir.mkdir(parents=True, exist_ok=True)
+    positions = cfg.eval_positions()
+    stop_at = cfg.budget if pause_at is None else min(int(pause_at), cfg.budget)
+    if stop_at < cfg.budget and stop_at not in positions:
+        raise ValueError(f"pause_at {pause_at}: not one of the grid's evaluation positions")
+    paused = trial_paused(trial_dir, trial)
+    if paused is not None and paused["consumed"] >= stop_at:
+        return paused
     if threads is not None:
         torch.set_num_threads(max(1, int(threads)))
     remove_stale_tmp(trial_dir, also_own=True)
@@ -98,11 +145,16 @@ def run_trial(
     driver = exp.driver
     monitor = driver.callbacks[0] if cfg.noise else None
     order = task.sample_order(trial.seed)
-    positions = cfg.eval_positions()
+    state: dict[str, Any] = {"samples_drawn": 0, "next_eval": 0, "train_time": 0.0, "eval_time": 0.0, "rates": [],
+                             "started": time.time()}
+    if paused is not None:  # resume exactly where the pause left it (model, optimizer, driver, RNG, data order)
+        state = dict(load_checkpoint(trial_dir / paused["checkpoint"], driver, map_location=exp.device) or {})
+        for _ in range(int(state["samples_drawn"])):
+            next(order)
 
     tmp = trial_dir / f"metrics.jsonl.tmp-{os.getpid()}"
-    append_event(out, event="start", trial=trial.name)
-    started = time.time()
+    append_event(out, event="resume" if paused is not None else "start", trial=trial.name)
+    started = float(state["started"])
     header = {
         "kind": "header",
         "trial": trial.name,
@@ -122,21 +174,27 @@ def run_trial(
         "host": platform.node(),
         "started_at": started,
     }
-    train_time = 0.0
-    eval_time = 0.0
-    rates: list[float] = []
+    train_time, eval_time = float(state["train_time"]), float(state["eval_time"])
+    rates: list[float] = [float(x) for x in state["rates"]]
+    drawn = int(state["samples_drawn"])
     with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(header) + "\n")
-        t0 = time.perf_counter()
-        last_val = exp.evaluate(cfg.max_val_samples, cfg.eval_batch)
-        eval_time += time.perf_counter() - t0
-        f.write(json.dumps({"kind": "eval", "step": 0, "consumed": 0, "val_loss": last_val}) + "\n")
+        if paused is not None:  # the records up to the pause, then this run's
+            f.write((trial_dir / paused["records"]).read_text(encoding="utf-8"))
+            last_val = float(paused["val_loss"])
+        else:
+            f.write(json.dumps(header) + "\n")
+            t0 = time.perf_counter()
+            last_val = exp.evaluate(cfg.max_val_samples, cfg.eval_batch)
+            eval_time += time.perf_counter() - t0
+            f.write(json.dumps({"kind": "eval", "step": 0, "consumed": 0, "val_loss": last_val}) + "\n")
         f.flush()
-        next_eval = 0  # index into positions
-        while driver.trained_units < cfg.budget:
+        next_eval = int(state["next_eval"])  # index into positions
+        while driver.trained_units < stop_at:
             exit_if_orphaned(parent_pid)
             t0 = time.perf_counter()
-            res = exp.train_window(order).result
+            window = exp.train_window(order)
+            res = window.result
+            drawn += len(window.drawn)
             dt = time.perf_counter() - t0
             train_time += dt
             rate = res.global_units / dt if dt > 0 else math.nan
@@ -177,6 +235,21 @@ def run_trial(
         os.fsync(f.fileno())
 
     exit_if_orphaned(parent_pid)  # an orphan publishes nothing (its tmp file is removed on resume)
+    if driver.trained_units < cfg.budget:  # paused at a rung: checkpoint, records, then the marker (last, atomic)
+        at = driver.trained_units
+        ckpt, records = f"paused-{at}.pt", f"paused-{at}.jsonl"
+        save_checkpoint(trial_dir / ckpt, driver, extra={
+            "samples_drawn": drawn, "next_eval": next_eval, "train_time": train_time, "eval_time": eval_time,
+            "rates": rates, "started": started})
+        os.replace(tmp, trial_dir / records)
+        marker = {"paused": True, "trial": trial.name, "batch": trial.batch, "lr": trial.lr, "seed": trial.seed,
+                  "consumed": at, "consumed_samples": driver.trained_samples, "steps": driver.optimizer_steps,
+                  "val_loss": last_val, "checkpoint": ckpt, "records": records, "paused_at": time.time()}
+        exit_if_orphaned(parent_pid)
+        atomic_write_json(trial_dir / PAUSE_MARKER, marker)
+        _drop_pauses(trial_dir, keep=(ckpt, records))
+        append_event(out, event="paused", trial=trial.name, consumed=at)
+        return marker
     os.replace(tmp, trial_dir / "metrics.jsonl")
     steady = rates[2:] if len(rates) > 4 else rates  # the first steps pay one-off costs
     threads_used = torch.get_num_threads()
@@ -210,5 +283,7 @@ def run_trial(
     ).to_json()
     exit_if_orphaned(parent_pid)
     atomic_write_json(trial_dir / "summary.json", summary)
+    (trial_dir / PAUSE_MARKER).unlink(missing_ok=True)  # finished: the pause files are spent
+    _drop_pauses(trial_dir)
     append_event(out, event="done", trial=trial.name)
     return summary
