@@ -400,6 +400,9 @@ CASES = [
     _c("noise-steps-word", NOISE + ["--steps", "many"], "--steps"),
     # branch
     _c("branch-base-zero", BRANCH + ["--base-batch", "0"], "--base-batch"),
+    _c("branch-points-one", BRANCH + ["--points", "1"], "--points"),
+    _c("branch-points-with-a-list", BRANCH + ["--points", "2", "--warmup-tokens", "100,200"], "--points"),
+    _c("branch-points-more-than-units", BRANCH + ["--points", "60", "--warmup-tokens", "50"], "--points"),
     _c("branch-ks-no-one", BRANCH + ["--ks", "2,4"], "--ks"),
     _c("branch-ks-zero", BRANCH + ["--ks", "0,1"], "--ks"),
     _c("branch-ks-word", BRANCH + ["--ks", "1,x"], "--ks"),

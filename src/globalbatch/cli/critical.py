@@ -211,6 +211,7 @@ def branch_cmd(
     ks: str = typer.Option("1,2,4,8", "--ks", help="Batch multipliers to branch at, comma-separated; must include 1."),
     lr: float = typer.Option(1e-3, "--lr", help="LR of the base run; a k-branch uses lr·√k (adamw) or lr·k (sgd)."),
     warmup_tokens: str = typer.Option("200K", "--warmup-tokens", help="Units the base run trains before branching; a comma list branches at several points."),
+    points: Optional[int] = typer.Option(None, "--points", help="Branch at this many evenly spaced points up to --warmup-tokens (one value) and fit B_crit(L) over them."),
     window_tokens: str = typer.Option("100K", "--window-tokens", help="Units every branch trains."),
     seeds: int = typer.Option(3, "--seeds", help="Branches per k, each with its own data order (>= 2)."),
     tolerance: float = typer.Option(0.01, "--loss-tolerance", help="Loss increase over k=1 that still counts as equal (Merrill et al.: 0.01)."),
@@ -230,17 +231,19 @@ def branch_cmd(
     """Merrill et al. 2025 branch test: the largest k whose k× batch branches are not worse than k = 1."""
     from .. import validate as V
     from .._util import flag_names
-    from ..lab.branch import BranchConfig, run_branch_test
+    from ..lab.branch import BranchConfig, evenly_spaced_points, run_branch_test
 
     with flag_names(flag_names_of("branch")):
         V.out_dir(out, "out")
         V.whole(base_batch, "base_batch", maximum=V.MAX_BATCH)
         k_list = V.count_list(ks, "ks", allowed="whole numbers ≥ 1 including 1, e.g. 1,2,4,8")
         V.whole(base_batch * max(k_list), "base_batch", maximum=V.MAX_BATCH)
+        branch_at = V.count_list(warmup_tokens, "branch_at", maximum=V.MAX_COUNT,
+                                 allowed="unit counts ≥ 1, e.g. 200K or 100K,200K")
+        if points is not None:
+            branch_at = evenly_spaced_points(branch_at, points)
         cfg = BranchConfig(task=task, task_overrides=V.key_values(task_arg, "task_arg"), base_batch=base_batch,
-                           ks=k_list, lr=V.positive(lr, "lr"), optimizer=optimizer,
-                           branch_at=V.count_list(warmup_tokens, "branch_at", maximum=V.MAX_COUNT,
-                                                  allowed="unit counts ≥ 1, e.g. 200K or 100K,200K"),
+                           ks=k_list, lr=V.positive(lr, "lr"), optimizer=optimizer, branch_at=branch_at,
                            window=V.count(window_tokens, "window", what="a whole number of units"), seeds=seeds, seed=seed,
                            micro_batch=micro_batch, tolerance=tolerance, alpha=alpha, metric=metric, test=test,
                            device=device, precision=precision)

@@ -36,6 +36,13 @@ at the first failing k). Per k the verdict is ``within tolerance`` (the upper bo
 ≤ tolerance: shown not worse), ``inconclusive`` (mean within tolerance, not shown
 either way; passes), ``beyond tolerance (not significant)`` (mean difference > tolerance,
 p ≥ alpha; fails) or ``worse`` (significant; fails).
+
+B_crit(L): with two or more branch points (``--points K``: K evenly spaced up to the last one) each point gives
+B_crit = critical k × base batch at the loss the k = 1 branches reach at the end of its window, and
+:func:`branch_curve` fits the sweep's joint form B_crit(L) = b_ref·(L/L_ref)^k (Kaplan et al. 2020; the
+:class:`~globalbatch.critical.seeds.JointFit` of ``critical/seeds.py``) over the points, with the hull of its
+covariance interval and a bootstrap over the branch seeds. A point at the largest k tried is a lower bound and
+stays out of the fit.
 """
 
 from __future__ import annotations
@@ -60,7 +67,8 @@ from globalbatch.validate import make_out_dir
 from globalbatch.validate import out_dir as out_dir_checked
 from globalbatch.optim import lr_scaling_rule, optimizer_names
 
-__all__ = ["BranchConfig", "KVerdict", "Verdicts", "PointResult", "BranchResult", "branch_verdicts", "run_branch_test", "load_branch_results"]
+__all__ = ["BranchConfig", "KVerdict", "Verdicts", "PointResult", "BranchResult", "CurvePoint", "BranchCurve",
+           "branch_verdicts", "branch_curve", "evenly_spaced_points", "run_branch_test", "load_branch_results"]
 
 METRICS = ("val", "train")
 TESTS = ("paired", "welch")
@@ -285,6 +293,147 @@ def branch_verdicts(
 
 
 # ---------------------------------------------------------------------------
+# B_crit(L) over several branch points (pure)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class CurvePoint:
+    """One branch point on the B_crit(L) curve."""
+
+    branch_at: int
+    loss: float
+    """The loss the k = 1 branches reach at the end of the window (mean over seeds, the compared metric): the
+    target every k·B branch is compared at."""
+    critical_k: int
+    b_crit_units: float
+    """critical_k × base batch, in units (tokens) per step."""
+    censored: bool
+    """critical_k is the largest k tried: B_crit is only known to be ≥ this (left out of the fit)."""
+
+
+@dataclass(kw_only=True)
+class BranchCurve:
+    """B_crit(L) from the branch test at several points of one base run, fitted in the sweep's joint form
+    B_crit(L) = b_ref·(L/L_ref)^k (:class:`globalbatch.critical.seeds.JointFit`)."""
+
+    points: list[CurvePoint]
+    fit: Optional[Any]
+    """The :class:`~globalbatch.critical.seeds.JointFit` (``boot_*``: the same fit on seed resamples); None with
+    ``note`` when fewer than 2 uncensored points with distinct losses."""
+    unit: str
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {"points": [asdict(p) for p in self.points], "unit": self.unit, "note": self.note,
+                "fit": None if self.fit is None else {
+                    **asdict(self.fit), "interval_95": {f"{p.loss:.6g}": list(self.fit.interval(p.loss))
+                                                        for p in self.points}}}
+
+    def text(self) -> str:
+        pts = "; ".join(f"{p.loss:.4f}: {'≥ ' if p.censored else ''}{p.b_crit_units:,.0f}" for p in self.points)
+        lines = [f"B_crit(L) over {len(self.points)} branch points (loss reached by k = 1: B_crit in {self.unit}s): {pts}"]
+        f = self.fit
+        if f is None:
+            lines.append(f"  no fit: {self.note}")
+            return "\n".join(lines)
+        lo, hi = f.interval(f.loss_ref)
+        lines.append(f"  fit B_crit(L) = {f.b_ref:,.0f}·(L/{f.loss_ref:.4f})^{f.k:.2f} (SE of k {f.se_k:.2f}; "
+                     f"95% interval at L_ref {lo:,.0f}–{hi:,.0f}, covariance and a bootstrap over the branch seeds; "
+                     f"{f.n_points} points, {f.dof} dof)" + (f"; {self.note}" if self.note else ""))
+        return "\n".join(lines)
+
+
+def _curve_fit(losses: Sequence[float], b_crits: Sequence[float], boot: Sequence[tuple[Sequence[float], Sequence[float]]]):
+    """ln B = ln b_ref + k·ln(L/L_ref) by least squares: the joint fit's form with one B_crit per loss."""
+    from globalbatch.critical.seeds import JointFit
+
+    x_loss, y = np.log(np.asarray(losses, dtype=float)), np.log(np.asarray(b_crits, dtype=float))
+    loss_ref = float(np.exp(x_loss.mean()))
+    X = np.column_stack([np.ones_like(x_loss), x_loss - math.log(loss_ref)])
+    beta, *_ = np.linalg.lstsq(X, y, rcond=None)
+    resid = y - X @ beta
+    dof = len(y) - 2
+    sigma2 = float(resid @ resid) / dof if dof > 0 else 0.0
+    cov = np.linalg.pinv(X.T @ X) * sigma2
+    fit = JointFit(b_ref=float(math.exp(beta[0])), loss_ref=loss_ref, k=float(beta[1]),
+                   se_log_b_ref=float(math.sqrt(max(cov[0, 0], 0.0))), se_k=float(math.sqrt(max(cov[1, 1], 0.0))),
+                   cov=[[float(v) for v in row] for row in cov], n_points=len(y), dof=dof,
+                   residual_std_log=math.sqrt(sigma2))
+    for bl, bb in boot:
+        xb = np.log(np.asarray(bl, dtype=float)) - math.log(loss_ref)
+        if np.ptp(xb) <= 0:
+            continue
+        kb, ab = np.polyfit(xb, np.log(np.asarray(bb, dtype=float)), 1)
+        fit.boot_log_b_ref.append(float(ab))
+        fit.boot_k.append(float(kb))
+    return fit
+
+
+def evenly_spaced_points(branch_at: Sequence[int], points: int) -> list[int]:
+    """``--points K``: K branch points evenly spaced up to the one last point (``last·i/K``, i = 1…K).
+
+    Raises:
+        SettingError: ``points`` not a whole number in 2…64, or ``branch_at`` already a list of several points.
+    """
+    from globalbatch.validate import whole
+
+    whole(points, "points", minimum=2, maximum=64, allowed="a whole number of branch points, 2 to 64")
+    if len(branch_at) != 1:
+        raise SettingError("points", points, "one last branch point to space the points up to",
+                           why=f"{len(branch_at)} branch points were given; give one, or the list without points")
+    last = int(branch_at[0])
+    out = sorted({round(last * i / points) for i in range(1, points + 1)})
+    if len(out) < points or out[0] < 1:
+        raise SettingError("points", points, f"at most {last} points up to {last:,} units")
+    return out
+
+
+def branch_curve(losses_by_point: dict[int, dict[int, Sequence[float]]], *, base_batch_units: float,
+                 tolerance: float = 0.01, alpha: float = 0.05, test: str = "paired", unit: str = "token",
+                 n_boot: int = 200, rng_seed: int = 0) -> BranchCurve:
+    """B_crit(L) from branch points: per point the critical k (:func:`branch_verdicts`) at the loss the k = 1
+    branches reach, then the joint form B_crit(L) = b_ref·(L/L_ref)^k fitted over the points.
+
+    A point whose critical k is the largest k tried is a lower bound and stays out of the fit. The
+    uncertainty is the hull (``JointFit.interval``) of the fit's covariance and a bootstrap that resamples
+    each point's seeds (the same seed indices for every k: the test is paired) and decides again.
+
+    Args:
+        losses_by_point: branch point → k → final losses, one per seed.
+        base_batch_units: the base batch in units (tokens) per step; B_crit = critical k × this.
+    """
+    pts = sorted(losses_by_point)
+    points = []
+    for p in pts:
+        v = branch_verdicts(losses_by_point[p], tolerance=tolerance, alpha=alpha, test=test)
+        points.append(CurvePoint(branch_at=p, loss=v.per_k[0].mean, critical_k=v.critical_k,
+                                 b_crit_units=v.critical_k * base_batch_units,
+                                 censored=v.critical_k == max(losses_by_point[p])))
+    used = [q for q in points if not q.censored and math.isfinite(q.loss)]
+    left_out = len(points) - len(used)
+    note = f"{left_out} point(s) at the largest k tried left out (lower bounds)" if left_out else ""
+    if len({q.loss for q in used}) < 2:
+        return BranchCurve(points=points, fit=None, unit=unit,
+                           note=(note + "; " if note else "") + "fewer than 2 points with a B_crit below the largest k")
+    rng = np.random.default_rng(rng_seed)
+    boot = []
+    for _ in range(n_boot):
+        bl, bb = [], []
+        for q in used:
+            losses = losses_by_point[q.branch_at]
+            n = len(losses[1])
+            idx = rng.integers(0, n, n)
+            v = branch_verdicts({k: np.asarray(x, dtype=float)[idx].tolist() for k, x in losses.items()}, tolerance=tolerance,
+                                alpha=alpha, test=test)
+            bl.append(v.per_k[0].mean)
+            bb.append(v.critical_k * base_batch_units)
+        boot.append((bl, bb))
+    return BranchCurve(points=points, fit=_curve_fit([q.loss for q in used], [q.b_crit_units for q in used], boot),
+                       unit=unit, note=note)
+
+
+# ---------------------------------------------------------------------------
 # Running the base run and the branches
 # ---------------------------------------------------------------------------
 
@@ -340,9 +489,11 @@ class BranchResult:
     """Training seconds of the base run and every branch (evaluation excluded), summed."""
     wall_s: float
     """Wall-clock of this call (0 work when everything was already done)."""
+    curve: Optional[BranchCurve] = None
+    """B_crit(L) over the branch points (two or more points), :func:`branch_curve`."""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "curve": None if self.curve is None else self.curve.to_dict()}
 
     def text(self) -> str:
         c = self.config
@@ -364,6 +515,8 @@ class BranchResult:
                     lines.append(f"  k={v.k}: loss {v.mean:.4f} ± {v.std:.4f}, diff {v.diff:+.4f} "
                                  f"(upper {1 - c.alpha:.0%} bound {v.upper:+.4f}), p = {v.p_value:.3g} → {v.status} "
                                  f"({'pass' if v.passes else 'fail'})")
+        if self.curve is not None:
+            lines.append(self.curve.text())
         lines.append(f"compute: {self.compute_s:,.1f} s of training")
         return "\n".join(lines)
 
@@ -488,11 +641,13 @@ def _summarise(out: Path, config: BranchConfig, unit: str, branches: list[dict],
     key = "val_loss" if config.metric == "val" else "train_tail_loss"
     points = []
     ups = base_meta.get("units_per_sample") or 1.0
+    by_point: dict[int, dict[int, Sequence[float]]] = {}
     for p in config.branch_at:
         losses: dict[int, Sequence[float]] = {}
         for k in config.ks:
             rows = sorted((b for b in branches if b["branch_at"] == p and b["k"] == k), key=lambda b: b["seed"])
             losses[k] = [b[key] for b in rows]
+        by_point[p] = losses
         v = branch_verdicts(losses, tolerance=config.tolerance, alpha=config.alpha, test=config.test)
         kc = v.critical_k
         points.append(PointResult(branch_at=p, verdicts=v.per_k, critical_k=kc, critical_k_shown=v.critical_k_shown,
@@ -500,8 +655,11 @@ def _summarise(out: Path, config: BranchConfig, unit: str, branches: list[dict],
                                   critical_batch_units=kc * config.base_batch * ups))
     compute = float(base_meta.get("train_time_s", 0.0)) + sum(float(b["train_time_s"]) for b in branches)
     w_samples = config.window_samples(ups)
+    curve = (branch_curve(by_point, base_batch_units=config.base_batch * ups, tolerance=config.tolerance,
+                          alpha=config.alpha, test=config.test, unit=unit) if len(config.branch_at) >= 2 else None)
     result = BranchResult(out_dir=str(out), config=config, unit=unit, points=points, branches=branches,
-                          window_samples=w_samples, window_units=w_samples * ups, compute_s=compute, wall_s=wall)
+                          window_samples=w_samples, window_units=w_samples * ups, compute_s=compute, wall_s=wall,
+                          curve=curve)
     atomic_write_json(out / "result.json", result.to_dict())
     return result
 

@@ -1,0 +1,94 @@
+"""B_crit(L) from the branch test at several points (lab/branch.py: branch_curve) on synthetic losses with a known
+B_crit(L), and the plumbing through a tiny real multi-point run and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from globalbatch.lab.branch import branch_curve
+
+TOL = 0.01
+BASE = 4  # samples per step of the base run; B_crit in samples here (base_batch_units = 4)
+
+
+def true_b_crit(loss: float) -> float:
+    return 24.0 * (loss / 3.0) ** -3.0
+
+
+def synthetic(rng, losses, ks, *, seeds=6, seed_sd=0.03, noise_sd=0.002):
+    """Per point: the k = 1 branches reach ``loss``; a k·B branch is worse by tol·(k·B / B_true(loss))², so
+    exactly the tolerance at k·B = B_true (the branch test's definition), plus a per-seed effect shared by
+    every k (same data) and independent noise."""
+    out = {}
+    for i, loss in enumerate(losses):
+        shared = rng.normal(0.0, seed_sd, seeds)
+        out[1000 * (i + 1)] = {k: loss + TOL * (k * BASE / true_b_crit(loss)) ** 2 - (TOL * (BASE / true_b_crit(loss)) ** 2)
+                               + shared + rng.normal(0.0, noise_sd, seeds) for k in ks}
+    return out
+
+
+def test_curve_recovers_a_known_b_crit_of_the_loss():
+    ks = list(range(1, 17))  # B = 4 … 64 in steps of 4: the grid's resolution is 4 samples
+    losses = [3.3, 3.0, 2.7, 2.45]
+    errors_k, covered = [], 0
+    for rep in range(6):
+        curve = branch_curve(synthetic(np.random.default_rng(rep), losses, ks), base_batch_units=BASE, tolerance=TOL,
+                             n_boot=25, rng_seed=rep)
+        assert [p.censored for p in curve.points] == [False] * 4
+        for p, loss in zip(curve.points, losses):  # each point: the largest grid batch within the tolerance ± a step
+            on_grid = BASE * math.floor(true_b_crit(loss) / BASE)  # the largest grid batch within the tolerance
+            assert abs(p.b_crit_units - on_grid) <= BASE, (p, true_b_crit(loss))
+            assert p.loss == pytest.approx(loss, abs=0.05)  # the k = 1 branches' mean (the seed effect included)
+        f = curve.fit
+        assert f is not None and f.n_points == 4 and f.dof == 2 and len(f.boot_k) > 20
+        errors_k.append(f.k + 3.0)
+        lo, hi = f.interval(2.85)
+        covered += lo <= true_b_crit(2.85) <= hi
+        assert f.b_crit(2.85) == pytest.approx(true_b_crit(2.85), rel=0.2)
+    assert abs(float(np.median(errors_k))) < 0.5 and max(abs(e) for e in errors_k) < 1.0
+    assert covered >= 5  # the 95 % interval (covariance ∪ seed bootstrap) covers the truth
+
+
+def test_a_point_at_the_largest_k_is_a_bound_left_out_of_the_fit():
+    rng = np.random.default_rng(0)
+    data = synthetic(rng, [3.3, 3.0, 2.45], [1, 2, 4, 8])  # B_crit(2.45) ≈ 44 > 8·4: every k passes there
+    curve = branch_curve(data, base_batch_units=BASE, tolerance=TOL, n_boot=20)
+    assert [p.censored for p in curve.points] == [False, False, True]
+    assert curve.fit is not None and curve.fit.n_points == 2 and "left out" in curve.note
+    assert "≥ 32" in curve.text()
+    only_one = {p: v for p, v in data.items() if p != 1000}
+    c1 = branch_curve(only_one, base_batch_units=BASE, tolerance=TOL, n_boot=20)
+    assert c1.fit is None and "fewer than 2 points" in c1.note and "no fit" in c1.text()
+
+
+def test_the_curve_is_in_the_result_json_and_the_text(tmp_path, capsys):
+    """A tiny real run at 3 points (--points 3): the curve's plumbing, text and JSON (no claim about its values)."""
+    from globalbatch.cli import main
+
+    tiny = dict(n_layer=1, d_model=16, n_head=2, seq_len=16, max_corpus_bytes=100_000)
+    args = ["branch", *[f"--task-arg={k}={v}" for k, v in tiny.items()], "--base-batch", "2", "--ks", "1,2",
+            "--lr", "3e-3", "--warmup-tokens", "900", "--points", "3", "--window-tokens", "200", "--seeds", "2",
+            "--threads", "1", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--json"])
+    out = capsys.readouterr()
+    assert exc.value.code == 0, out.err
+    doc = json.loads(out.out)
+    assert doc["config"]["branch_at"] == [300, 600, 900]
+    curve = doc["curve"]
+    assert [p["branch_at"] for p in curve["points"]] == [300, 600, 900]
+    for p in curve["points"]:
+        assert math.isfinite(p["loss"]) and p["critical_k"] in (1, 2) and p["b_crit_units"] > 0
+    assert json.loads((tmp_path / "result.json").read_text())["curve"] == curve
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    text = capsys.readouterr().out
+    assert exc.value.code == 0 and "B_crit(L) over 3 branch points" in text
+    with pytest.raises(SystemExit) as exc:  # --points with a list of branch points: one line naming --points
+        main([*args[:-2], "--warmup-tokens", "600,900", "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("error: --points") and err.count("\n") == 1
