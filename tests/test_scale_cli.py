@@ -22,6 +22,10 @@ FILES = {
     "python_tag": ("c.yaml", "gpus_per_node: !!python/object/apply:os.system ['echo PWNED']\n"),
     "probe_bad": ("p.json", "{not json"),
     "probe_no_mfu": ("p.json", json.dumps({"trials": [{"micro_batch": 1, "tokens_per_step": 64, "mfu": None}]})),
+    "probe_opt_too_long": ("p.json", json.dumps({"optimizer_step_s": 0.01, "trials": [
+        {"micro_batch": 1, "tokens_per_step": 64, "step_time_s": 0.005, "mfu": 0.2}]})),
+    "probe_overhead_alone": ("p.json", json.dumps({"step_overhead_s": 0.01, "trials": [
+        {"micro_batch": 1, "tokens_per_step": 64, "step_time_s": 0.005, "mfu": 0.2}]})),
 }
 
 
@@ -57,6 +61,9 @@ CASES = [
     _c("throughput-missing", PRIOR + ["--throughput", "nope.json"], "--throughput"),
     _c("throughput-broken", PRIOR + ["--throughput", "p.json"], "--throughput", "probe_bad"),
     _c("throughput-no-mfu", PRIOR + ["--throughput", "p.json"], "--throughput", "probe_no_mfu"),
+    _c("throughput-optimizer-step-longer-than-trial", PRIOR + ["--throughput", "p.json"], "--throughput",
+       "probe_opt_too_long"),
+    _c("throughput-overhead-without-params", PRIOR + ["--throughput", "p.json"], "--throughput", "probe_overhead_alone"),
     _c("plot-not-png", PRIOR + ["--plot", "x.pdf"], "--plot"),
     _c("max-stages", PRIOR + ["--max-stages", "0"], "--max-stages"),
 ]
@@ -95,7 +102,7 @@ def test_scale_json_keys_and_plot(tmp_path, monkeypatch):
     assert {"gpus", "global_batch", "global_batch_tokens", "geometry", "steps", "steps_interval", "tokens", "step_s",
             "compute_s", "comm_exposed_s", "bubble_s", "mfu", "time_s", "gpu_hours", "statistical_efficiency",
             "meets_limits", "pareto"} <= set(row)
-    assert {"micro_batch", "grad_accum_steps", "dp", "tp", "pp"} <= set(row["geometry"])
+    assert {"micro_batch", "grad_accum_steps", "dp", "tp", "pp", "overhead_s"} <= set(row["geometry"])
     assert d["cluster"]["name"] == "mine" and d["cluster"]["gpus_per_node"] == 4
     assert d["best"]["gpus"] in d["pareto_gpus"]
     for r in d["rows"]:

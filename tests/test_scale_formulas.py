@@ -191,7 +191,8 @@ def test_pipeline_bubble_share_is_p_minus_1_over_m_plus_p_minus_1():
     for p, m in ((4, 8), (16, 32), (2, 1)):
         st = step_time(model, C, curve, micro_batch=1, grad_accum_steps=m, dp=1, tp=1, pp=p)
         assert st.bubble_s / st.compute_s == pytest.approx((p - 1) / m, rel=1e-12)
-        assert st.bubble_s / st.total_s == pytest.approx(pipeline_bubble(p, m).idle_share, rel=1e-12)
+        # the bubble's share of the pipelined part (the per-step overhead is outside the pipeline)
+        assert st.bubble_s / (st.total_s - st.overhead_s) == pytest.approx(pipeline_bubble(p, m).idle_share, rel=1e-12)
     st = step_time(ModelSpec(params=1e9, seq_len=2048, virtual_stages=4), C, curve, micro_batch=1, grad_accum_steps=8,
                    dp=1, pp=4)
     assert st.bubble_s / st.compute_s == pytest.approx(3 / 32)
@@ -208,13 +209,64 @@ def test_compute_time_and_exposed_comm():
     window = st.compute_s / 2 * 2 / 3
     assert hidden.comm_exposed_s == pytest.approx(max(comm - window, comm * 25 * 2 ** 20 / 2e9))
     tp2 = step_time(model, C, flat, micro_batch=4, grad_accum_steps=2, dp=8, tp=2, overlap=1.0)
-    comm2, _ = dp_comm_time(model, C, dp=8, tp=2, pp=1)  # each TP rank reduces its half of the gradients
-    assert comm2 == pytest.approx(allreduce_time(1e9, 8, 2, C)[0])
+    comm2, how2 = dp_comm_time(model, C, dp=8, tp=2, pp=1)  # each TP rank reduces its half of the gradients
+    buckets = math.ceil(1e9 / (25 * 2 ** 20))  # DDP: one all-reduce per 25 MB bucket, each with its latency
+    assert comm2 == pytest.approx(buckets * allreduce_time(1e9 / buckets, 8, 2, C)[0]) and f"{buckets} buckets" in how2
+    assert comm2 > allreduce_time(1e9, 8, 2, C)[0]
     assert tp2.comm_exposed_s == pytest.approx(max(comm2 - tp2.compute_s / 2 * 2 / 3, comm2 * 25 * 2 ** 20 / 1e9))
     z3 = ModelSpec(params=1e9, seq_len=1000, sharding="zero3")
     t3, how = dp_comm_time(z3, C, dp=16, tp=1, pp=1)
     rs = ring_collective_time(2e9, 16, 2, C, kind="reducescatter")
     assert t3 == pytest.approx(3 * rs) and "2 all-gather" in how
+
+
+def test_step_overhead_measured_default_and_dp_latency():
+    from globalbatch.scale.cluster import DRIVER_STEP_COLLECTIVES, OPTIMIZER_BYTES_PER_PARAM, step_overhead_time
+
+    flat = ThroughputCurve(tokens=(1.0,), mfu=(0.5,), source="flat")
+    model = ModelSpec(params=1e9, seq_len=1000)
+    # the labelled default: 32 bytes per updated parameter over the memory bandwidth
+    one = step_time(model, C, flat, micro_batch=4, grad_accum_steps=2, dp=1)
+    assert one.overhead_s == pytest.approx(OPTIMIZER_BYTES_PER_PARAM * 1e9 / 3.35e12, rel=1e-12)
+    assert one.total_s == pytest.approx(one.compute_s + one.overhead_s, rel=1e-12)
+    # DP > 1: each DDP rank updates all parameters, plus StepDriver's small all-reduces (their latency)
+    dp16 = step_time(model, C, flat, micro_batch=4, grad_accum_steps=2, dp=16)
+    small = allreduce_time(40.0, 16, 2, C)[0]
+    assert dp16.overhead_s == pytest.approx(one.overhead_s + DRIVER_STEP_COLLECTIVES * small, rel=1e-12)
+    # ZeRO: a rank updates its shard; TP × PP divide it too
+    z1 = ModelSpec(params=1e9, seq_len=1000, sharding="zero1")
+    assert step_overhead_time(z1, C, flat, dp=16, tp=2, pp=2) == pytest.approx(
+        OPTIMIZER_BYTES_PER_PARAM * 1e9 / 64 / 3.35e12 + DRIVER_STEP_COLLECTIVES * allreduce_time(40.0, 16, 4, C)[0])
+    # measured: scaled from the parameter count it was measured at; it replaces the default
+    measured = ThroughputCurve(tokens=(1.0,), mfu=(0.5,), source="m", step_overhead_s=2e-3, overhead_params=1e5)
+    assert step_overhead_time(model, C, measured, dp=1, tp=1, pp=1) == pytest.approx(2e-3 * 1e9 / 1e5, rel=1e-12)
+    # no bandwidth stated, nothing measured: no overhead
+    bare = Cluster(name="b", gpus_per_node=8, peak_flops_per_s=1e15, memory_bytes=8e10, intra_busbw_bytes_per_s=1e11,
+                   inter_busbw_bytes_per_s=1e10)
+    assert step_overhead_time(model, bare, flat, dp=1, tp=1, pp=1) == 0.0
+    with pytest.raises(SettingError):
+        ThroughputCurve(tokens=(1.0,), mfu=(0.5,), source="x", step_overhead_s=1e-3)
+
+
+def test_probe_file_optimizer_step_is_removed_from_the_curve(tmp_path):
+    import json
+
+    from globalbatch.scale import mfu_curve_from_probe
+
+    trials = [{"micro_batch": 2, "tokens_per_step": 128, "step_time_s": 4e-3, "mfu": 0.2},
+              {"micro_batch": 4, "tokens_per_step": 256, "step_time_s": 6e-3, "mfu": 0.3}]
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps({"trials": trials, "peak_flops_per_s": 1e11}))
+    plain = mfu_curve_from_probe(str(path))
+    assert plain.mfu == (0.2, 0.3) and plain.step_overhead_s is None
+    path.write_text(json.dumps({"trials": trials, "peak_flops_per_s": 1e11, "optimizer_step_s": 1e-3,
+                                "step_overhead_s": 1.5e-3, "overhead_params": 137024}))
+    c = mfu_curve_from_probe(str(path))  # forward + backward alone: t − optimizer step
+    assert c.mfu == pytest.approx((0.2 * 4 / 3, 0.3 * 6 / 5), rel=1e-12)
+    assert (c.step_overhead_s, c.overhead_params) == (1.5e-3, 137024)
+    path.write_text(json.dumps({"trials": trials, "optimizer_step_s": 5e-3}))
+    with pytest.raises(SettingError):
+        mfu_curve_from_probe(str(path))
 
 
 def test_memory_bounds_the_micro_batch_and_a_huge_model_fits_nowhere():

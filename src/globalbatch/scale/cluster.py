@@ -15,6 +15,12 @@
   buckets).
 * Pipeline bubble (GPipe/1F1B; Narayanan et al. 2021, arXiv 2104.04473 §2.2): ``(p − 1)/(v·m)`` of
   the ideal compute with m micro-batches per replica and step, v interleaved chunks.
+* Per-step overhead: the optimizer step and the step's bookkeeping (gradient scaling, the clipping norm,
+  zero_grad, the one host sync), outside forward and backward: measured (a throughput file's
+  ``step_overhead_s`` at ``overhead_params`` parameters, scaled by the parameters the rank updates) or a
+  labelled default, ``OPTIMIZER_BYTES_PER_PARAM`` bytes per updated parameter over the GPU's memory
+  bandwidth (AdamW is memory-bound); with DP > 1 also StepDriver's two small all-reduces per step.
+  DDP's gradient buckets (25 MB) are one all-reduce each: each pays the collective's latency.
 * TP is given: its communication is inside the MFU the curve states (not modelled separately).
 * Memory bounds the micro-batch with the project's memory model (:mod:`globalbatch.plan.memory`).
 
@@ -37,12 +43,19 @@ from globalbatch.validate import whole
 
 __all__ = ["Cluster", "PRESETS", "load_cluster", "cluster_from_mapping", "ThroughputCurve", "default_mfu_curve",
            "mfu_curve_from_probe", "ModelSpec", "allreduce_time", "ring_collective_time", "tree_allreduce_time", "dp_comm_time",
-           "StepTime", "step_time", "largest_micro", "NCCL_BASE_LAT_S", "DDP_BUCKET_BYTES"]
+           "StepTime", "step_time", "largest_micro", "NCCL_BASE_LAT_S", "DDP_BUCKET_BYTES", "step_overhead_time",
+           "OPTIMIZER_BYTES_PER_PARAM", "DRIVER_STEP_COLLECTIVES"]
 
 NCCL_BASE_LAT_S = 8.4e-6
 """NCCL tuning.cc ``baseLat`` of Ring/Simple (µs → s)."""
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 """PyTorch DDP's default ``bucket_cap_mb`` (25 MB): the last bucket is reduced after the backward ends."""
+OPTIMIZER_BYTES_PER_PARAM = 32.0
+"""Labelled default of the per-step overhead on a GPU (an assumption, not measured): AdamW with fp32 master
+weights reads parameter, gradient and both moments (16 B) and writes parameter and moments (12 B) per
+parameter, and the clipping norm reads the gradient once more (4 B): memory-bound, over the memory bandwidth."""
+DRIVER_STEP_COLLECTIVES = 2
+"""Small all-reduces StepDriver issues per step with DP > 1 (the window's counts and loss; the non-finite flag)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,6 +85,8 @@ class Cluster:
     """Tree latency per network level (NCCL hwLat NET Tree/Simple 50 µs)."""
     gpu_hour_price: Optional[float] = None
     """Price of one GPU-hour (any currency), when cost should be shown in money."""
+    memory_bandwidth_bytes_per_s: Optional[float] = None
+    """Device memory bandwidth: the default per-step optimizer overhead (None: no default overhead)."""
     source: str = ""
     """Where the numbers come from."""
 
@@ -91,6 +106,7 @@ _CLUSTER_ALLOWED = {
     "tree_intra_latency_s": "seconds ≥ 0",
     "tree_inter_latency_s": "seconds ≥ 0",
     "gpu_hour_price": "a price ≥ 0 or null",
+    "memory_bandwidth_bytes_per_s": "bytes/s > 0 or null, e.g. 3.35e12",
 }
 
 
@@ -115,23 +131,28 @@ def check_cluster(c: Cluster) -> None:
             raise SettingError(key, v, _CLUSTER_ALLOWED[key])
     if c.gpu_hour_price is not None and not (_num_ok(c.gpu_hour_price) and c.gpu_hour_price >= 0):
         raise SettingError("gpu_hour_price", c.gpu_hour_price, _CLUSTER_ALLOWED["gpu_hour_price"])
+    bw = c.memory_bandwidth_bytes_per_s
+    if bw is not None and not (_num_ok(bw) and bw > 0):
+        raise SettingError("memory_bandwidth_bytes_per_s", bw, _CLUSTER_ALLOWED["memory_bandwidth_bytes_per_s"])
 
 
-_H100_SRC = ("NVIDIA H100 datasheet (SXM: 989 TFLOPS dense BF16, 80 GB HBM3, NVLink 900 GB/s); NCCL all-reduce "
+_H100_SRC = ("NVIDIA H100 datasheet (SXM: 989 TFLOPS dense BF16, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s); NCCL all-reduce "
              "bus bandwidth ≈ 370 GB/s on 8 NVLink GPUs (without NVLink SHARP); InfiniBand NDR 400 Gb/s per GPU, "
              "≈ 46 GB/s per NIC measured with nccl-tests, 8 NICs per node (DGX SuperPOD rail-optimised): ring bus "
              "bandwidth across nodes min(NVLink, 8 × 46 GB/s); latencies from NCCL src/graph/tuning.cc (Simple)")
 PRESETS: dict[str, Cluster] = {
     "h100-ib": Cluster(name="h100-ib", gpus_per_node=8, peak_flops_per_s=989e12, memory_bytes=80e9,
-                       intra_busbw_bytes_per_s=370e9, inter_busbw_bytes_per_s=min(370e9, 8 * 46e9), source=_H100_SRC),
+                       intra_busbw_bytes_per_s=370e9, inter_busbw_bytes_per_s=min(370e9, 8 * 46e9),
+                       memory_bandwidth_bytes_per_s=3.35e12, source=_H100_SRC),
     "a100-ib": Cluster(name="a100-ib", gpus_per_node=8, peak_flops_per_s=312e12, memory_bytes=80e9,
                        intra_busbw_bytes_per_s=230e9, inter_busbw_bytes_per_s=min(230e9, 8 * 23e9),
-                       source="NVIDIA A100 datasheet (SXM 80 GB: 312 TFLOPS dense BF16, 2.0 TB/s, NVLink 600 GB/s); "
+                       memory_bandwidth_bytes_per_s=2.039e12,
+                       source="NVIDIA A100 datasheet (SXM 80 GB: 312 TFLOPS dense BF16, 2.039 TB/s, NVLink 600 GB/s); "
                               "NCCL caps A100 bus bandwidth at 235 GB/s (tuning.cc compCap80); HDR InfiniBand "
                               "200 Gb/s per GPU ≈ 23 GB/s per NIC, 8 NICs per node; latencies from NCCL tuning.cc"),
     "h200-ib": Cluster(name="h200-ib", gpus_per_node=8, peak_flops_per_s=989e12, memory_bytes=141e9,
                        intra_busbw_bytes_per_s=370e9, inter_busbw_bytes_per_s=min(370e9, 8 * 46e9),
-                       source="NVIDIA H200 datasheet: the H100's compute (989 TFLOPS dense BF16) with 141 GB HBM3e at "
+                       memory_bandwidth_bytes_per_s=4.8e12, source="NVIDIA H200 datasheet: the H100's compute (989 TFLOPS dense BF16) with 141 GB HBM3e at "
                               "4.8 TB/s; same NVLink and NDR network as h100-ib"),
 }
 """Cluster presets (vendor figures; NCCL's own model values where no measurement is stated)."""
@@ -196,10 +217,22 @@ class ThroughputCurve:
     source: str
     peak_flops_per_s: Optional[float] = None
     """The peak the MFU was measured against (a probe's), when known."""
+    step_overhead_s: Optional[float] = None
+    """Measured seconds per optimizer step outside forward and backward on one rank that updates all
+    ``overhead_params`` parameters (optimizer step, gradient scaling, clipping norm, zero_grad, host sync);
+    None: the cluster's labelled default."""
+    overhead_params: Optional[float] = None
+    """The parameter count ``step_overhead_s`` was measured at (it is scaled by the parameters a rank updates)."""
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.mfu) or not self.tokens:
             raise SettingError("throughput", self.source, "at least one (tokens, MFU) point")
+        if (self.step_overhead_s is None) != (self.overhead_params is None):
+            raise SettingError("throughput", self.source, "step_overhead_s and overhead_params together")
+        so, op = self.step_overhead_s, self.overhead_params
+        if so is not None and not (_num_ok(so) and so >= 0 and op is not None and _num_ok(op) and op >= 1):
+            raise SettingError("throughput", self.source, "step_overhead_s ≥ 0 seconds and overhead_params ≥ 1",
+                               why=f"{self.step_overhead_s!r} s at {self.overhead_params!r} parameters")
         for t, m in zip(self.tokens, self.mfu):
             if not (_num_ok(t) and t > 0 and _num_ok(m) and 0 < m <= 1):
                 raise SettingError("throughput", self.source, "points with tokens > 0 and 0 < MFU ≤ 1",
@@ -221,7 +254,13 @@ def default_mfu_curve(mfu_max: float = 0.45, half_tokens: float = 1024.0) -> Thr
 
 
 def mfu_curve_from_probe(path: str) -> ThroughputCurve:
-    """The MFU per micro-batch of a ``globalbatch probe --json`` output (its trials with a timing and an MFU)."""
+    """The MFU per micro-batch of a ``globalbatch probe --json`` output (its trials with a timing and an MFU).
+
+    Optional top-level keys (measured separately; ``benchmarks/scale_validation.py`` writes them):
+    ``optimizer_step_s``, the optimizer step (``step(); zero_grad()``) each probe trial's timed step contains,
+    removed from every trial's time before its MFU (``mfu × t/(t − optimizer_step_s)``), so the curve is forward
+    and backward alone; ``step_overhead_s`` with ``overhead_params``, the per-step overhead (see
+    :class:`ThroughputCurve`)."""
     p = Path(path)
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
@@ -230,6 +269,13 @@ def mfu_curve_from_probe(path: str) -> ThroughputCurve:
     trials = data.get("trials") if isinstance(data, dict) else None
     if not isinstance(trials, list):
         raise SettingError("throughput", path, "a probe --json file (with 'trials')")
+    extra: dict[str, Any] = {}
+    for key in ("optimizer_step_s", "step_overhead_s", "overhead_params"):
+        v = data.get(key)
+        if v is not None and not (_num_ok(v) and v >= 0):
+            raise SettingError("throughput", path, "a probe --json file", why=f"{key} is {v!r}, not a number ≥ 0")
+        extra[key] = None if v is None else float(v)
+    opt_s = extra["optimizer_step_s"] or 0.0
     pts: dict[float, float] = {}
     for i, t in enumerate(trials):
         # every entry checked, not skipped: a damaged file is refused, never read as if fine
@@ -243,6 +289,12 @@ def mfu_curve_from_probe(path: str) -> ThroughputCurve:
             continue
         tok: Any = t.get("tokens_per_step")
         mfu: Any = t.get("mfu")
+        if opt_s and mfu is not None:
+            step_s: Any = t.get("step_time_s")
+            if not (_num_ok(step_s) and step_s > opt_s):
+                raise SettingError("throughput", path, "trials timed longer than optimizer_step_s",
+                                   why=f"trials[{i}].step_time_s is {step_s!r}, optimizer_step_s {opt_s!r}")
+            mfu = mfu * step_s / (step_s - opt_s)
         if tok is not None and mfu is not None and tok > 0 and 0 < mfu <= 1:
             pts[float(tok)] = float(mfu)
     if not pts:
@@ -250,7 +302,8 @@ def mfu_curve_from_probe(path: str) -> ThroughputCurve:
     ks = sorted(pts)
     peak = data.get("peak_flops_per_s")
     return ThroughputCurve(tokens=tuple(ks), mfu=tuple(pts[k] for k in ks), source=f"probe {path}",
-                           peak_flops_per_s=float(peak) if _num_ok(peak) and peak > 0 else None)
+                           peak_flops_per_s=float(peak) if _num_ok(peak) and peak > 0 else None,
+                           step_overhead_s=extra["step_overhead_s"], overhead_params=extra["overhead_params"])
 
 
 # ---------------------------------------------------------------------------
@@ -362,13 +415,33 @@ def dp_comm_time(model: ModelSpec, c: Cluster, *, dp: int, tp: int, pp: int) -> 
     shard = model.params / (tp * pp) * model.grad_bytes_per_param
     per_node = max(c.gpus_per_node // tp, 1)
     nodes = math.ceil(dp / per_node)
-    if model.sharding == "none":
-        t, how = allreduce_time(shard, dp, nodes, c)
-        return t, f"all-reduce ({how})"
+    if model.sharding == "none":  # DDP: one all-reduce per 25 MB bucket, each paying the collective's latency
+        buckets = max(math.ceil(shard / DDP_BUCKET_BYTES), 1)
+        t, how = allreduce_time(shard / buckets, dp, nodes, c)
+        return buckets * t, f"all-reduce ({how}, {buckets} bucket{'s' if buckets > 1 else ''})"
     rs = ring_collective_time(shard, dp, nodes, c, kind="reducescatter")
     ag = ring_collective_time(shard, dp, nodes, c, kind="allgather")
     n_ag = 2 if model.sharding in ("zero3", "fsdp") and model.reshard_after_forward else 1
     return rs + n_ag * ag, f"reduce-scatter + {n_ag} all-gather (ring)"
+
+
+def step_overhead_time(model: ModelSpec, c: Cluster, curve: ThroughputCurve, *, dp: int, tp: int, pp: int) -> float:
+    """Seconds per optimizer step outside forward, backward and the gradient communication: the optimizer step and
+    its bookkeeping on the parameters this rank updates (``N/(tp·pp)``; ``/dp`` more with ZeRO / FSDP, whose ranks
+    update their shard), measured (``curve.step_overhead_s`` scaled from ``curve.overhead_params``) or the labelled
+    default ``OPTIMIZER_BYTES_PER_PARAM`` / memory bandwidth (0 when the cluster states none); with DP > 1 plus
+    StepDriver's ``DRIVER_STEP_COLLECTIVES`` small all-reduces (the collective's latency)."""
+    updated = model.params / (tp * pp) / (dp if model.sharding != "none" else 1)
+    if curve.step_overhead_s is not None and curve.overhead_params:
+        t = curve.step_overhead_s * updated / curve.overhead_params
+    elif c.memory_bandwidth_bytes_per_s:
+        t = OPTIMIZER_BYTES_PER_PARAM * updated / c.memory_bandwidth_bytes_per_s
+    else:
+        t = 0.0
+    if dp > 1:
+        nodes = math.ceil(dp / max(c.gpus_per_node // tp, 1))
+        t += DRIVER_STEP_COLLECTIVES * allreduce_time(8.0 * 5, dp, nodes, c)[0]  # 5 float64 numbers
+    return t
 
 
 # ---------------------------------------------------------------------------
@@ -408,10 +481,12 @@ class StepTime:
     comm_how: str
     mfu_kernel: float
     """MFU of the micro-batch's kernels (the curve)."""
+    overhead_s: float = 0.0
+    """Per-step overhead outside forward and backward (:func:`step_overhead_time`)."""
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.comm_exposed_s + self.bubble_s
+        return self.compute_s + self.comm_exposed_s + self.bubble_s + self.overhead_s
 
     def mfu(self) -> float:
         """Achieved MFU: the kernel MFU × compute share of the step."""
@@ -425,7 +500,8 @@ class StepTime:
         return {"gpus": self.gpus, "global_batch": self.global_batch, "micro_batch": self.micro_batch,
                 "grad_accum_steps": self.grad_accum_steps, "dp": self.dp, "tp": self.tp, "pp": self.pp,
                 "compute_s": self.compute_s, "comm_exposed_s": self.comm_exposed_s, "bubble_s": self.bubble_s,
-                "comm_total_s": self.comm_total_s, "comm": self.comm_how, "step_s": self.total_s,
+                "comm_total_s": self.comm_total_s, "comm": self.comm_how, "overhead_s": self.overhead_s,
+                "step_s": self.total_s,
                 "mfu": self.mfu(), "mfu_kernel": self.mfu_kernel}
 
 
@@ -443,7 +519,7 @@ def step_time(model: ModelSpec, c: Cluster, curve: ThroughputCurve, *, micro_bat
     exposed = _exposed(comm, compute, grad_accum_steps, model, overlap, tp * pp)
     return StepTime(gpus=gpus, global_batch=gb, micro_batch=micro_batch, grad_accum_steps=grad_accum_steps, dp=dp,
                     tp=tp, pp=pp, compute_s=compute, comm_exposed_s=exposed, bubble_s=bubble, comm_total_s=comm,
-                    comm_how=how, mfu_kernel=mfu_k)
+                    comm_how=how, mfu_kernel=mfu_k, overhead_s=step_overhead_time(model, c, curve, dp=dp, tp=tp, pp=pp))
 
 
 def _exposed(comm: float, compute: float, accum: int, model: ModelSpec, overlap: float, model_parallel: int) -> float:

@@ -32,6 +32,7 @@ from globalbatch.scale.cluster import (
     ThroughputCurve,
     dp_comm_time,
     largest_micro,
+    step_overhead_time,
     step_times_grid,
 )
 from globalbatch.scale.convergence import ConvergenceModel
@@ -268,7 +269,8 @@ def _best_by_batch(model: ModelSpec, cluster: Cluster, curve: ThroughputCurve, c
             compute, bubble, exposed, mfu_k = step_times_grid(model, cluster, curve, dp=dp, tp=tp, pp=pp, micro=micro,
                                                               accum=accum, overlap=cfg.overlap, comm=comm,
                                                               peak_flops_per_s=peak)
-            total = compute + bubble + exposed
+            overhead = step_overhead_time(model, cluster, curve, dp=dp, tp=tp, pp=pp)
+            total = compute + bubble + exposed + overhead
             evaluated += total.size
             for r in np.unique(per_rep):
                 sel = np.flatnonzero(per_rep == r)
@@ -281,7 +283,7 @@ def _best_by_batch(model: ModelSpec, cluster: Cluster, curve: ThroughputCurve, c
                                         grad_accum_steps=int(accum[k]), dp=dp, tp=tp, pp=pp,
                                         compute_s=float(compute[k]), comm_exposed_s=float(exposed[k]),
                                         bubble_s=float(bubble[k]), comm_total_s=comm[0], comm_how=comm[1],
-                                        mfu_kernel=float(mfu_k[k]))
+                                        mfu_kernel=float(mfu_k[k]), overhead_s=overhead)
     return best, evaluated
 
 
