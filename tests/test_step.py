@@ -19,6 +19,7 @@ import torch
 
 from globalbatch.schedule import TokenLRSchedule, parse_step_schedule
 from globalbatch.checkpoint import load_checkpoint, save_checkpoint
+from globalbatch.errors import SettingError
 from globalbatch.step import (
     NonFiniteError,
     StepConfig,
@@ -239,8 +240,8 @@ def test_window_larger_than_the_global_batch_is_refused_before_the_step(use_scal
     before = drv.state_dict()
     scale = scaler.get_scale() if use_scaler else None
     too_big = sc.micro_batches(seqs[4:10], 2)  # 3 micro-batches of 2 (default samples): 6 > 4
-    with pytest.raises(ValueError, match=r"^window 2 has 6 samples \(all ranks\), more than the planned global "
-                                         r"batch 4; allowed: at most the planned global batch") as info:
+    with pytest.raises(SettingError, match=r"^window samples 6 is not allowed \(window 2, all ranks: more than the "
+                                           r"planned global batch\); allowed: at most the planned global batch 4") as info:
         drv.run_window(too_big, sc.loss_fn)
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match=r"samples 5 is not allowed; allowed: a whole number in \[0, "
@@ -514,7 +515,7 @@ def test_python_int_counts_equal_tensor_counts_and_bad_counts_are_rejected():
     model, opt = sc.clone_model_opt(sc.build_model())
     drv = _driver(model, opt, micro=2, global_batch=4)
     loss, count = sc.loss_fn(model, sc.collate(seqs[:2]))
-    with pytest.raises(ValueError, match=r"count shape \(2,\) is not allowed"):
+    with pytest.raises(SettingError, match=r"count shape \(2,\) is not allowed"):
         drv.backward(loss, torch.stack([count, count]))
     with pytest.raises(ValueError, match="count -1 is not allowed"):
         drv.backward(loss, -1)

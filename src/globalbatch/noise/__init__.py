@@ -50,7 +50,8 @@ called at log steps.
 
 Layout: :mod:`~globalbatch.noise.estimator` (the per-window estimator, the EMA and its
 interval and flags), :mod:`~globalbatch.noise.monitor` (:class:`NoiseScaleMonitor`: the
-``micro`` and ``rank`` sources, the DDP comm hook, the Adam variant); the run behind
+``micro`` and ``rank`` sources, the DDP comm hook, the Adam variant; built from
+:mod:`~globalbatch.noise.hooks` and :mod:`~globalbatch.noise.fold`); the run behind
 ``globalbatch noise`` is an experiment of the lab (:mod:`globalbatch.lab.noise_run`).
 """
 
