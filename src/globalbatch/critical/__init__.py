@@ -5,11 +5,16 @@
 - :mod:`~globalbatch.critical.fit`: the steps–examples hyperbola (McCandlish et al. 2018, eq. 2.11) and Zhang's CBS.
 - :mod:`~globalbatch.critical.recommend`: points per target, the fits and the recommended batch of one seed.
 - :mod:`~globalbatch.critical.settings`: :class:`AnalysisSettings`, every analysis' settings in one dataclass.
-- :mod:`~globalbatch.critical.seeds`: common targets over seeds, one LR per batch, the joint B_crit(L) fit and the
-  recommendation with its uncertainty.
+- :mod:`~globalbatch.critical.seeds`: the analysis over seeds and its recommendation with its uncertainty, from
+  :mod:`~globalbatch.critical.seed_targets` (common targets, per-target results over seeds),
+  :mod:`~globalbatch.critical.lr_choice` (one LR per batch and its flags) and :mod:`~globalbatch.critical.joint`
+  (the joint B_crit(L) fit).
+- :mod:`~globalbatch.critical.errors`: :class:`NoAnswerError`, what the data cannot answer (user errors are
+  :class:`globalbatch.errors.SettingError`).
 """
 
 from globalbatch.critical.curves import READOUTS, Curve, ema_smooth, steps_to_target
+from globalbatch.critical.errors import NoAnswerError
 from globalbatch.critical.fit import HyperbolaFit, fit_hyperbola, zhang_cbs
 from globalbatch.critical.settings import AnalysisSettings
 from globalbatch.critical.recommend import (
@@ -26,6 +31,6 @@ from globalbatch.critical.recommend import (
     smoothing_halflife,
 )
 
-__all__ = ["AnalysisSettings", "Curve", "READOUTS", "ema_smooth", "steps_to_target", "HyperbolaFit", "fit_hyperbola", "zhang_cbs",
+__all__ = ["AnalysisSettings", "NoAnswerError", "Curve", "READOUTS", "ema_smooth", "steps_to_target", "HyperbolaFit", "fit_hyperbola", "zhang_cbs",
            "BatchPoint", "TargetResult", "Recommendation", "Analysis", "OBJECTIVES", "points_for_target",
            "check_analysis_settings", "smoothing_halflife", "default_targets", "recommend", "analyze"]

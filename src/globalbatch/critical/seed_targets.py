@@ -1,0 +1,285 @@
+"""The critical batch over seeds, one target at a time: common targets and the per-target results.
+
+McCandlish et al. 2018 (arXiv 1812.06162, eq. 2.11) fit S(B) = S_min·(1 + B_crit/B) to the
+steps each batch needs to reach a loss. What a single run gives is one noisy draw: the data order
+and the initialisation move steps-to-target by tens of per cent (a 4.5× range of B_crit over five
+seeds with a training-loss read-out, measured on the demo task). For a sweep run with several seeds:
+
+1. **Common targets** (:func:`common_targets`, on the curves at each batch's one LR,
+   :mod:`globalbatch.critical.lr_choice`): losses every batch × seed reaches with a margin (on the
+   monotone fit of its held-out curve at that LR), none of them reached before the end of LR warmup;
+   the batch set is the same at every target.
+2. **Per target** (:func:`target_over_seeds`): steps- and examples-to-target per batch and seed at the
+   batch's **one LR** (:func:`common_lr` at the primary target, held for every target and seed: the LR a
+   practitioner would run that batch at). Each seed's own best LR at each target selects that
+   seed's luck where the large batches' best LR sits at the edge of stability, and mixes runs
+   across targets: on the tinygpt demo grid, 5 seeds, the worst max/min of B_crit across seeds
+   over 5 targets was 1.72 with per-seed best LRs, 1.62 with one LR per target, 1.40 with one
+   LR per batch and the targets it reaches (docs/sweep.md). Then a monotonicity check per seed (steps must
+   not rise with the batch; examples are not checked: flat in the perfect-scaling regime; 3 % slack), the
+   hyperbola fit per seed, their median and range, and a fit of the median steps with a bootstrap over
+   seeds. Non-monotone cells are flagged and left out of every fit.
+
+The fit across targets is :mod:`globalbatch.critical.joint`; the whole analysis with its
+recommendation, :mod:`globalbatch.critical.seeds`. Pure numpy/scipy; no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, cast
+
+import numpy as np
+
+from globalbatch.critical.curves import Curve, ema_smooth, steps_to_target
+from globalbatch.critical.errors import NoAnswerError
+from globalbatch.critical.fit import HyperbolaFit, fit_hyperbola
+from globalbatch.critical.readout import monotone_fit
+from globalbatch.critical.recommend import TargetResult, points_for_target
+from globalbatch.errors import SettingError
+
+__all__ = ["MONOTONE_SLACK", "N_BOOT", "SeedTarget", "common_targets", "is_monotone", "common_lr", "target_over_seeds"]
+
+
+MONOTONE_SLACK = 0.03
+"""Relative slack of the monotonicity check (interpolation between evaluations is not exact)."""
+N_BOOT = 400
+"""Bootstrap resamples of the seeds (the median-steps fit, the joint fit)."""
+
+
+def bootstrap_rng(seed: int = 0) -> np.random.Generator:
+    """The analyses' bootstrap generator (seeded: the same sweep gives the same intervals)."""
+    return np.random.default_rng(seed)
+
+
+# ---------------------------------------------------------------------------
+# Targets
+# ---------------------------------------------------------------------------
+
+
+def _fit_at(curve: Curve, examples: float) -> float:
+    """The monotone fit of a curve's held-out loss at ``examples`` (linear in log examples)."""
+
+    e, y = cast(np.ndarray, curve.eval_examples), cast(np.ndarray, curve.eval_loss)  # held-out curves only
+    ok = np.isfinite(y) & (e > 0)
+    if not ok.any():
+        return math.inf
+    e, y = e[ok], monotone_fit(y[ok])
+    if examples <= e[0]:
+        return float(y[0])
+    return float(np.interp(math.log(examples), np.log(e), y))
+
+
+def _smoothed_as_eval(c: Curve, min_window_examples: Optional[float]) -> Curve:
+    """A copy of ``c`` whose "held-out" points are its lag-corrected, EMA-smoothed training loss (for targets)."""
+    from dataclasses import replace
+
+    n = c.loss.size
+    half = max(0.5, 0.05 * n, (min_window_examples or 0.0) / c.batch_size)
+    sm, lag = ema_smooth(c.loss, half)
+    at = np.unique(np.clip(np.round(np.geomspace(1, max(n - 1, 1), 60)).astype(int), 0, n - 1))  # n = 1: step 0
+    steps = np.maximum(at - lag[at], 0.0)
+    ex = np.interp(steps, np.arange(0, n + 1, dtype=float), np.concatenate([[0.0], c.examples]))
+    keep = ex > 0
+    return replace(c, eval_examples=ex[keep], eval_steps=steps[keep], eval_loss=sm[at][keep])
+
+
+def common_targets(curves: Sequence[Curve], n_targets: int = 5, *, margin: float = 0.08,
+                   top: float = 0.75, readout: str = "heldout",
+                   min_window_examples: Optional[float] = None) -> list[float]:
+    """``n_targets`` held-out losses, loosest first, that every batch × seed reaches with a margin.
+
+    floor = the worst (highest) over batches and seeds of the best final loss over that
+    batch's LRs (monotone fit); ceiling = the lowest over batches and seeds of the best loss
+    at the end of LR warmup (at the first evaluation when there is no warmup). Targets are
+    evenly spaced from floor + ``top``·(ceiling − floor) down to floor + ``margin``·(ceiling − floor),
+    so no cell reaches one during warmup. When the largest batch learns little within the
+    budget the range is narrow (measured on the demo config: 3.06 → 2.99 nats); a ceiling from
+    the largest batch alone was tried and was worse (targets inside the small batches' warmup:
+    40 % monotone cells instead of 80 %).
+    With ``readout="train"`` the curves are the lag-corrected EMA of the training loss.
+    """
+    if readout == "train":
+        curves = [_smoothed_as_eval(c, min_window_examples) for c in curves if c.loss.size]
+    cells: dict[tuple[float, int], list[Curve]] = {}
+    for c in curves:
+        if c.eval_loss is not None:
+            if not (np.asarray(c.eval_examples) > 0).any():
+                raise NoAnswerError(f"trial {c.label or c.batch_size!r}: no loss reading after its first step; "
+                                    "raise the budget")
+            cells.setdefault((c.batch_size, c.seed), []).append(c)
+    if not cells:
+        raise SettingError("readout", "heldout", "train (these curves have no held-out evaluations)")
+    ev = {id(c): cast(np.ndarray, c.eval_examples) for cs in cells.values() for c in cs}  # each has evaluations
+    floor = max(min(_fit_at(c, float(ev[id(c)].max())) for c in cs) for cs in cells.values())
+    ceiling = min(min(_fit_at(c, max(c.warmup_examples, float(ev[id(c)][ev[id(c)] > 0].min())))
+                      if (ev[id(c)] > 0).any() else math.inf
+                      for c in cs) for cs in cells.values())
+    if not (math.isfinite(floor) and math.isfinite(ceiling)) or ceiling <= floor:
+        raise NoAnswerError(f"targets: no common loss range (after warmup {ceiling:.4g}, worst final {floor:.4g}): "
+                            f"raise the budget or lower the warmup")
+    span = ceiling - floor
+    return [float(x) for x in np.linspace(floor + top * span, floor + margin * span, n_targets)]
+
+
+# ---------------------------------------------------------------------------
+# Per target
+# ---------------------------------------------------------------------------
+
+
+def is_monotone(batches: Sequence[float], steps: Sequence[float], examples: Sequence[float],
+                slack: float = MONOTONE_SLACK) -> bool:
+    """Steps non-increasing in the batch (within ``slack``).
+
+    Examples are not checked: in the perfect-scaling regime E is flat in B and its noise
+    decides the sign (measured on MNIST: a 3 % rule on E flagged 88 % of the cells whose
+    steps halve cleanly with every doubling of the batch). ``examples`` is kept for callers.
+    """
+    order = np.argsort(batches)
+    s = np.asarray(steps, dtype=float)[order]
+    return bool(np.all(s[1:] <= s[:-1] * (1 + slack)))
+
+
+def _usable(fit: Optional[HyperbolaFit]) -> bool:
+    return fit is not None and fit.degenerate is None and not fit.extrapolated
+
+
+@dataclass(kw_only=True)
+class SeedTarget:
+    target: float
+    per_seed: dict[int, TargetResult]
+    steps: dict[float, dict[int, Optional[float]]]
+    """Batch (units per step) → seed → steps to target (None: not reached)."""
+    examples: dict[float, dict[int, Optional[float]]]
+    best_lr: dict[float, dict[int, Optional[float]]]
+    monotone: dict[int, bool]
+    reached_in_warmup: list[str] = field(default_factory=list)
+    """``"batch B seed S"`` cells whose best LR reached the target before the end of warmup."""
+    b_crit_per_seed: dict[int, Optional[float]] = field(default_factory=dict)
+    """Per-seed B_crit: None when that seed's cell is non-monotone, its fit degenerate or extrapolated."""
+    b_crit_text_per_seed: dict[int, str] = field(default_factory=dict)
+    b_crit: Optional[float] = None
+    """Median over seeds of the usable per-seed B_crit."""
+    b_crit_range: Optional[tuple[float, float]] = None
+    median_fit: Optional[HyperbolaFit] = None
+    """Fit of the median steps over the monotone seeds."""
+    b_crit_boot: Optional[tuple[float, float]] = None
+    """2.5–97.5 % of the median-steps fit's B_crit over bootstrap resamples of the seeds."""
+    joint_b_crit: Optional[float] = None
+    joint_interval: Optional[tuple[float, float]] = None
+    lr_selection: str = "per_batch"
+    """How each batch's LR was chosen here: ``"per_batch"`` (one LR per batch for every target, chosen at
+    the primary target) or ``"per_target"`` (re-chosen at this target, :data:`LR_SELECTIONS`)."""
+    lr_selection_reason: str = ""
+    """Why, in one sentence (stated in the report and the JSON)."""
+
+    @property
+    def all_monotone(self) -> bool:
+        return all(self.monotone.values())
+
+    def interval(self) -> Optional[tuple[float, float]]:
+        """The stated uncertainty of B_crit here: the hull of the seed range and the bootstrap interval; with one
+        fitted seed, that seed's own 95 % interval (which does not contain the seed-to-seed spread)."""
+        fitted = [s for s, v in self.b_crit_per_seed.items() if v is not None]
+        if len(fitted) == 1:
+            return self.per_seed[fitted[0]].b_crit_ci95
+        parts = [x for x in (self.b_crit_range, self.b_crit_boot) if x is not None]
+        if not parts:
+            return None
+        return min(p[0] for p in parts), max(p[1] for p in parts)
+
+
+def _median_steps_fit(st: SeedTarget, seeds: Sequence[int]) -> Optional[HyperbolaFit]:
+    batches = [b for b in sorted(st.steps) if all(st.steps[b].get(s) is not None for s in seeds)]
+    if len(batches) < 3 or not seeds:
+        return None
+    med = [float(np.median([st.steps[b][s] for s in seeds])) for b in batches]
+    try:
+        return fit_hyperbola(batches, med)
+    except NoAnswerError:
+        return None
+
+
+def common_lr(curves: Sequence[Curve], target: float, *, readout: str = "heldout",
+              min_window_examples: Optional[float] = None) -> dict[float, float]:
+    """Batch → the one LR used for every seed at ``target``: the fewest seeds that never reach the
+    target first (an LR that leaves seeds behind would keep only the lucky ones in the fits), then
+    the least median steps-to-target over the seeds, then the smaller LR."""
+    seeds = sorted({c.seed for c in curves})
+    cells: dict[tuple[float, float], dict[int, Curve]] = {}
+    for c in curves:
+        cells.setdefault((c.batch_size, c.lr), {})[c.seed] = c
+    best: dict[float, tuple[int, float, float]] = {}
+    for (b, lr), by_seed in cells.items():
+        steps = []
+        for s in seeds:
+            cs_ = by_seed.get(s)
+            r = steps_to_target(cs_, target, readout=readout, min_window_examples=min_window_examples) if cs_ else None
+            steps.append(r[0] if r is not None else math.inf)
+        key = (sum(math.isinf(x) for x in steps), float(np.median(steps)), lr)
+        if b not in best or key < best[b]:
+            best[b] = key
+    return {b: k[2] for b, k in best.items()}
+
+
+def target_over_seeds(curves: Sequence[Curve], target: float, *, readout: str = "heldout",
+                      min_window_examples: Optional[float] = None, rng_seed: int = 0) -> SeedTarget:
+    """Steps per batch and seed (at each batch's :func:`common_lr`), monotonicity, per-seed fits and
+    their spread at one ``target``."""
+    seeds = sorted({c.seed for c in curves})
+    if len({(c.batch_size, c.lr) for c in curves}) > len({c.batch_size for c in curves}):  # not yet one LR per batch
+        lr_of = common_lr(curves, target, readout=readout, min_window_examples=min_window_examples)
+        curves = [c for c in curves if c.lr == lr_of[c.batch_size]]
+    per_seed = {s: points_for_target([c for c in curves if c.seed == s], target, readout=readout,
+                                     min_window_examples=min_window_examples) for s in seeds}
+    batches = sorted({c.batch_size for c in curves})
+    steps: dict[float, dict[int, Optional[float]]] = {b: {s: None for s in seeds} for b in batches}
+    examples: dict[float, dict[int, Optional[float]]] = {b: {s: None for s in seeds} for b in batches}
+    best_lr: dict[float, dict[int, Optional[float]]] = {b: {s: None for s in seeds} for b in batches}
+    warm = {c.batch_size: c.warmup_examples for c in curves}
+    in_warmup = []
+    for s, tr in per_seed.items():
+        for p in tr.points:
+            steps[p.batch_size][s], examples[p.batch_size][s], best_lr[p.batch_size][s] = p.steps, p.examples, p.lr
+            if p.examples < warm.get(p.batch_size, 0.0):
+                in_warmup.append(f"batch {p.batch_size:,.0f} seed {s}")
+    monotone = {}
+    for s, tr in per_seed.items():
+        pts = sorted(tr.points, key=lambda p: p.batch_size)
+        monotone[s] = not tr.unreached and is_monotone([p.batch_size for p in pts], [p.steps for p in pts],
+                                                       [p.examples for p in pts])
+    st = SeedTarget(target=float(target), per_seed=per_seed, steps=steps, examples=examples, best_lr=best_lr,
+                    monotone=monotone, reached_in_warmup=in_warmup)
+    for s, tr in per_seed.items():
+        if not monotone[s]:
+            st.b_crit_per_seed[s] = None
+            st.b_crit_text_per_seed[s] = ("not reached by every batch" if tr.unreached
+                                          else "non-monotone steps: not fitted")
+        elif tr.fit is None:
+            st.b_crit_per_seed[s] = None
+            st.b_crit_text_per_seed[s] = tr.fit_error or "no fit"
+        else:
+            st.b_crit_per_seed[s] = tr.fit.b_crit if _usable(tr.fit) else None
+            st.b_crit_text_per_seed[s] = tr.fit.b_crit_text()
+    vals = [v for v in st.b_crit_per_seed.values() if v is not None]
+    if vals:
+        st.b_crit = float(np.median(vals))
+        st.b_crit_range = (float(min(vals)), float(max(vals)))
+    good = [s for s in seeds if monotone[s]]
+    st.median_fit = _median_steps_fit(st, good)
+    if len(good) >= 2:
+        gen = bootstrap_rng(rng_seed)
+        boots: list[float] = []
+        cache: dict[tuple, Optional[float]] = {}  # the median depends only on the multiset drawn
+        for _ in range(N_BOOT):
+            draw = tuple(sorted(int(x) for x in gen.choice(good, size=len(good), replace=True)))
+            if draw not in cache:
+                f = _median_steps_fit(st, list(draw))
+                cache[draw] = f.b_crit if f is not None and _usable(f) else None
+            b_draw = cache[draw]
+            if b_draw is not None:
+                boots.append(b_draw)
+        if len(boots) >= N_BOOT // 2:
+            st.b_crit_boot = (float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5)))
+    return st
