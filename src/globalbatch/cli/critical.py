@@ -174,6 +174,7 @@ def report_cmd(
     readout: str = typer.Option("heldout", "--readout", help="heldout (monotone fit of the held-out evaluations) or train (EMA of the training loss, window ≥ 2% of the budget)."),
     lr_selection: str = typer.Option("auto", "--lr-selection", help="The LR each batch is read at over seeds: auto (one LR per batch, re-chosen at a target where it leaves seeds non-monotone), per_batch or per_target."),
     as_json: bool = typer.Option(False, "--json", help="Print the analysis over seeds as JSON (stable snake_case keys: targets with b_crit, b_crit_per_seed, steps_to_target, monotone; recommendation with batch, lr, per_seed, probability_fastest) instead of the tables."),
+    scale: Optional[str] = typer.Option(None, "--scale", help="A `globalbatch scale RUN_DIR --json` output: adds its time-vs-GPU-hours Pareto plot, table per GPU count and assumptions as a section."),
 ) -> None:
     """Write PNG plots and a self-contained HTML report of a sweep, with the recommended batch."""
 
@@ -184,6 +185,9 @@ def report_cmd(
     with flag_names(flag_names_of("report")):
         V.existing_dir(run_dir, "run_dir", allowed="a sweep directory (written by globalbatch sweep)")
         target_list = None if targets is None else tuple(V.number_list(targets, "targets", positive_only=False))
+        from ..lab.scale_section import add_scale_section, load_scale_json
+
+        scale_doc = None if scale is None else load_scale_json(scale)
         with V.created_out_dir(out if out is not None else str(Path(run_dir) / "report"), "out"):
             from ..critical import AnalysisSettings
 
@@ -191,6 +195,8 @@ def report_cmd(
                                         halflife_steps=half_life_steps, readout=readout, lr_selection=lr_selection,
                                         targets=target_list, first_seed_targets=target_list)
             res = write_report(run_dir, out, settings=settings)
+            if scale_doc is not None:
+                res.plots.append(add_scale_section(res.html, scale_doc))
     if as_json:
         doc = seed_json(res.data, res.seed_analysis) if res.seed_analysis is not None else {
             "recommendation": None, "warnings": []}

@@ -202,33 +202,9 @@ def scale_cmd(
 
 def pareto_plot(result, path: str) -> None:
     """Time to target against GPU-hours, one point per GPU count, the Pareto front joined (matplotlib, lazily)."""
-    from .._util import SettingError, atomic_write
+    from ..lab.scale_section import pareto_figure
 
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover - matplotlib is a core dependency
-        raise SettingError("plot", path, "matplotlib installed (pip install matplotlib)") from None
-    rows = result.rows
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    ax.scatter([r.gpu_hours for r in rows], [r.time_s / 3600 for r in rows], s=14, c="#888", label="best batch per GPU count")
-    front = sorted((r for r in rows if r.pareto), key=lambda r: r.gpu_hours)
-    ax.plot([r.gpu_hours for r in front], [r.time_s / 3600 for r in front], "o-", c="C0", label="Pareto front")
-    for r in front[:: max(1, len(front) // 8)]:
-        ax.annotate(f"{r.gpus:,}", (r.gpu_hours, r.time_s / 3600), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    if result.best is not None:
-        ax.plot([result.best.gpu_hours], [result.best.time_s / 3600], "*", ms=12, c="C3", label=f"best ({result.objective})")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("GPU-hours to target")
-    ax.set_ylabel("hours to target")
-    ax.set_title(f"target loss {result.target_loss:g}: time vs GPU-hours ({result.cluster.name})", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
-    plt.close(fig)
+    pareto_figure(result.to_dict(), path)
 
 
 def _print(result, plot: Optional[str]) -> None:
@@ -244,7 +220,7 @@ def _print(result, plot: Optional[str]) -> None:
               + (" — EXTRAPOLATED outside the fitted losses" if result.extrapolated else ""))
     con.print(f"cluster: {result.cluster.name} ({result.cluster.gpus_per_node} GPUs/node); MFU curve: {result.throughput_source}")
     t = Table(title=f"best constant batch per GPU count (objective: {result.objective})")
-    for col in ("GPUs", "batch (tokens)", "geometry", "steps", "tokens", "step: compute / comm / bubble", "MFU",
+    for col in ("GPUs", "batch (tokens)", "geometry", "steps", "tokens", "step: compute / comm / bubble / overhead", "MFU",
                 "time", "GPU-h", "stat. eff.", ""):
         t.add_column(col, justify="left" if col in ("geometry", "") else "right")
     for r in result.rows:
@@ -252,7 +228,8 @@ def _print(result, plot: Optional[str]) -> None:
         marks = [m for m, on in (("best", result.best is r), ("pareto", r.pareto), ("over limits", not r.meets_limits)) if on]
         t.add_row(f"{r.gpus:,}", _fmt_n(r.batch_tokens), f"{st.micro_batch}×{st.grad_accum_steps}×DP{st.dp} TP{st.tp} PP{st.pp}",
                   f"{r.steps:,.0f}", _fmt_n(r.tokens),
-                  f"{_fmt_s(st.compute_s)} / {_fmt_s(st.comm_exposed_s)} / {_fmt_s(st.bubble_s)}", f"{st.mfu():.0%}",
+                  f"{_fmt_s(st.compute_s)} / {_fmt_s(st.comm_exposed_s)} / {_fmt_s(st.bubble_s)} / {_fmt_s(st.overhead_s)}",
+                  f"{st.mfu():.0%}",
                   _fmt_s(r.time_s), _fmt_h(r.gpu_hours), f"{r.efficiency:.0%}", ", ".join(marks))
     con.print(t)
     if result.best is not None:
