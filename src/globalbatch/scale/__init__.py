@@ -24,6 +24,7 @@ from globalbatch.scale.cluster import (
     load_cluster,
     mfu_curve_from_probe,
     ring_collective_time,
+    step_overhead_time,
     step_time,
     tree_allreduce_time,
 )
@@ -50,6 +51,6 @@ from globalbatch.scale.search import (
 
 __all__ = ["PRESETS", "Cluster", "ModelSpec", "StepTime", "ThroughputCurve", "allreduce_time", "cluster_from_mapping",
            "default_mfu_curve", "dp_comm_time", "largest_micro", "load_cluster", "mfu_curve_from_probe",
-           "ring_collective_time", "tree_allreduce_time", "step_time", "BCritLaw", "ConvergenceModel", "ScheduleCost",
+           "ring_collective_time", "tree_allreduce_time", "step_time", "step_overhead_time", "BCritLaw", "ConvergenceModel", "ScheduleCost",
            "SMinLaw", "deepseek_batch_prior", "fit_s_min", "kaplan_prior", "OBJECTIVES", "Choice", "RampChoice",
            "ScaleConfig", "ScaleResult", "format_count", "gpu_counts", "scale", "schedule_string"]
