@@ -2,8 +2,9 @@
 
 1. Leave one batch out: on a 3-seed tinygpt sweep, refit B_crit(L) and S_min(L) without one batch and predict
    that batch's steps to each common target; compare with its measured median over seeds.
-2. Step time: predicted (probe-measured MFU curve + gloo α–β measured by an all-reduce sweep) vs measured step
-   time of tinygpt on 1 and 2 gloo processes at several (micro, accum) geometries.
+2. Step time: predicted (probe-measured MFU curve + the per-step overhead measured without data + gloo α–β
+   measured by an all-reduce sweep) vs measured step time of tinygpt on 1 and 2 gloo processes at several
+   (micro, accum) geometries; the 2-process rows from a probe and an overhead measured as 2 processes at once.
 3. Llama 3 405B (arXiv 2407.21783 Table 4): TP 8, PP 16, DP 64 → 128, sequence 8,192, 16M-token batch;
    one efficiency constant (the kernel MFU) set at 8,192 GPUs, the MFU at 16,384 predicted.
 4. A ramp, run: the ramp ``scale`` proposes for the demo target on this CPU, trained through StepDriver's batch
@@ -160,6 +161,82 @@ def steptime_worker(out: str, steps: int) -> None:
         Path(out).write_text(json.dumps(res))
 
 
+def overhead_worker(out: str, reps: int = 60) -> None:
+    """The per-step overhead, measured without data (one process, one thread), as two numbers:
+
+    * ``optimizer_step_s``: ``optimizer.step(); optimizer.zero_grad(set_to_none=True)`` of the probe's AdamW on the
+      model with gradients present — the part of each probe trial's timed step that is not forward/backward;
+    * ``step_overhead_s``: ``StepDriver.step()`` alone (counts, gradient scaling, the clipping norm, the optimizer
+      step, the one host sync) after a micro-batch whose loss is 0·Σθ (no data: every gradient present, zero).
+
+    Neither runs a forward or backward of a micro-batch: they are inputs of the step-time model, independent of the
+    windows check 2 compares against. Medians over ``reps`` after 5 warm-ups."""
+    import torch
+
+    from globalbatch.lab.loop import Experiment
+    from globalbatch.lab.tasks import load_task
+    from globalbatch.optim import build_optimizer
+
+    torch.set_num_threads(1)
+    task = load_task("tinygpt", **DEMO_TASK)
+    model = task.build_model(0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = build_optimizer("adamw", params, lr=1e-3)
+    grads = [torch.randn_like(p) * 1e-3 for p in params]
+    bare = []
+    for i in range(reps + 5):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        t0 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= 5:
+            bare.append(time.perf_counter() - t0)
+    exp = Experiment(task, batch=1, micro_batch=1, lr=1e-3, seed=0)
+    drv = exp.driver
+    eparams = [p for p in exp.model.parameters() if p.requires_grad]
+    step = []
+    for i in range(reps + 5):
+        with drv.micro_step(last=True):
+            loss_sum = torch.stack([(p * 0.0).sum() for p in eparams]).sum()
+            drv.backward(loss_sum, 1, samples=1)
+        t0 = time.perf_counter()
+        drv.step()
+        if i >= 5:
+            step.append(time.perf_counter() - t0)
+    Path(out).write_text(json.dumps({"optimizer_step_s": statistics.median(bare), "step_overhead_s": statistics.median(step),
+                                     "overhead_params": sum(p.numel() for p in params),
+                                     "optimizer_step_s_all": bare, "step_overhead_s_all": step}))
+
+
+def _concurrent(cmds: list[list[str]], timeout: int) -> list[str]:
+    """Run the commands at the same time (as the ranks of a job share the machine); their stdouts."""
+    procs = [subprocess.Popen(c, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"{' '.join(p.args[:4])} failed: {err[-2000:]}")
+        outs.append(out)
+    return outs
+
+
+def _calibrated_probe(work: Path, probe_path: Path, procs: int = 1) -> tuple[Path, dict]:
+    """``probe.json`` with the measured per-step overhead (``optimizer_step_s``, ``step_overhead_s``,
+    ``overhead_params``): what :func:`globalbatch.scale.mfu_curve_from_probe` reads. ``procs`` > 1: measured in
+    that many processes at once, the slower one's numbers."""
+    outs = [work / f"overhead_{procs}_{i}.json" for i in range(procs)]
+    _concurrent([[sys.executable, str(Path(__file__).resolve()), "--overhead-worker", str(o)] for o in outs], 600)
+    runs = [json.loads(o.read_text()) for o in outs]
+    ov = {k: max(r[k] for r in runs) for k in ("optimizer_step_s", "step_overhead_s")}
+    ov["overhead_params"] = runs[0]["overhead_params"]
+    path = work / f"probe_calibrated_{procs}.json"
+    data = json.loads(probe_path.read_text())
+    data.update({k: ov[k] for k in ("optimizer_step_s", "step_overhead_s", "overhead_params")})
+    path.write_text(json.dumps(data))
+    return path, ov
+
+
 def _least_contended(step_s: list[float], group: int = 5) -> float:
     """The same statistic as the probe side: the fastest of the medians of consecutive groups of steps (a probe run
     reports the median of its timed steps; the fastest of the probe runs is kept)."""
@@ -167,20 +244,24 @@ def _least_contended(step_s: list[float], group: int = 5) -> float:
     return min(meds) if meds else statistics.median(step_s)
 
 
-def _run_probe(work: Path, repeats: int = 3) -> Path:
+def _run_probe(work: Path, repeats: int = 3, procs: int = 1) -> Path:
     """``globalbatch probe --json`` ``repeats`` times; ``probe.json`` keeps each size's fastest step (the least
-    contended reading on a shared machine) with its MFU against the largest measured peak."""
-    path = work / "probe.json"
+    contended reading on a shared machine) with its MFU against the largest measured peak. ``procs`` > 1: each
+    repeat runs that many probes at once (the ranks of a ``procs``-process job share this machine's cores, memory
+    bandwidth and caches: that is the device a rank has), each size's time the slower probe's (a DDP step waits
+    for the slower rank)."""
+    path = work / ("probe.json" if procs == 1 else f"probe_{procs}proc.json")
     if path.exists():
         return path
     runs = []
+    cmd = [sys.executable, "-m", "globalbatch.cli", "probe", "--device", "cpu", "--max-micro-batch", "32",
+           "--steps-per-trial", "8", "--json"] + [x for k, v in DEMO_TASK.items() for x in ("--task-arg", f"{k}={v}")]
     for _ in range(repeats):
-        cmd = [sys.executable, "-m", "globalbatch.cli", "probe", "--device", "cpu", "--max-micro-batch", "32",
-               "--steps-per-trial", "8", "--json"] + [x for k, v in DEMO_TASK.items() for x in ("--task-arg", f"{k}={v}")]
-        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900)
-        if proc.returncode != 0:
-            raise RuntimeError(f"probe failed: {proc.stderr[-2000:]}")
-        runs.append(json.loads(proc.stdout))
+        outs = [json.loads(o) for o in _concurrent([cmd] * procs, 900)]
+        slower = dict(outs[0], trials=[max((next(t for t in o["trials"] if t["micro_batch"] == t0["micro_batch"])
+                                            for o in outs), key=lambda t: t.get("step_time_s") or 0.0)
+                                       for t0 in outs[0]["trials"]])
+        runs.append(slower)
     peak = max(r["peak_flops_per_s"] for r in runs)
     best: dict[int, dict] = {}
     for r in runs:
@@ -238,10 +319,17 @@ def check_step_time(work: Path, steps: int = 10) -> dict:
     from globalbatch.scale import ModelSpec, mfu_curve_from_probe, step_time
 
     load_before = os.getloadavg()[0]
-    probe_path = _run_probe(work)
-    probe = json.loads(probe_path.read_text())
-    curve = mfu_curve_from_probe(str(probe_path))
+    # the inputs, measured without running any of the compared windows: the probe's MFU curve and the per-step
+    # overhead, each measured alone (for 1-process rows) and as 2 processes at once (for 2-process rows)
+    inputs = {}
+    for procs in (1, 2):
+        probe_path = _run_probe(work, procs=procs)
+        calibrated, ov_p = _calibrated_probe(work, probe_path, procs)
+        inputs[procs] = (mfu_curve_from_probe(str(calibrated)), json.loads(calibrated.read_text())["peak_flops_per_s"],
+                         ov_p)
+    probe = json.loads(_run_probe(work).read_text())
     peak = probe["peak_flops_per_s"]
+    ov = inputs[1][2]
     timed = [t for t in probe["trials"] if t.get("model_flops_per_step") and t.get("tokens_per_step")]
     flops_per_token = max(timed, key=lambda t: t["micro_batch"])
     flops_per_token = flops_per_token["model_flops_per_step"] / flops_per_token["tokens_per_step"]
@@ -253,28 +341,45 @@ def check_step_time(work: Path, steps: int = 10) -> dict:
     load_after = os.getloadavg()[0]
     rows = []
     for world, run in ((1, one), (2, two)):
+        curve, peak_w, _ = inputs[world]
         for g in run["geometries"]:
             st = step_time(model, cluster, curve, micro_batch=g["micro_batch"], grad_accum_steps=g["grad_accum_steps"],
-                           dp=world, overlap=0.0)
+                           dp=world, overlap=0.0, peak_flops_per_s=peak_w)
+            # the same row from the inputs measured by one process alone (the probe as a single run gives them)
+            alone = step_time(model, cluster, inputs[1][0], micro_batch=g["micro_batch"],
+                              grad_accum_steps=g["grad_accum_steps"], dp=world, overlap=0.0,
+                              peak_flops_per_s=inputs[1][1])
             rows.append({"processes": world, "micro_batch": g["micro_batch"], "grad_accum_steps": g["grad_accum_steps"],
                          "predicted_s": st.total_s, "compute_s": st.compute_s, "comm_s": st.comm_exposed_s,
+                         "overhead_s": st.overhead_s, "predicted_from_1proc_inputs_s": alone.total_s,
                          "measured_s": g["step_s_min"], "measured_median_s": g["step_s"],
-                         "error": st.total_s / g["step_s_min"] - 1})
+                         "error": st.total_s / g["step_s_min"] - 1,
+                         "error_from_1proc_inputs": alone.total_s / g["step_s_min"] - 1})
     print("\n[2] step time: probe MFU curve + gloo α–β vs measured (tinygpt demo model, 1 thread per process)")
     print(f"    load average {load_before:.1f} before, {load_after:.1f} after ({os.cpu_count()} cores)")
     print(f"    gloo all-reduce fit: α = {ab['alpha_s'] * 1e6:.0f} µs, bus bandwidth {ab['busbw_bytes_per_s'] / 1e9:.2f} GB/s; "
           f"probe peak {peak / 1e9:.1f} GFLOP/s")
+    ov2 = inputs[2][2]
+    print(f"    per-step overhead measured without data: optimizer step {ov['optimizer_step_s'] * 1e3:.2f} ms (removed from "
+          f"each probe trial), StepDriver.step() {ov['step_overhead_s'] * 1e3:.2f} ms at {ov['overhead_params']:,} "
+          f"parameters (added per step; with 2 processes plus 2 small all-reduces at α); as 2 processes at once: "
+          f"{ov2['optimizer_step_s'] * 1e3:.2f} and {ov2['step_overhead_s'] * 1e3:.2f} ms")
+    print("    1-process rows: probe and overhead measured alone; 2-process rows: both measured as 2 processes at once "
+          "(each rank's core shares the machine with the other rank); 'alone' = the 2-process row predicted from the "
+          "1-process inputs")
     print("    both sides the least contended reading: each probe size's fastest of 3 probe runs (each the median of 8 "
           "steps); each geometry's fastest median of 4 groups of 5 timed steps (per step the slower rank); the median "
           "of all its steps is shown too")
-    print(f"    {'procs':>5} {'micro':>5} {'accum':>5} {'predicted':>10} {'(compute + comm)':>20} {'measured':>10} "
-          f"{'median':>9} {'error':>7}")
+    print(f"    {'procs':>5} {'micro':>5} {'accum':>5} {'predicted':>10} {'(compute + comm + overhead)':>28} "
+          f"{'measured':>10} {'median':>9} {'error':>7} {'alone':>7}")
     for r in rows:
         print(f"    {r['processes']:5d} {r['micro_batch']:5d} {r['grad_accum_steps']:5d} {r['predicted_s'] * 1e3:8.1f}ms "
-              f"({r['compute_s'] * 1e3:6.1f} + {r['comm_s'] * 1e3:5.1f} ms) {r['measured_s'] * 1e3:8.1f}ms "
-              f"{r['measured_median_s'] * 1e3:7.1f}ms {r['error']:+7.1%}")
+              f"({r['compute_s'] * 1e3:6.1f} + {r['comm_s'] * 1e3:4.1f} + {r['overhead_s'] * 1e3:4.1f} ms) "
+              f"{r['measured_s'] * 1e3:8.1f}ms "
+              f"{r['measured_median_s'] * 1e3:7.1f}ms {r['error']:+7.1%} {r['error_from_1proc_inputs']:+7.1%}")
     worst = max(abs(r["error"]) for r in rows)
-    out = {"rows": rows, "gloo": ab, "probe_peak_flops_per_s": peak, "max_abs_error": worst,
+    out = {"rows": rows, "gloo": ab, "probe_peak_flops_per_s": peak, "max_abs_error": worst, "overhead": ov,
+           "overhead_2proc": ov2, "max_abs_error_from_1proc_inputs": max(abs(r["error_from_1proc_inputs"]) for r in rows),
            "load_average": [load_before, load_after],
            "median_abs_error": statistics.median(abs(r["error"]) for r in rows), "pass": worst <= 0.20}
     print(f"    max |error| {worst:.1%}, median {out['median_abs_error']:.1%}: {'PASS' if out['pass'] else 'FAIL'} (≤ 20 %)")
@@ -570,9 +675,13 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="Write the results as JSON here.")
     ap.add_argument("--steps", type=int, default=20, help="Timed steps per geometry (check 2).")
     ap.add_argument("--steptime-worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--overhead-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.steptime_worker:
         steptime_worker(args.steptime_worker, args.steps)
+        return
+    if args.overhead_worker:
+        overhead_worker(args.overhead_worker)
         return
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
