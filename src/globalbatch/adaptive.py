@@ -49,7 +49,7 @@ from globalbatch.errors import SettingError
 import logging
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 from globalbatch.schedule import BatchSchedule, _check_unit
 from globalbatch.validate import whole
@@ -67,6 +67,7 @@ __all__ = [
     "statistical_efficiency",
     "adascale_gain",
     "lr_multiplier",
+    "loglog_interpolate",
 ]
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,22 @@ def lr_multiplier(rule: str, batch: float, base_batch: float, b_noise: float = m
     if rule == "adascale":
         return adascale_gain(batch, b_noise, base_batch) if math.isfinite(b_noise) and b_noise >= 0 else math.sqrt(s)
     raise SettingError("lr_rule", rule, ", ".join(ADAPTIVE_LR_RULES))
+
+
+def loglog_interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
+    """y at ``x`` from points ``(x_i, y_i > 0)`` sorted by x: linear in log-log between the two that bracket
+    it, the end point's y beyond either end (flat: no extrapolation); NaN without points or for a NaN ``x``."""
+    if not points or math.isnan(x):
+        return math.nan
+    if x <= points[0][0]:
+        return points[0][1]
+    if x >= points[-1][0]:
+        return points[-1][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return math.exp((1 - w) * math.log(y0) + w * math.log(y1))
+    raise RuntimeError(f"points not sorted by x: {list(points)}")
 
 
 def _usable(b_noise: float) -> bool:
@@ -172,13 +189,22 @@ class FeasibleBatches:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Observation:
-    """What a policy decides from: globally shared values (identical on every rank)."""
+class _RunPoint:
+    """Where in the run a decision is taken: what an :class:`Observation` and a :class:`BatchChange` share."""
 
     step: int
-    """Optimizer steps applied so far."""
+    """Optimizer steps applied so far (when the policy was asked)."""
     position: int
-    """Schedule position (trained units in the schedule's unit)."""
+    """Schedule position (trained units in the schedule's unit); a change applies from it."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Observation(_RunPoint):
+    """What a policy decides from: globally shared values (identical on every rank)."""
+
     global_batch: int
     """Current global batch (samples)."""
     base_batch: int
@@ -193,9 +219,6 @@ class Observation:
     """Units/s of the current batch (mean over ranks of the driver's last-step rate; NaN unknown)."""
     units_per_sample: float
     """Loss-bearing units per sample in the last window (tokens per sequence)."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -283,18 +306,7 @@ class GoodputPolicy:
 
     def samples_per_s(self, batch: int) -> float:
         """Interpolated throughput (log-log between measured batches, flat beyond them; NaN with none)."""
-        pts = sorted(self.throughput.items())
-        if not pts:
-            return math.nan
-        if batch <= pts[0][0]:
-            return pts[0][1]
-        if batch >= pts[-1][0]:
-            return pts[-1][1]
-        for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
-            if b0 <= batch <= b1:
-                w = (math.log(batch) - math.log(b0)) / (math.log(b1) - math.log(b0))
-                return math.exp((1 - w) * math.log(t0) + w * math.log(t1))
-        return pts[-1][1]  # pragma: no cover
+        return loglog_interpolate(sorted(self.throughput.items()), batch)
 
     def goodput(self, batch: int, b_noise: float, base_batch: int) -> float:
         return self.samples_per_s(batch) * statistical_efficiency(batch, b_noise, base_batch)
@@ -325,21 +337,17 @@ class GoodputPolicy:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class BatchChange:
-    """One decided change, in the schedule's history."""
+class BatchChange(_RunPoint):
+    """One decided change, in the schedule's history (from ``position`` on)."""
 
-    position: int
-    """Schedule position from which ``new_batch`` applies."""
-    step: int
-    """Optimizer steps applied when it was decided."""
     old_batch: int
+    """The global batch before (samples)."""
     new_batch: int
+    """The global batch from ``position`` on (samples)."""
     lr_mult: float
     """LR multiplier (relative to the first batch) from this change on."""
     reason: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    """The policy's reason, one line."""
 
 
 class AdaptiveBatchSchedule(BatchSchedule):

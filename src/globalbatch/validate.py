@@ -21,7 +21,8 @@ from globalbatch.errors import Raw as _Raw, SettingError
 from globalbatch.units import parse_count
 
 __all__ = ["MAX_COUNT", "MAX_BATCH", "count", "whole", "positive", "number", "fraction", "choice", "out_dir",
-           "existing_dir", "number_list", "count_list", "key_values", "seed_list", "make_out_dir", "created_out_dir"]
+           "existing_dir", "number_list", "count_list", "whole_list", "key_values", "seed_list", "make_out_dir",
+           "created_out_dir"]
 
 MAX_COUNT = 10**18
 """Upper bound of any token, sample or step count (a quintillion: far above any training run)."""
@@ -144,6 +145,19 @@ def count_list(text: Any, field: str, *, maximum: int = MAX_BATCH, allowed: Opti
             except ValueError:
                 shown = item
             raise SettingError(field, shown, allowed) from None
+    return out
+
+
+def whole_list(values: Any, field: str, *, minimum: int = 1, allowed: Optional[str] = None) -> list[int]:
+    """A non-empty list (or tuple) of distinct whole numbers ≥ ``minimum``, as ints (``4.0`` is 4)."""
+    def ok(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v == int(v) \
+            and v >= minimum
+
+    seq = isinstance(values, (list, tuple))
+    out = [int(v) for v in values] if seq and values and all(ok(v) for v in values) else []
+    if not out or len(set(out)) != len(out):
+        raise SettingError(field, list(values) if seq else values, allowed or f"distinct whole numbers ≥ {minimum}")
     return out
 
 

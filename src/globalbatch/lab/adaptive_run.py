@@ -32,12 +32,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 from globalbatch._util import SettingError, atomic_write_json
+from globalbatch.adaptive import loglog_interpolate
 from globalbatch.lab.device import PRECISIONS
 from globalbatch.lab.records import ArmSummary, damaged, read_records, read_summary
 from globalbatch.lab.rundir import append_event, check_manifest, remove_stale_tmp
 from globalbatch.lab.sweep.config import demo_config
 from globalbatch.optim import optimizer_names
-from globalbatch.validate import whole
+from globalbatch.validate import positive, whole, whole_list
 
 __all__ = ["AdaptiveConfig", "run_adaptive", "run_arm", "analyze_adaptive", "AdaptiveAnalysis", "eval_points",
            "POLICIES", "ADAPTIVE_MANIFEST_VERSION"]
@@ -114,18 +115,13 @@ class AdaptiveConfig:
 
     def __post_init__(self) -> None:
         E = SettingError
-        if not self.batches or any(isinstance(b, bool) or int(b) != b or b < 1 for b in self.batches) \
-                or len(set(self.batches)) != len(self.batches):
-            raise E("batches", list(self.batches), "distinct whole numbers ≥ 1, e.g. 4,8,16,32,64")
-        self.batches = sorted(int(b) for b in self.batches)
-        if not (float(self.lr) > 0 and math.isfinite(float(self.lr))):
-            raise E("lr", self.lr, "a finite number > 0")
+        self.batches = sorted(whole_list(self.batches, "batches", allowed="distinct whole numbers ≥ 1, e.g. 4,8,16,32,64"))
+        positive(self.lr, "lr")
         if self.lr_rule not in ("sqrt", "linear", "adascale", "none"):
             raise E("lr_rule", self.lr_rule, "sqrt, linear, adascale or none")
         if self.policy not in POLICIES and ":" not in self.policy:
             raise E("policy", self.policy, "noise, goodput or package.module:function")
-        if not (self.c > 0 and math.isfinite(self.c)):
-            raise E("c", self.c, "a finite number > 0")
+        positive(self.c, "c")
         whole(self.micro_batch, "micro_batch")
         bad = [b for b in self.batches if b % self.micro_batch and b > self.micro_batch]
         if bad:
@@ -144,18 +140,12 @@ class AdaptiveConfig:
         if isinstance(self.budget, bool) or int(self.budget) != self.budget or self.budget < 1:
             raise E("budget", self.budget, "a whole number of units ≥ 1, e.g. 300K")
         self.budget = int(self.budget)
-        if not self.seeds or any(isinstance(s, bool) or int(s) != s or s < 0 for s in self.seeds) \
-                or len(set(self.seeds)) != len(self.seeds):
-            raise E("seeds", list(self.seeds), "distinct whole numbers ≥ 0, at least one (≥ 3 for intervals)")
-        self.seeds = [int(s) for s in self.seeds]
+        self.seeds = whole_list(self.seeds, "seeds", minimum=0,
+                                allowed="distinct whole numbers ≥ 0, at least one (≥ 3 for intervals)")
         for name in ("decide_every", "patience", "eval_points"):
-            v = getattr(self, name)
-            whole(v, name)
-        if isinstance(self.min_interval_steps, bool) or not isinstance(self.min_interval_steps, int) \
-                or self.min_interval_steps < 0:
-            raise E("min_interval_steps", self.min_interval_steps, "a whole number ≥ 0")
-        if not self.noise_half_life_windows > 0:
-            raise E("noise_half_life_windows", self.noise_half_life_windows, "a number > 0")
+            whole(getattr(self, name), name)
+        whole(self.min_interval_steps, "min_interval_steps", minimum=0)
+        positive(self.noise_half_life_windows, "noise_half_life_windows")
         if self.optimizer not in optimizer_names():
             raise E("optimizer", self.optimizer, ", ".join(optimizer_names()))
         if self.precision not in PRECISIONS:
@@ -474,18 +464,7 @@ def _front_units(points: list[tuple[float, float]], steps: float) -> float:
     """Units on the fixed batches' Pareto front at ``steps``: log-log interpolation between its points; outside its
     step range, the nearest end point's units (flat). Beyond the largest step count the true front can only be
     lower, so the ratio to it is then a lower bound; below the smallest, an upper bound."""
-    front = pareto_front(points)
-    if not front or not math.isfinite(steps):
-        return math.nan
-    if steps <= front[0][0]:
-        return front[0][1]
-    if steps >= front[-1][0]:
-        return front[-1][1]
-    for (s0, e0), (s1, e1) in zip(front, front[1:]):
-        if s0 <= steps <= s1:
-            w = (math.log(steps) - math.log(s0)) / (math.log(s1) - math.log(s0))
-            return math.exp((1 - w) * math.log(e0) + w * math.log(e1))
-    return math.nan
+    return loglog_interpolate(pareto_front(points), steps) if math.isfinite(steps) else math.nan
 
 
 @dataclass(kw_only=True)

@@ -3,7 +3,7 @@
 * :class:`MemoryModel` / :func:`fit_memory_model`: ``peak = a + b·size``, fitted on the
   largest measured sizes, predicts the largest size under a budget.
 * :func:`is_oom_error` tells out of memory from every other error; :func:`release_memory`
-  returns the memory after one.
+  returns the memory after one; :func:`run_or_oom` runs a trial and turns its OOM into a failed result.
 * ``_CpuTensorPeak`` (profiler memory events), ``_reset_peak_rss`` / ``_read_status_kib``
   (``VmHWM``) and ``_static_bytes`` measure a CPU trial's peak for ``TrainStepRunner``.
 """
@@ -15,7 +15,7 @@ import gc
 import math
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from globalbatch.errors import SettingError
-from globalbatch.probe.trial import TrialResult
+from globalbatch.probe.trial import TrialResult, _one_line
 
 _OOM_MESSAGES = (
     "CUDA out of memory",
@@ -122,6 +122,28 @@ def release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+def run_or_oom(run: Callable[[int], TrialResult], size: int, *, on_error: Optional[Callable[[], object]] = None,
+               cleanup: Optional[Callable[[], None]] = None) -> TrialResult:
+    """``run(size)``; when it runs out of memory (:func:`is_oom_error`), a failed ``TrialResult(oom=True)``
+    with the error's line, returned after :func:`release_memory` — outside the ``except``, where the
+    traceback no longer pins the activations. Any other error is re-raised, after ``on_error``.
+    ``cleanup`` runs either way, before the memory is released."""
+    note: Optional[str] = None
+    try:
+        return run(size)
+    except Exception as exc:
+        if not is_oom_error(exc):
+            if on_error is not None:
+                on_error()
+            raise
+        note = _one_line(exc)
+    finally:
+        if cleanup is not None:
+            cleanup()
+    release_memory()
+    return TrialResult(micro_batch=size, oom=True, note=note or "out of memory")
 
 
 

@@ -18,13 +18,13 @@ from torch import nn
 
 from globalbatch.errors import SettingError
 from globalbatch.probe import memory  # memory.release_memory() looked up per call: tests patch it
-from globalbatch.probe.memory import _CpuTensorPeak, _read_status_kib, _reset_peak_rss, _static_bytes, is_oom_error
+from globalbatch.probe.memory import _CpuTensorPeak, _read_status_kib, _reset_peak_rss, _static_bytes
 from globalbatch.probe.search import (
     DEFAULT_START_MICRO_BATCH,
     ProbeResult,
     probe_micro_batch,
 )
-from globalbatch.probe.trial import TrialResult, _one_line, _over_budget
+from globalbatch.probe.trial import TrialResult, _over_budget
 from globalbatch.validate import whole
 
 
@@ -92,20 +92,7 @@ class TrainStepRunner:
         self.device = first.device if first is not None else torch.device("cpu")
 
     def __call__(self, micro_batch: int) -> TrialResult:
-        oom_note: Optional[str] = None
-        result: Optional[TrialResult] = None
-        try:
-            result = self._trial(micro_batch)
-        except Exception as exc:
-            if not is_oom_error(exc):
-                raise
-            oom_note = _one_line(exc)
-        finally:
-            self.model.zero_grad(set_to_none=True)
-        if result is None:  # outside the except: the traceback no longer pins activations
-            memory.release_memory()
-            return TrialResult(micro_batch=micro_batch, oom=True, note=oom_note or "out of memory")
-        return result
+        return memory.run_or_oom(self._trial, micro_batch, cleanup=lambda: self.model.zero_grad(set_to_none=True))
 
     def _step(self, batch: Any, optimizer: torch.optim.Optimizer) -> None:
         loss = self.loss_fn(self.model, batch)

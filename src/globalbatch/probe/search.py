@@ -27,8 +27,8 @@ from typing import Any, Optional, cast
 from globalbatch.errors import Raw, SettingError
 from globalbatch.plan import BatchGeometry, solve_geometry
 from globalbatch.probe import memory  # memory.release_memory() looked up per call: tests patch it
-from globalbatch.probe.memory import MemoryModel, fit_memory_model, is_oom_error
-from globalbatch.probe.trial import _FAILED, _FITS, _OOM, TrialResult, _agree, _log_trial, _one_line, _over_budget
+from globalbatch.probe.memory import MemoryModel, fit_memory_model
+from globalbatch.probe.trial import _FAILED, _FITS, _OOM, TrialResult, _agree, _log_trial, _over_budget
 from globalbatch.validate import whole
 
 log = logging.getLogger(__name__)
@@ -251,20 +251,8 @@ class _Search:
     # -- one trial ------------------------------------------------------------------
 
     def run(self, size: int) -> TrialResult:
-        result: Optional[TrialResult] = None
-        oom_note: Optional[str] = None
-        try:
-            result = self.run_trial(size)
-        except Exception as exc:
-            if not is_oom_error(exc):
-                _agree(None, size, _FAILED)  # tell the other ranks before raising; no-op single-process
-                raise
-            oom_note = _one_line(exc)
-        # Outside the ``except``: the exception, its traceback and the frames holding
-        # activations are gone, so the memory can really be released.
-        if result is None:
-            memory.release_memory()
-            result = TrialResult(micro_batch=size, oom=True, note=oom_note or "out of memory")
+        # another error: the other ranks are told before it is raised (no-op single-process)
+        result = memory.run_or_oom(self.run_trial, size, on_error=lambda: _agree(None, size, _FAILED))
         if result.micro_batch != size:
             raise SettingError("run_trial", Raw(f"returning a TrialResult for micro_batch {result.micro_batch}"),
                                f"a TrialResult for the size it was asked to run ({size})")
