@@ -9,6 +9,7 @@ import pytest
 
 from globalbatch.critical import (
     AnalysisSettings,
+    NoAnswerError,
     BatchPoint,
     Curve,
     analyze,
@@ -225,17 +226,33 @@ def test_recommendation_errors_name_the_field():
         recommend(seeds_points(), objective="speed")
     with pytest.raises(ValueError, match="tolerance"):
         recommend(seeds_points(), tolerance=1.5)
-    with pytest.raises(ValueError, match="no batch size reached"):
+    with pytest.raises(NoAnswerError, match="no batch size reached"):
         recommend([])
 
 
 def test_curve_validation():
-    with pytest.raises(ValueError, match="shapes"):
-        Curve(batch_size=4, lr=1e-3, examples=[4, 8], loss=[1.0])
-    with pytest.raises(ValueError, match="batch_size"):
-        Curve(batch_size=0, lr=1e-3, examples=[], loss=[])
-    with pytest.raises(ValueError, match="increasing"):
-        Curve(batch_size=4, lr=1e-3, examples=[8, 4], loss=[1.0, 1.0])
+    """A bad curve is the one user error naming its field; what the data cannot answer is a NoAnswerError."""
+    from globalbatch.critical import NoAnswerError
+    from globalbatch.errors import SettingError
+
+    for kw, field in ((dict(examples=[4, 8], loss=[1.0]), "loss"), (dict(batch_size=0, examples=[], loss=[]), "batch_size"),
+                      (dict(examples=[8, 4], loss=[1.0, 1.0]), "examples"),
+                      (dict(examples=[4, 8], loss=[1.0, 0.9], eval_examples=[4], eval_steps=[1], eval_loss=[1.0, 2.0]),
+                       "eval_loss")):
+        with pytest.raises(SettingError) as err:
+            Curve(**{"batch_size": 4, "lr": 1e-3, **kw})
+        assert err.value.field == field
+    with pytest.raises(SettingError, match=r"^steps shape \(2,\) is not allowed; allowed: a 1-D sequence as long as"):
+        fit_hyperbola([1, 2, 4], [3.0, 2.0])
+    with pytest.raises(SettingError, match="^steps"):
+        fit_hyperbola([1, 2, 4], [3.0, 0.0, 1.0])
+    with pytest.raises(NoAnswerError, match="at least 3 batch sizes"):
+        fit_hyperbola([1, 2], [3.0, 2.0])
+    flat = Curve(batch_size=4, lr=1e-3, examples=[4, 8], loss=[1.0, 0.9])
+    with pytest.raises(SettingError, match="^readout 'heldout' is not allowed; allowed: train"):
+        steps_to_target(flat, 0.95, readout="heldout")
+    with pytest.raises(SettingError, match="^objective 'time' is not allowed .batch 4 has no throughput.; allowed: cost"):
+        recommend(points_for_target([flat], 0.95).points, objective="time")
 
 
 # --- review fixes ---------------------------------------------------------------

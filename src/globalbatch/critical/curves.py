@@ -14,7 +14,7 @@ from typing import Optional, cast
 
 import numpy as np
 
-from globalbatch.errors import SettingError
+from globalbatch.errors import Raw, SettingError
 
 __all__ = ["Curve", "READOUTS", "ema_smooth", "steps_to_target"]
 
@@ -66,17 +66,18 @@ class Curve:
             self.eval_steps = np.asarray(self.eval_steps, dtype=float)
             self.eval_loss = np.asarray(self.eval_loss, dtype=float)
             if not (self.eval_examples.shape == self.eval_steps.shape == self.eval_loss.shape):
-                raise ValueError("eval_examples/eval_steps/eval_loss: must be equal 1-D arrays")
+                raise SettingError("eval_loss", Raw(f"shape {self.eval_loss.shape}"), f"a 1-D array as long as eval_examples "
+                                   f"{self.eval_examples.shape} and eval_steps {self.eval_steps.shape}")
         if not self.batch_size > 0:
             raise SettingError("batch_size", self.batch_size, "> 0")
         if not self.lr > 0:
             raise SettingError("lr", self.lr, "> 0")
         if self.examples.ndim != 1 or self.examples.shape != self.loss.shape:
-            raise ValueError(
-                f"examples/loss: shapes {self.examples.shape} and {self.loss.shape}: must be equal 1-D arrays"
-            )
+            raise SettingError("loss", Raw(f"shape {self.loss.shape}"),
+                               f"a 1-D array as long as examples {self.examples.shape}")
         if self.examples.size and np.any(np.diff(self.examples) <= 0):
-            raise ValueError("examples: must be strictly increasing (cumulative examples after each step)")
+            raise SettingError("examples", self.examples.tolist()[:8], "strictly increasing cumulative examples "
+                                                                         "after each step")
         if self.examples_per_s is not None and not self.examples_per_s > 0:
             raise SettingError("examples_per_s", self.examples_per_s, "> 0 or None")
 
@@ -185,7 +186,7 @@ def steps_to_target(
         from globalbatch.critical.readout import heldout_crossing
 
         if curve.eval_loss is None:
-            raise ValueError(f"readout: 'heldout' needs held-out evaluations; curve {curve.label!r} has none")
+            raise SettingError("readout", "heldout", f"train (curve {curve.label!r} has no held-out evaluations)")
         c = heldout_crossing(cast(np.ndarray, curve.eval_examples), cast(np.ndarray, curve.eval_steps), curve.eval_loss, target)
         return None if c is None else (c.steps, c.examples)
     if curve.loss.size == 0:

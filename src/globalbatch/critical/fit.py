@@ -29,7 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from globalbatch.errors import SettingError
+from globalbatch.critical.errors import NoAnswerError
+from globalbatch.errors import Raw, SettingError
 
 import numpy as np
 
@@ -85,17 +86,17 @@ class HyperbolaFit:
     def b_crit_interval(self, level: float = 0.95) -> tuple[float, float]:
         """Confidence interval of B_crit: symmetric in ln B_crit with a Student-t quantile (dof of the fit).
 
-        Raises ValueError for a degenerate fit or one whose B_crit lies outside the swept
+        Raises :class:`~globalbatch.critical.errors.NoAnswerError` for a degenerate fit or one whose B_crit lies outside the swept
         batches: there the curvature was not observed and only :meth:`b_crit_bound` (or
         nothing) can be said.
         """
         from scipy import stats
 
         if self.degenerate is not None:
-            raise ValueError(f"b_crit_interval: the fit is degenerate ({self.degenerate}); no interval")
+            raise NoAnswerError(f"b_crit_interval: the fit is degenerate ({self.degenerate}); no interval")
         if self.extrapolated:
-            raise ValueError(f"b_crit_interval: B_crit {self.b_crit:.3g} lies outside the swept batches "
-                             f"{self.batch_range[0]:g}–{self.batch_range[1]:g}; use b_crit_bound()")
+            raise NoAnswerError(f"b_crit_interval: B_crit {self.b_crit:.3g} lies outside the swept batches "
+                                f"{self.batch_range[0]:g}–{self.batch_range[1]:g}; use b_crit_bound()")
         q = float(stats.t.ppf(0.5 + level / 2.0, max(self.dof, 1)))
         half = min(q * self.se_log_b_crit, 700.0)  # exp(700) ~ 1e304: an unbounded interval, not an overflow
         return self.b_crit * math.exp(-half), self.b_crit * math.exp(half)
@@ -236,18 +237,20 @@ def fit_hyperbola(batch_sizes: Sequence[float], steps: Sequence[float]) -> Hyper
     The fit is in log space (relative errors, as McCandlish); the covariance is scaled
     by the residual variance (``absolute_sigma=False``), so use a Student-t quantile with
     ``dof = n − 2`` for intervals (:meth:`HyperbolaFit.b_crit_interval`). Raises
-    ValueError with fewer than 3 points (a 2-parameter fit needs a residual).
+    :class:`~globalbatch.critical.errors.NoAnswerError` with fewer than 3 points (a 2-parameter fit needs a
+    residual) or when no start converges; a :class:`~globalbatch.errors.SettingError` for bad input.
     """
     from scipy.optimize import curve_fit
 
     b = np.asarray(batch_sizes, dtype=float)
     s = np.asarray(steps, dtype=float)
     if b.shape != s.shape or b.ndim != 1:
-        raise ValueError(f"batch_sizes/steps: shapes {b.shape} and {s.shape}: must be equal 1-D")
+        raise SettingError("steps", Raw(f"shape {s.shape}"), f"a 1-D sequence as long as batch_sizes {b.shape}")
     if b.size < 3:
-        raise ValueError(f"points: {b.size}: the hyperbola fit needs at least 3 batch sizes that reach the target")
-    if np.any(b <= 0) or np.any(s <= 0) or not np.all(np.isfinite(s)):
-        raise ValueError("batch_sizes/steps: must be positive and finite")
+        raise NoAnswerError(f"points: {b.size}: the hyperbola fit needs at least 3 batch sizes that reach the target")
+    for name, v in (("batch_sizes", b), ("steps", s)):
+        if np.any(~np.isfinite(v) | (v <= 0)):
+            raise SettingError(name, v.tolist()[:8], "finite numbers > 0")
     y = np.log(s)
     lo, hi = math.log(b.min()), math.log(b.max())
     bounds = ([-np.inf, lo - 12.0], [np.inf, hi + 12.0])
@@ -264,7 +267,7 @@ def fit_hyperbola(batch_sizes: Sequence[float], steps: Sequence[float]) -> Hyper
         if best is None or sse < best[0] - 1e-12:
             best = (sse, popt, pcov)
     if best is None:
-        raise ValueError("fit: curve_fit did not converge from any starting point")
+        raise NoAnswerError("fit: curve_fit did not converge from any starting point")
     sse, popt, pcov = best
     dof = b.size - 2
     if not np.all(np.isfinite(pcov)):

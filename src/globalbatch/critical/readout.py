@@ -27,6 +27,8 @@ from typing import Optional
 
 import numpy as np
 
+from globalbatch.errors import Raw, SettingError
+
 __all__ = ["Crossing", "monotone_fit", "heldout_crossing"]
 
 
@@ -67,7 +69,7 @@ def heldout_crossing(examples: np.ndarray, steps: np.ndarray, loss: np.ndarray, 
     s = np.asarray(steps, dtype=float)
     y = np.asarray(loss, dtype=float)
     if not (e.shape == s.shape == y.shape) or e.ndim != 1:
-        raise ValueError(f"examples/steps/loss: shapes {e.shape}, {s.shape}, {y.shape}: must be equal 1-D")
+        raise SettingError("loss", Raw(f"shape {y.shape}"), f"a 1-D array as long as examples {e.shape} and steps {s.shape}")
     keep = np.isfinite(y) & np.isfinite(e)
     e, s, y = e[keep], s[keep], y[keep]
     if e.size == 0:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from globalbatch.critical.curves import Curve, ema_smooth, steps_to_target
+from globalbatch.critical.errors import NoAnswerError
 from globalbatch.critical.fit import HyperbolaFit, fit_hyperbola
 from globalbatch.critical.settings import (FIRST_SEED_NAMES, OBJECTIVES, AnalysisSettings, check_analysis_settings,
                                           settings_from)
@@ -142,7 +143,7 @@ def points_for_target(
     result = TargetResult(target=float(target), points=points, unreached=unreached)
     try:
         fit = fit_hyperbola([p.batch_size for p in points], [p.steps for p in points])
-    except ValueError as exc:
+    except NoAnswerError as exc:
         result.fit_error = str(exc)
     else:
         if fit.degenerate is not None:
@@ -196,7 +197,7 @@ def default_targets(
         per_batch[c.batch_size] = min(per_batch.get(c.batch_size, math.inf), float(finite.min()))
         starts.append(float(finite[0]))
     if not per_batch:
-        raise ValueError("curves: no finite loss in any trial")
+        raise NoAnswerError("curves: no finite loss in any trial")
 
     def nudge(x: float) -> float:  # up by a hair, so the batch that defines a target registers a crossing
         return x + 1e-9 * max(1.0, abs(x))
@@ -243,12 +244,12 @@ def recommend(
     check_analysis_settings(objective=objective, tolerance=tolerance)
     pts = list(points)
     if not pts:
-        raise ValueError("points: no batch size reached the target; lower the target or raise the token budget")
+        raise NoAnswerError("points: no batch size reached the target; lower the target or raise the token budget")
 
     def primary(p: BatchPoint) -> float:
         if objective == "time":
             if p.time_s is None:
-                raise ValueError(f"examples_per_s: batch {p.batch_size:g} has no throughput; objective 'time' needs it")
+                raise SettingError("objective", "time", "cost", why=f"batch {p.batch_size:g} has no throughput")
             return p.time_s
         return p.cost if p.cost is not None else p.examples
 
@@ -332,13 +333,11 @@ def analyze(
     ema_fraction, halflife_steps, objective, tolerance = s.ema_fraction, s.halflife_steps, s.objective, s.tolerance
     curves = list(curves)
     if not curves:
-        raise ValueError("curves: empty; nothing to analyze")
+        raise SettingError("curves", curves, "at least one Curve")
     if targets is None:
         targets = default_targets(curves, n_targets=s.first_seed_n_targets, n_tighter=s.n_tighter,
                                   ema_fraction=ema_fraction, halflife_steps=halflife_steps)
     targets = [float(t) for t in targets]
-    if not targets:
-        raise ValueError("targets: empty")
     results = [points_for_target(curves, t, ema_fraction=ema_fraction, halflife_steps=halflife_steps) for t in targets]
     rec = None
     primary = results[0]
