@@ -401,6 +401,9 @@ CASES = [
     # branch
     _c("branch-base-zero", BRANCH + ["--base-batch", "0"], "--base-batch"),
     _c("branch-points-one", BRANCH + ["--points", "1"], "--points"),
+    _c("branch-tolerance-rule", BRANCH + ["--tolerance-rule", "relative"], "--tolerance-rule"),
+    _c("branch-tolerance-rule-train", BRANCH + ["--tolerance-rule", "half_window", "--metric", "train"],
+       "--tolerance-rule"),
     _c("branch-points-with-a-list", BRANCH + ["--points", "2", "--warmup-tokens", "100,200"], "--points"),
     _c("branch-points-more-than-units", BRANCH + ["--points", "60", "--warmup-tokens", "50"], "--points"),
     _c("branch-ks-no-one", BRANCH + ["--ks", "2,4"], "--ks"),

@@ -39,9 +39,9 @@ def test_curve_recovers_a_known_b_crit_of_the_loss():
         curve = branch_curve(synthetic(np.random.default_rng(rep), losses, ks), base_batch_units=BASE, tolerance=TOL,
                              n_boot=25, rng_seed=rep)
         assert [p.censored for p in curve.points] == [False] * 4
-        for p, loss in zip(curve.points, losses):  # each point: the largest grid batch within the tolerance ± a step
+        for p, loss in zip(curve.points, losses):  # interpolated between the grid's batches: within a grid step
             on_grid = BASE * math.floor(true_b_crit(loss) / BASE)  # the largest grid batch within the tolerance
-            assert abs(p.b_crit_units - on_grid) <= BASE, (p, true_b_crit(loss))
+            assert abs(p.critical_k * BASE - on_grid) <= BASE and abs(p.b_crit_units - true_b_crit(loss)) < BASE, p
             assert p.loss == pytest.approx(loss, abs=0.05)  # the k = 1 branches' mean (the seed effect included)
         f = curve.fit
         assert f is not None and f.n_points == 4 and f.dof == 2 and len(f.boot_k) > 20
@@ -84,6 +84,16 @@ def test_the_curve_is_in_the_result_json_and_the_text(tmp_path, capsys):
     for p in curve["points"]:
         assert math.isfinite(p["loss"]) and p["critical_k"] in (1, 2) and p["b_crit_units"] > 0
     assert json.loads((tmp_path / "result.json").read_text())["curve"] == curve
+    # every k = 1 branch evaluated half-way: the half-window rule re-decides without training
+    assert all(math.isfinite(b["val_loss_mid"]) for b in doc["branches"] if b["k"] == 1)
+    assert not any("val_loss_mid" in b for b in doc["branches"] if b["k"] > 1)
+    from globalbatch.lab.branch import load_branch_results
+
+    half = load_branch_results(tmp_path, tolerance_rule="half_window")
+    for p in half.points:
+        mids = [b["val_loss_mid"] - b["val_loss"] for b in half.branches if b["k"] == 1 and b["branch_at"] == p.branch_at]
+        assert p.tolerance == pytest.approx(max(sum(mids) / len(mids), 0.0))
+    assert "half-window rule" in half.text() and half.curve is not None
     with pytest.raises(SystemExit) as exc:
         main(args)
     text = capsys.readouterr().out
@@ -92,3 +102,29 @@ def test_the_curve_is_in_the_result_json_and_the_text(tmp_path, capsys):
         main([*args[:-2], "--warmup-tokens", "600,900", "--out", str(tmp_path / "x")])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.startswith("error: --points") and err.count("\n") == 1
+
+
+def test_the_half_window_rule_reads_mccandlish_b_crit():
+    """Losses from McCandlish et al.'s model: over a window of W examples a branch at batch b makes the progress of
+    W·(1 + B/B_crit)/(1 + b/B_crit) small-batch examples on a convex loss curve L(e). With the k = 1 branches'
+    drop over the window's second half as the tolerance, the curve's B_crit is the model's (the grid 4 … 128)."""
+    def loss_at(e):
+        return 1.0 + 2.0 / (1.0 + e / 2000.0)
+
+    rng = np.random.default_rng(1)
+    ks = list(range(1, 33))
+    for b_crit in (24.0, 48.0, 96.0):
+        for start, window in ((500, 400), (2000, 800), (6000, 2000)):
+            def eff(b):
+                return window * (1 + BASE / b_crit) / (1 + b / b_crit)
+
+            shared = rng.normal(0.0, 0.01, 4)
+            losses = {k: (loss_at(start + eff(k * BASE)) + shared + rng.normal(0.0, 5e-4, 4)).tolist() for k in ks}
+            mid = loss_at(start + eff(BASE) / 2) + shared + rng.normal(0.0, 5e-4, 4)
+            curve = branch_curve({start: losses}, base_batch_units=BASE, n_boot=0,
+                                 drops_by_point={start: (mid - np.asarray(losses[1])).tolist()})
+            (p,) = curve.points
+            assert not p.censored and 0.9 * b_crit <= p.b_crit_units <= 1.25 * b_crit, (b_crit, start, p)
+            # the fixed tolerance of Merrill et al. reads another batch, one that moves with the window and the slope
+    fixed = branch_curve({start: losses}, base_batch_units=BASE, tolerance=TOL, n_boot=0).points[0]
+    assert fixed.b_crit_units < 0.5 * b_crit

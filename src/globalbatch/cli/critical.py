@@ -221,6 +221,7 @@ def branch_cmd(
     window_tokens: str = typer.Option("100K", "--window-tokens", help="Units every branch trains."),
     seeds: int = typer.Option(3, "--seeds", help="Branches per k, each with its own data order (>= 2)."),
     tolerance: float = typer.Option(0.01, "--loss-tolerance", help="Loss increase over k=1 that still counts as equal (Merrill et al.: 0.01)."),
+    tolerance_rule: str = typer.Option("absolute", "--tolerance-rule", help="absolute (--loss-tolerance at every point) or half_window (at each point the k=1 branches' loss drop over the window's second half: the critical batch then reads McCandlish's B_crit)."),
     alpha: float = typer.Option(0.05, "--alpha", help="Level of the one-sided t-test per k."),
     metric: Metric = typer.Option("val", "--metric", help="val (validation loss at the end of the window) or train (last quarter's training loss)."),
     test: Test = typer.Option("paired", "--test", help="paired (per-seed differences) or welch."),
@@ -251,7 +252,8 @@ def branch_cmd(
         cfg = BranchConfig(task=task, task_overrides=V.key_values(task_arg, "task_arg"), base_batch=base_batch,
                            ks=k_list, lr=V.positive(lr, "lr"), optimizer=optimizer, branch_at=branch_at,
                            window=V.count(window_tokens, "window", what="a whole number of units"), seeds=seeds, seed=seed,
-                           micro_batch=micro_batch, tolerance=tolerance, alpha=alpha, metric=metric, test=test,
+                           micro_batch=micro_batch, tolerance=tolerance, tolerance_rule=tolerance_rule, alpha=alpha,
+                           metric=metric, test=test,
                            device=device, precision=precision)
         result = run_branch_test(cfg, out, threads=threads, progress=not as_json)
     if as_json:

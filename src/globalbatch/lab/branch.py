@@ -38,11 +38,23 @@ either way; passes), ``beyond tolerance (not significant)`` (mean difference > t
 p ≥ alpha; fails) or ``worse`` (significant; fails).
 
 B_crit(L): with two or more branch points (``--points K``: K evenly spaced up to the last one) each point gives
-B_crit = critical k × base batch at the loss the k = 1 branches reach at the end of its window, and
+B_crit at the loss the k = 1 branches reach at the end of its window (the batch where the mean difference
+crosses the tolerance, interpolated in ln k between the critical k and the first failing k), and
 :func:`branch_curve` fits the sweep's joint form B_crit(L) = b_ref·(L/L_ref)^k (Kaplan et al. 2020; the
 :class:`~globalbatch.critical.seeds.JointFit` of ``critical/seeds.py``) over the points, with the hull of its
-covariance interval and a bootstrap over the branch seeds. A point at the largest k tried is a lower bound and
+covariance interval and a bootstrap over the branch seeds. A point where every k passed is a lower bound and
 stays out of the fit.
+
+The half-window tolerance (``tolerance_rule="half_window"``): McCandlish et al. 2018 (arXiv 1812.06162, eq. 2.11)
+write the examples to a loss at batch B as E = E_min·(1 + B/B_crit). Over a window of W examples from one
+checkpoint a branch at batch b therefore makes the progress of W·(1 + B/B_crit)/(1 + b/B_crit) small-batch
+examples; at b = B_crit + 2B that is W/2. So the branch at B_crit ends where the k = 1 branch stood half-way
+through its window, and its loss difference is the k = 1 branch's drop over the window's second half. With
+that drop (mean over seeds, measured on the k = 1 branches' validation loss half-way) as the tolerance at each
+point, the largest k·B that passes reads McCandlish's B_crit (to the k grid), where Merrill's fixed 0.01 reads a
+batch that depends on the window and on how fast the loss falls there. It assumes B_crit roughly constant over
+the window; on a convex loss curve the second half drops less than the first, so it errs towards a larger
+batch.
 """
 
 from __future__ import annotations
@@ -59,6 +71,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from globalbatch._util import SettingError, atomic_write_json, read_json_checked
+from globalbatch.errors import Raw
 from globalbatch.lab.tasks import load_task_checked
 from globalbatch.lab.device import PRECISIONS, check_device
 from globalbatch.lab.loop import default_micro_batch
@@ -71,6 +84,7 @@ __all__ = ["BranchConfig", "KVerdict", "Verdicts", "PointResult", "BranchResult"
            "branch_verdicts", "branch_curve", "evenly_spaced_points", "run_branch_test", "load_branch_results"]
 
 METRICS = ("val", "train")
+TOLERANCE_RULES = ("absolute", "half_window")
 TESTS = ("paired", "welch")
 MANIFEST_VERSION = 3  # 2: the window in samples, rounded up to max(ks)·base_batch; 3: device, precision, registry optimizers
 
@@ -103,6 +117,11 @@ class BranchConfig:
     """The base run warms its LR up linearly over this fraction of the last branch point."""
     tolerance: float = 0.01
     """Loss (per unit) a k-branch may lose against k = 1 before it counts as worse (Merrill: 0.01)."""
+    tolerance_rule: str = "absolute"
+    """``absolute``: ``tolerance`` at every point (Merrill et al.). ``half_window``: at each point the loss the
+    k = 1 branches drop over the second half of the window (mean over seeds) — the loss a branch at
+    McCandlish et al.'s B_crit gives up (it needs twice the examples), so the critical k·B reads B_crit
+    (module docstring); needs ``metric="val"``."""
     alpha: float = 0.05
     metric: str = "val"
     test: str = "paired"
@@ -152,6 +171,11 @@ class BranchConfig:
             raise E("alpha", self.alpha, "0 < alpha < 1 (e.g. 0.05)")
         if self.metric not in METRICS:
             raise E("metric", self.metric, ", ".join(METRICS))
+        if self.tolerance_rule not in TOLERANCE_RULES:
+            raise E("tolerance_rule", self.tolerance_rule, ", ".join(TOLERANCE_RULES))
+        if self.tolerance_rule == "half_window" and self.metric != "val":
+            raise E("tolerance_rule", self.tolerance_rule, "absolute with metric train",
+                    why="the half-window rule reads the k = 1 branches' validation loss half-way through the window")
         if self.test not in TESTS:
             raise E("test", self.test, ", ".join(TESTS))
 
@@ -177,7 +201,7 @@ class BranchConfig:
     def manifest(self) -> dict[str, Any]:
         d = asdict(self)
         # The decision settings do not change any run: they may differ on a rerun.
-        for key in ("tolerance", "alpha", "metric", "test"):
+        for key in ("tolerance", "tolerance_rule", "alpha", "metric", "test"):
             d.pop(key)
         return {"version": MANIFEST_VERSION, "branch": d}
 
@@ -239,15 +263,16 @@ def branch_verdicts(
     from scipy import stats
 
     if 1 not in losses:
-        raise ValueError(f"losses: keys {sorted(losses)}: must include k = 1")
+        raise SettingError("losses", Raw(f"keys {sorted(losses)}"), "k → final losses with k = 1 among the keys")
     if test not in TESTS:
-        raise ValueError(f"test: {test!r}: allowed {', '.join(TESTS)}")
+        raise SettingError("test", test, ", ".join(TESTS))
     ref = np.asarray(losses[1], dtype=float)
     out = []
     for k in sorted(losses):
         x = np.asarray(losses[k], dtype=float)
         if x.size < 2 or ref.size < 2:
-            raise ValueError(f"losses[{k}]: {x.size} values: the test needs at least 2 seeds")
+            raise SettingError("losses", Raw(f"{min(x.size, ref.size)} value(s) at k = {k if x.size < 2 else 1}"),
+                               "at least 2 seeds at every k (a t-test)")
         diff = float(x.mean() - ref.mean())
         if k == 1:
             out.append(KVerdict(k=1, mean=float(x.mean()), std=float(x.std(ddof=1)), n=x.size, diff=0.0, upper=0.0,
@@ -255,7 +280,8 @@ def branch_verdicts(
             continue
         if test == "paired":
             if x.size != ref.size:
-                raise ValueError(f"losses[{k}]: {x.size} values vs {ref.size} at k = 1: a paired test needs equal seeds")
+                raise SettingError("losses", Raw(f"{x.size} values at k = {k}, {ref.size} at k = 1"),
+                                   "as many seeds at every k as at k = 1 (a paired test)")
             d = x - ref
             se = float(d.std(ddof=1) / math.sqrt(d.size))
             df = d.size - 1
@@ -307,9 +333,14 @@ class CurvePoint:
     target every k·B branch is compared at."""
     critical_k: int
     b_crit_units: float
-    """critical_k × base batch, in units (tokens) per step."""
+    """The batch, in units (tokens) per step, where the mean loss difference crosses the tolerance: interpolated
+    in ln k between the critical k and the first failing k (the grid answer is critical_k × base batch); with the
+    half-window rule less 2 base batches (McCandlish's B_crit, module docstring)."""
     censored: bool
-    """critical_k is the largest k tried: B_crit is only known to be ≥ this (left out of the fit)."""
+    """Left out of the fit: ``bound`` says which way."""
+    bound: str = ""
+    """``≥``: every k passed (B_crit is at least the largest k·B); ``<``: below the grid's resolution (the
+    half-window rule's B_crit under the base batch); empty: a point estimate."""
 
 
 @dataclass(kw_only=True)
@@ -331,7 +362,7 @@ class BranchCurve:
                                                         for p in self.points}}}
 
     def text(self) -> str:
-        pts = "; ".join(f"{p.loss:.4f}: {'≥ ' if p.censored else ''}{p.b_crit_units:,.0f}" for p in self.points)
+        pts = "; ".join(f"{p.loss:.4f}: {p.bound + ' ' if p.bound else ''}{p.b_crit_units:,.0f}" for p in self.points)
         lines = [f"B_crit(L) over {len(self.points)} branch points (loss reached by k = 1: B_crit in {self.unit}s): {pts}"]
         f = self.fit
         if f is None:
@@ -389,9 +420,27 @@ def evenly_spaced_points(branch_at: Sequence[int], points: int) -> list[int]:
     return out
 
 
+def _crossing(v: Verdicts, tolerance: float, base_batch_units: float, half_window: bool) -> tuple[float, str]:
+    """(B_crit in units, bound) at one point: the batch where the mean difference crosses the tolerance,
+    interpolated in ln k between the critical k (which passed: diff ≤ tolerance) and the next k (which failed:
+    a failing k always has diff > tolerance); ``≥`` the largest k when every k passed."""
+    ks = [x.k for x in v.per_k]
+    i = ks.index(v.critical_k)
+    if i == len(ks) - 1:
+        return v.critical_k * base_batch_units, "≥"
+    a, b = v.per_k[i], v.per_k[i + 1]
+    t = min(max((tolerance - a.diff) / (b.diff - a.diff), 0.0), 1.0) if b.diff > a.diff else 0.0
+    k_star = math.exp(math.log(a.k) + t * (math.log(b.k) - math.log(a.k)))
+    if not half_window:
+        return k_star * base_batch_units, ""
+    value = (k_star - 2.0) * base_batch_units  # the branch at B_crit + 2B ends where k = 1 stood half-way
+    return (value, "") if value > 0.5 * base_batch_units else (base_batch_units, "<")
+
+
 def branch_curve(losses_by_point: dict[int, dict[int, Sequence[float]]], *, base_batch_units: float,
                  tolerance: float = 0.01, alpha: float = 0.05, test: str = "paired", unit: str = "token",
-                 n_boot: int = 200, rng_seed: int = 0) -> BranchCurve:
+                 n_boot: int = 200, rng_seed: int = 0,
+                 drops_by_point: Optional[dict[int, Sequence[float]]] = None) -> BranchCurve:
     """B_crit(L) from branch points: per point the critical k (:func:`branch_verdicts`) at the loss the k = 1
     branches reach, then the joint form B_crit(L) = b_ref·(L/L_ref)^k fitted over the points.
 
@@ -402,17 +451,26 @@ def branch_curve(losses_by_point: dict[int, dict[int, Sequence[float]]], *, base
     Args:
         losses_by_point: branch point → k → final losses, one per seed.
         base_batch_units: the base batch in units (tokens) per step; B_crit = critical k × this.
+        drops_by_point: the half-window rule: point → per seed, the k = 1 branch's loss drop over the second half
+            of its window; the tolerance at a point is their mean (≥ 0), in the bootstrap that of the seeds drawn.
     """
+    def tol(p: int, idx: Any = None) -> float:
+        if drops_by_point is None:
+            return tolerance
+        d = np.asarray(drops_by_point[p], dtype=float)
+        return max(float((d if idx is None else d[idx]).mean()), 0.0)
+
     pts = sorted(losses_by_point)
     points = []
+    half = drops_by_point is not None
     for p in pts:
-        v = branch_verdicts(losses_by_point[p], tolerance=tolerance, alpha=alpha, test=test)
-        points.append(CurvePoint(branch_at=p, loss=v.per_k[0].mean, critical_k=v.critical_k,
-                                 b_crit_units=v.critical_k * base_batch_units,
-                                 censored=v.critical_k == max(losses_by_point[p])))
+        v = branch_verdicts(losses_by_point[p], tolerance=tol(p), alpha=alpha, test=test)
+        value, bound = _crossing(v, tol(p), base_batch_units, half)
+        points.append(CurvePoint(branch_at=p, loss=v.per_k[0].mean, critical_k=v.critical_k, b_crit_units=value,
+                                 censored=bool(bound), bound=bound))
     used = [q for q in points if not q.censored and math.isfinite(q.loss)]
     left_out = len(points) - len(used)
-    note = f"{left_out} point(s) at the largest k tried left out (lower bounds)" if left_out else ""
+    note = f"{left_out} point(s) left out (bounds: every k passed, or below the base batch)" if left_out else ""
     if len({q.loss for q in used}) < 2:
         return BranchCurve(points=points, fit=None, unit=unit,
                            note=(note + "; " if note else "") + "fewer than 2 points with a B_crit below the largest k")
@@ -424,10 +482,11 @@ def branch_curve(losses_by_point: dict[int, dict[int, Sequence[float]]], *, base
             losses = losses_by_point[q.branch_at]
             n = len(losses[1])
             idx = rng.integers(0, n, n)
-            v = branch_verdicts({k: np.asarray(x, dtype=float)[idx].tolist() for k, x in losses.items()}, tolerance=tolerance,
-                                alpha=alpha, test=test)
+            t_b = tol(q.branch_at, idx)
+            v = branch_verdicts({k: np.asarray(x, dtype=float)[idx].tolist() for k, x in losses.items()},
+                                tolerance=t_b, alpha=alpha, test=test)
             bl.append(v.per_k[0].mean)
-            bb.append(v.critical_k * base_batch_units)
+            bb.append(_crossing(v, t_b, base_batch_units, half)[0])
         boot.append((bl, bb))
     return BranchCurve(points=points, fit=_curve_fit([q.loss for q in used], [q.b_crit_units for q in used], boot),
                        unit=unit, note=note)
@@ -439,7 +498,7 @@ def branch_curve(losses_by_point: dict[int, dict[int, Sequence[float]]], *, base
 
 
 def _train(exp, order, batch: int, until_units: Optional[int] = None, n_steps: Optional[int] = None,
-           tail_from_step: Optional[int] = None) -> tuple[float, float, list[int]]:
+           tail_from_step: Optional[int] = None, after_step: Optional[Any] = None) -> tuple[float, float, list[int]]:
     """Train ``exp`` (a :class:`globalbatch.lab.loop.Experiment`) until ``trained_units >= until_units`` (the
     base run) or for exactly ``n_steps`` windows of ``batch`` samples (a branch); returns (token-weighted
     training loss of the windows from index ``tail_from_step`` on, seconds, the sample ids drawn)."""
@@ -457,6 +516,10 @@ def _train(exp, order, batch: int, until_units: Optional[int] = None, n_steps: O
             tail_loss += res.loss_per_unit * res.global_units
             tail_units += res.global_units
         i_step += 1
+        if after_step is not None:  # an evaluation: its seconds are not training
+            t_eval = time.perf_counter()
+            after_step(i_step)
+            t0 += time.perf_counter() - t_eval
     return (tail_loss / tail_units if tail_units else math.nan), time.perf_counter() - t0, drawn
 
 
@@ -472,6 +535,8 @@ class PointResult:
     """critical_k × base_batch, in samples per step."""
     critical_batch_units: float
     """The same in units (tokens) per step, from the measured mean units per sample."""
+    tolerance: float = math.nan
+    """The tolerance the decision used here (``tolerance``, or the half-window rule's drop)."""
 
 
 @dataclass(kw_only=True)
@@ -502,12 +567,16 @@ class BranchResult:
         lines = [f"branch test: base batch {c.base_batch}, lr {c.lr:g} ({c.optimizer}: LR × {'√k' if c.optimizer == 'adamw' else 'k'}), "
                  f"window {c.window:,} {self.unit}s → {self.window_samples:,} samples (≈{self.window_units:,.0f} {self.unit}s; "
                  f"rounded up to a multiple of max k × base batch = {max(c.ks) * c.base_batch}, the same samples for every k), "
-                 f"{c.seeds} seeds, {c.test} one-sided t-test, alpha {c.alpha}, tolerance {c.tolerance} on the "
-                 f"{metric}",
+                 f"{c.seeds} seeds, {c.test} one-sided t-test, alpha {c.alpha}, "
+                 + (f"tolerance {c.tolerance}" if c.tolerance_rule == "absolute" else
+                    "tolerance at each point = the k = 1 branches' loss drop over the window's second half "
+                    "(half-window rule: the critical k·B reads McCandlish's B_crit)")
+                 + f" on the {metric}",
                  "a k passes when it is not significantly worse AND its mean loss is within the tolerance of k = 1"]
         for p in self.points:
             lines.append(f"at {p.branch_at:,} {self.unit}s: critical k = {p.critical_k} → batch {p.critical_batch} "
-                         f"(≈{p.critical_batch_units:,.0f} {self.unit}s); shown within tolerance up to k = {p.critical_k_shown}")
+                         f"(≈{p.critical_batch_units:,.0f} {self.unit}s); shown within tolerance up to k = {p.critical_k_shown}"
+                         + (f"; tolerance {p.tolerance:.4f}" if c.tolerance_rule != "absolute" else ""))
             for v in p.verdicts:
                 if v.k == 1:
                     lines.append(f"  k=1: loss {v.mean:.4f} ± {v.std:.4f} (reference)")
@@ -623,13 +692,22 @@ def _run_locked(config: BranchConfig, out: Path, task: Any, *, threads: Optional
                 # Same order for every k at this seed: k-branches consume the 1-branch's samples k at a time,
                 # and all stop after the same w_samples samples.
                 order = task.sample_order(config.seed + 1 + 1000 * (config.branch_at.index(p)) + s)
-                tail, secs, drawn = _train(exp, order, batch, n_steps=w_samples // batch,
-                                           tail_from_step=tail_sample // batch)
+                mid: dict[str, float] = {}
+                n_steps = w_samples // batch
+
+                def at_mid(i: int, n_half: int = n_steps // 2, exp: Any = exp, mid: dict = mid) -> None:
+                    if i == n_half:  # the k = 1 branch half-way: the half-window tolerance rule reads it
+                        mid["val"] = exp.evaluate(config.max_val_samples)
+
+                tail, secs, drawn = _train(exp, order, batch, n_steps=n_steps, tail_from_step=tail_sample // batch,
+                                           after_step=at_mid if k == 1 and n_steps >= 2 else None)
                 val = exp.evaluate(config.max_val_samples)
                 rec = {"name": name, "branch_at": p, "k": k, "seed": s, "batch": batch, "lr": lr_k,
                        "units": driver.trained_units, "samples": driver.trained_samples, "steps": driver.optimizer_steps,
                        "window_samples": w_samples, "samples_sha1": hashlib.sha1(json.dumps(drawn).encode()).hexdigest(),
                        "skipped": driver.skipped_windows, "val_loss": val, "train_tail_loss": tail, "train_time_s": secs}
+                if "val" in mid:
+                    rec["val_loss_mid"] = mid["val"]
                 atomic_write_json(path, rec)
                 branches.append(rec)
                 bar.advance()
@@ -642,21 +720,30 @@ def _summarise(out: Path, config: BranchConfig, unit: str, branches: list[dict],
     points = []
     ups = base_meta.get("units_per_sample") or 1.0
     by_point: dict[int, dict[int, Sequence[float]]] = {}
+    drops: Optional[dict[int, Sequence[float]]] = {} if config.tolerance_rule == "half_window" else None
     for p in config.branch_at:
         losses: dict[int, Sequence[float]] = {}
         for k in config.ks:
             rows = sorted((b for b in branches if b["branch_at"] == p and b["k"] == k), key=lambda b: b["seed"])
             losses[k] = [b[key] for b in rows]
+            if k == 1 and drops is not None:
+                if any(b.get("val_loss_mid") is None for b in rows):
+                    raise SettingError("tolerance_rule", config.tolerance_rule, "absolute",
+                                       why=f"the k = 1 branches at {p:,} have no mid-window validation loss "
+                                           "(a window of one step, or trained before it was recorded)")
+                drops[p] = [float(b["val_loss_mid"]) - float(b["val_loss"]) for b in rows]
         by_point[p] = losses
-        v = branch_verdicts(losses, tolerance=config.tolerance, alpha=config.alpha, test=config.test)
+        tol = config.tolerance if drops is None else max(float(np.mean(drops[p])), 0.0)
+        v = branch_verdicts(losses, tolerance=tol, alpha=config.alpha, test=config.test)
         kc = v.critical_k
         points.append(PointResult(branch_at=p, verdicts=v.per_k, critical_k=kc, critical_k_shown=v.critical_k_shown,
                                   critical_batch=kc * config.base_batch,
-                                  critical_batch_units=kc * config.base_batch * ups))
+                                  critical_batch_units=kc * config.base_batch * ups, tolerance=tol))
     compute = float(base_meta.get("train_time_s", 0.0)) + sum(float(b["train_time_s"]) for b in branches)
     w_samples = config.window_samples(ups)
     curve = (branch_curve(by_point, base_batch_units=config.base_batch * ups, tolerance=config.tolerance,
-                          alpha=config.alpha, test=config.test, unit=unit) if len(config.branch_at) >= 2 else None)
+                          alpha=config.alpha, test=config.test, unit=unit, drops_by_point=drops)
+             if len(config.branch_at) >= 2 else None)
     result = BranchResult(out_dir=str(out), config=config, unit=unit, points=points, branches=branches,
                           window_samples=w_samples, window_units=w_samples * ups, compute_s=compute, wall_s=wall,
                           curve=curve)
