@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -215,3 +216,16 @@ def test_every_branch_trains_on_the_same_samples(tmp_path):
         assert len({b["samples_sha1"] for b in rows}) == 1
         assert {b["k"]: b["steps"] for b in rows} == {k: res.window_samples // (4 * k) for k in (1, 2, 8)}
     assert "rounded up to a multiple of max k × base batch = 32" in res.text()
+
+
+def test_verdicts_refuse_bad_losses_naming_the_field():
+    from globalbatch.errors import SettingError
+
+    for losses, test, field, text in (
+            ({2: [3.0, 3.1]}, "paired", "losses", "with k = 1 among the keys"),
+            ({1: [3.0, 3.1], 2: [3.0, 3.1]}, "anova", "test", "paired, welch"),
+            ({1: [3.0, 3.1], 2: [3.0]}, "welch", "losses", "1 value(s) at k = 2"),
+            ({1: [3.0, 3.1], 2: [3.0, 3.1, 3.2]}, "paired", "losses", "3 values at k = 2, 2 at k = 1")):
+        with pytest.raises(SettingError, match=re.escape(text)) as err:
+            branch_verdicts(losses, test=test)
+        assert err.value.field == field

@@ -1040,7 +1040,7 @@ def test_cli_runs_tinygpt_and_writes_csv(tmp_path, capsys):
     (("--lr", "-1"), "--lr -1 is not allowed; allowed: a finite number ≥ 0"),
     (("--optimizer", "adam"), "--optimizer 'adam' is not allowed; allowed: adamw, sgd, lars, lamb"),
     (("--optimizer", "sgd", "--adam-variant"),
-     "--adam-variant is not allowed with --optimizer sgd; allowed: --optimizer adamw"),
+     "--adam-variant True is not allowed (with --optimizer sgd); allowed: --optimizer adamw"),
     (("--half-life-windows", "0"), "--half-life-windows 0 is not allowed; allowed: a number > 0"),
 ])
 def test_cli_bad_flags_are_one_line_naming_the_flag(tmp_path, capsys, argv, expected):
@@ -1087,8 +1087,8 @@ def test_format_estimate_flags_instead_of_nan():
 def test_cli_one_micro_batch_is_a_clear_error(tmp_path, capsys):
     code, out, err = _cli(["noise", *TINY, "--grad-accum", "1", "--steps", "2", "--out", str(tmp_path)], capsys)
     assert code == 2 and out == ""  # checked before the header is printed
-    assert err == ("error: --grad-accum 1 on one process gives no second batch size; "
-                   "allowed: --grad-accum ≥ 2, or torchrun with ≥ 2 processes\n")
+    assert err == ("error: --grad-accum 1 is not allowed (one process gives no second batch size); "
+                   "allowed: ≥ 2, or ≥ 2 processes (torchrun)\n")
 
 
 def test_cli_tensorboard_missing_names_the_extra(tmp_path, capsys, monkeypatch):

@@ -64,22 +64,14 @@ def check_noise_settings(*, micro_batch: int = 8, grad_accum_steps: int = 4, ste
                          optimizer: str = "adamw", log_every: int = 5, half_life_windows: float = 10.0,
                          adam_variant: bool = False, threads: int | None = None, world_size: int | None = None,
                          names: dict[str, str] | None = None) -> None:
-    """Raise ``ValueError`` for the first bad setting, in the house style, before anything runs.
+    """Raise a :class:`~globalbatch.errors.SettingError` for the first bad setting, before anything runs.
 
     ``names`` maps a setting to how the user wrote it (the CLI passes its typer-derived flags); a
     setting not in it is named by its field name. ``world_size`` (processes, ``WORLD_SIZE``)
     enables the check that a window has at least two small batches.
     """
-    def name(field: str) -> str:
-        return (names or {}).get(field, field)
-
-    def text(field: str, value: Any) -> str:  # a flag's value as typed: --lr -1, not --lr -1.0
-        if not (names and field in names):
-            return repr(value)
-        return f"{value:g}" if isinstance(value, float) else str(value)
-
     from globalbatch import validate as V
-    from globalbatch.errors import flag_names
+    from globalbatch.errors import SettingError, flag_names
 
     with flag_names(names or {}):  # the CLI's flags for the fields it knows
         for setting, value in (("micro_batch", micro_batch), ("grad_accum_steps", grad_accum_steps), ("steps", steps),
@@ -88,17 +80,14 @@ def check_noise_settings(*, micro_batch: int = 8, grad_accum_steps: int = 4, ste
                 V.whole(value, setting)
         V.number(lr, "lr", low=0.0)
         V.choice(optimizer, "optimizer", optimizer_names())
-    if adam_variant and optimizer != "adamw":
-        flag = name("adam_variant") if names and "adam_variant" in names else "adam_variant True"
-        raise ValueError(f"{flag} is not allowed with {name('optimizer')} {text('optimizer', optimizer)}; "
-                         f"allowed: {name('optimizer')} adamw (the variant needs its exp_avg_sq)")
-    if half_life_windows != math.inf:  # inf: no decay, a plain mean over every window
-        with flag_names(names or {}):
+        if adam_variant and optimizer != "adamw":
+            raise SettingError("adam_variant", True, "optimizer adamw (the variant needs its exp_avg_sq)",
+                               why=f"with optimizer {optimizer}", see={"optimizer": "optimizer"})
+        if half_life_windows != math.inf:  # inf: no decay, a plain mean over every window
             V.positive(half_life_windows, "half_life_windows", allowed="a number > 0 (windows)")
-    if world_size is not None and grad_accum_steps * world_size < 2:
-        other = "torchrun with ≥ 2 processes" if names else "dp_world_size ≥ 2"
-        raise ValueError(f"{name('grad_accum_steps')} {grad_accum_steps} on one process gives no second batch size; "
-                         f"allowed: {name('grad_accum_steps')} ≥ 2, or {other}")
+        if world_size is not None and grad_accum_steps * world_size < 2:
+            raise SettingError("grad_accum_steps", grad_accum_steps, "≥ 2, or ≥ 2 processes (torchrun)",
+                               why="one process gives no second batch size")
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from globalbatch.errors import SettingError
 from globalbatch.probe.runner import probe
 from globalbatch.probe.search import DEFAULT_MAX_MICRO_BATCH, ProbeResult, check_probe_settings
 
@@ -51,8 +52,8 @@ def probe_task(
     if isinstance(task, str):
         task = load_task(task, **(task_overrides or {}))
     elif task_overrides:
-        raise ValueError(f"task_overrides {task_overrides!r} is not allowed with a Task object; "
-                         "allowed: overrides with a task name")
+        raise SettingError("task_overrides", task_overrides, "overrides with a task name (a Task object is used "
+                                                             "as it is)")
     torch_device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     autocast = Precision(precision).autocast
     model = task.build_model(seed).to(torch_device)

@@ -34,6 +34,7 @@ import numpy as np
 
 from globalbatch.critical import Analysis, ema_smooth
 from globalbatch._util import atomic_write, atomic_write_json, atomic_write_text
+from globalbatch.errors import Raw, SettingError
 from globalbatch.critical.settings import FIRST_SEED_NAMES, AnalysisSettings, settings_from
 from globalbatch.critical.seeds import SeedAnalysis, lr_selection_text, seed_analysis_json
 from globalbatch.lab.sweep import SweepData, analyze_sweep, analyze_sweep_seeds
@@ -63,7 +64,7 @@ def _plt():
     try:
         import matplotlib
     except ImportError:
-        raise ValueError("report: matplotlib is not installed; allowed: pip install 'globalbatch[plot]'") from None
+        raise SettingError("report", Raw("without matplotlib"), "pip install 'globalbatch[plot]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -703,12 +704,12 @@ def seed_analysis_or_note(run_dir: str | os.PathLike, *, settings: Optional[Anal
     s = settings_from(settings, old, caller="seed_analysis_or_note")
     try:
         return analyze_sweep_seeds(run_dir, settings=s)[1], None
-    except ValueError as exc:
-        if s.readout == "heldout" and "too few held-out evaluations" in str(exc):
+    except SettingError as exc:
+        if exc.field == "readout" and s.readout == "heldout":  # too few held-out evaluations
             try:
                 _, sa = analyze_sweep_seeds(run_dir, settings=replace(s, readout="train"))
                 return sa, "this sweep has too few held-out evaluations: the analysis over seeds reads the training loss"
-            except ValueError as exc2:
+            except SettingError as exc2:
                 return None, f"no analysis over seeds: {exc2}"
         return None, f"no analysis over seeds: {exc}"
 
