@@ -213,6 +213,8 @@ CASES = [
     _c("plan-micro-word", ["plan", "--micro-batch", "two"], "--micro-batch"),
     _c("plan-micro-float", ["plan", "--micro-batch", "2.5"], "--micro-batch"),
     _c("plan-micro-huge", ["plan", "--micro-batch", "1e400"], "--micro-batch"),
+    _c("plan-no-geometry", ["plan"], "--global-batch"),  # not "global_batch None is not allowed"
+    _c("plan-one-geometry-flag", ["plan", "--micro-batch", "4", "--dp", "2"], "--micro-batch 4"),
     _c("plan-accum-zero", ["plan", "--micro-batch", "2", "--grad-accum", "0", "--dp", "1"], "--grad-accum"),
     _c("plan-dp-zero", ["plan", "--micro-batch", "2", "--grad-accum", "1", "--dp", "0"], "--dp"),
     _c("plan-dp-neg", ["plan", "--micro-batch", "2", "--grad-accum", "1", "--dp", "-4"], "--dp"),

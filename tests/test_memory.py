@@ -146,8 +146,8 @@ def test_plan_memory_table_and_geometry_warning(capsys):
 @pytest.mark.parametrize("args, flag", [
     (["--memory", "lots", "--params", "1B", "--activation-bytes-per-sample", "1MiB"], "--memory 'lots'"),
     (["--memory", "0", "--params", "1B", "--activation-bytes-per-sample", "1MiB"], "--memory 0"),
-    (["--memory", "8GiB", "--activation-bytes-per-sample", "1MiB"], "--memory needs --params"),
-    (["--memory", "8GiB", "--params", "1B"], "--memory needs --activation-bytes-per-sample"),
+    (["--memory", "8GiB", "--activation-bytes-per-sample", "1MiB"], "--memory 8GiB is not allowed (--params is missing)"),
+    (["--memory", "8GiB", "--params", "1B"], "--memory 8GiB is not allowed (--activation-bytes-per-sample is missing)"),
     (["--memory", "8GiB", "--params", "x", "--activation-bytes-per-sample", "1MiB"], "--params 'x'"),
     (["--memory", "8GiB", "--params", "1B", "--activation-bytes-per-sample", "0"], "--activation-bytes-per-sample 0"),
     (["--memory", "8GiB", "--params", "1B", "--activation-bytes-per-sample", "1MiB", "--optimizer", "lion"],
@@ -159,13 +159,13 @@ def test_plan_memory_table_and_geometry_warning(capsys):
     (["--memory", "8GiB", "--params", "1B", "--activation-bytes-per-sample", "1MiB", "--checkpoint-divisor", "0.5"],
      "--checkpoint-divisor 0.5"),
     (["--memory", "8GiB", "--params", "1B", "--activation-bytes-per-sample", "1MiB", "--dp", "0"], "--dp 0"),
-    (["--memory", "8GiB", "--task", "tinygpt", "--params", "1B"], "--params is not allowed with --task"),
+    (["--memory", "8GiB", "--task", "tinygpt", "--params", "1B"], "--params 1B is not allowed (with --task tinygpt"),
     (["--memory", "8GiB", "--params", "1B", "--activation-bytes-per-sample", "1MiB", "--task-arg", "d_model=8"],
-     "--task-arg is not allowed without --task"),
+     "--task-arg d_model=8 is not allowed (without --task)"),
     (["--memory", "8GiB", "--task", "nosuch"], "--task 'nosuch'"),
     (["--memory", "8GiB", "--task", "tinygpt", "--task-arg", "d_model=-1"], "--task-arg"),
     (["--sharding", "zero1", "--global-batch", "8", "--micro-batch", "2", "--dp", "1"],
-     "--sharding zero1 is not allowed without --memory"),
+     "--sharding zero1 is not allowed (without --memory)"),
     (["--optimizer", "adafactor", "--global-batch", "8"], "--optimizer 'adafactor' is not allowed"),
 ])
 def test_plan_memory_bad_flags_are_one_line_exit_2(capsys, args, flag):

@@ -50,13 +50,13 @@ def plan_cmd(
     """State the whole batch geometry of a run, check it, and say what follows from it."""
 
     from .. import plan as P
+    from ..errors import Raw, SettingError
     from ..plan.report import make_plan, plan_table
 
     def count(text: Optional[str], flag: str) -> Optional[float]:
         return None if text is None else float(P.parse_count(text, flag))
 
     if optimizer is not None:  # the registry's table imports no torch
-        from .._util import SettingError
         from ..optim.registry import lr_scaling_rule, optimizer_names
 
         from ..plan.memory import OPTIMIZER_STATES
@@ -80,8 +80,8 @@ def plan_cmd(
     if memory is None:
         for flag, value in memory_flags.items():
             if value is not None:
-                raise ValueError(f"{flag} {value if not isinstance(value, list) else ','.join(value)} is not allowed "
-                                 "without --memory; allowed: add --memory DEVICE_BYTES, e.g. --memory 80GiB")
+                raise SettingError(flag, Raw(value if not isinstance(value, list) else ",".join(value)),
+                                   "add --memory DEVICE_BYTES, e.g. --memory 80GiB", why="without --memory", flag=True)
     else:
         memory_inputs = _memory_inputs(memory, params=params, dp=dp, optimizer=optimizer, precision=precision,
                                        sharding=sharding, activation_bytes=activation_bytes,
@@ -90,6 +90,8 @@ def plan_cmd(
     if memory_inputs is not None and not geometry_given:
         _print_memory(memory_inputs, None, as_json)
         return
+    if config is None and batch_schedule is None:  # (a schedule's first stage is the global batch; it needs --micro-batch)
+        _check_geometry_given(global_batch, micro_batch, grad_accum)
 
     flags = {
         "global_batch": global_batch, "micro_batch": micro_batch, "grad_accum_steps": grad_accum,
@@ -105,7 +107,7 @@ def plan_cmd(
     }
     schedule = None
     if batch_schedule is not None:
-        from ..errors import SettingError, flag_names
+        from ..errors import flag_names
         from ..schedule import parse_step_schedule
 
         with flag_names({"batch schedule": "--batch-schedule", "batch schedule entry": "--batch-schedule",
@@ -169,6 +171,29 @@ def plan_cmd(
         typer.echo(f"warning: {w}", err=True)
 
 
+GEOMETRY_FLAGS = ("--global-batch", "--micro-batch", "--grad-accum")
+"""Two of these (with ``--dp``, default one rank) give the batch geometry."""
+
+
+def _check_geometry_given(global_batch: Optional[int], micro_batch: Optional[int], grad_accum: Optional[int]) -> None:
+    """Without ``--config``, two of :data:`GEOMETRY_FLAGS`: checked here, so that the error names the flags and
+    what is needed instead of a field set to None."""
+    given = [(flag, v) for flag, v in zip(GEOMETRY_FLAGS, (global_batch, micro_batch, grad_accum)) if v is not None]
+    if len(given) >= 2:
+        return
+    from ..errors import Raw, SettingError
+
+    allowed = ("two of --global-batch, --micro-batch, --grad-accum (with --dp, default 1 rank), "
+               "e.g. --global-batch 256 --micro-batch 8; or --config FILE")
+    if not given:
+        raise SettingError("plan", Raw("without a batch geometry"), allowed)
+    flag, value = given[0]
+    others = " or ".join(f for f in GEOMETRY_FLAGS if f != flag)
+    raise SettingError(flag, value, f"add {others} (with --dp, default 1 rank); or --config FILE",
+                       why="alone: the batch geometry needs two of --global-batch, --micro-batch, --grad-accum",
+                       flag=True)
+
+
 def _memory_inputs(memory: str, *, params: Optional[str], dp: Optional[int], optimizer: Optional[str],
                    precision: Optional[str], sharding: Optional[str], activation_bytes: Optional[str],
                    checkpoint_divisor: Optional[float], task: Optional[str], task_arg: list[str]) -> tuple:
@@ -182,17 +207,18 @@ def _memory_inputs(memory: str, *, params: Optional[str], dp: Optional[int], opt
     if device_bytes < 1:
         raise SettingError("--memory", Raw(memory), "a device memory of at least 1 byte", flag=True)
     if task is not None and (params is not None or activation_bytes is not None):
-        given = "--params" if params is not None else "--activation-bytes-per-sample"
-        raise ValueError(f"{given} is not allowed with --task {task}: the task's model gives it; "
-                         "allowed: --task, or --params with --activation-bytes-per-sample")
+        given, value = ("--params", params) if params is not None else ("--activation-bytes-per-sample", activation_bytes)
+        raise SettingError(given, Raw(value), "--task alone, or --params with --activation-bytes-per-sample",
+                           why=f"with --task {task}: the task's model gives it", flag=True)
     if task is None:
-        if params is None:
-            raise ValueError("--memory needs --params (e.g. 7B) or --task; allowed: add one of them")
-        if activation_bytes is None:
-            raise ValueError("--memory needs --activation-bytes-per-sample (e.g. 1.5GiB) or --task to measure it; "
-                             "allowed: add one of them")
+        for flag, value, example in (("--params", params, "7B"), ("--activation-bytes-per-sample", activation_bytes,
+                                                                   "1.5GiB")):
+            if value is None:
+                raise SettingError("--memory", Raw(memory), f"with {flag} (e.g. {example}) or --task to measure it",
+                                   why=f"{flag} is missing", flag=True)
     if task_arg and task is None:
-        raise ValueError("--task-arg is not allowed without --task; allowed: add --task, e.g. --task tinygpt")
+        raise SettingError("--task-arg", Raw(",".join(task_arg)), "add --task, e.g. --task tinygpt",
+                           why="without --task", flag=True)
     per_sample = None
     if activation_bytes is not None:
         per_sample = parse_bytes(activation_bytes, "--activation-bytes-per-sample")
