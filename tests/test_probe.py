@@ -591,8 +591,8 @@ def test_cli_memory_limit_below_micro_batch_1_is_one_error_line(capsys, one_thre
                              "--steps-per-trial", "1")
     assert code == 2 and "Traceback" not in err
     last = err.strip().splitlines()[-1]
-    assert last.startswith("error: --memory-limit 1KiB is too small: micro_batch 1 needs ")
-    assert last.endswith(" (peak measured); allowed: a limit above that")
+    assert last.startswith("error: --memory-limit 1KiB is not allowed (too small: micro_batch 1 needs ")
+    assert ", peak measured); allowed: a limit above " in last
     assert all(line.startswith("probe: ") for line in err.strip().splitlines()[:-1])  # only progress lines
 
 

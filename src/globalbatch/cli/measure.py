@@ -53,10 +53,12 @@ def probe_cmd(
     except NothingFits as exc:
         peak = exc.trial.peak_memory_bytes
         if limit is not None and peak is not None and peak > limit:
-            raise ValueError(f"--memory-limit {memory_limit} is too small: micro_batch 1 needs {format_bytes(peak)} "
-                             "(peak measured); allowed: a limit above that") from None
-        raise ValueError(f"--task {task} does not fit: micro_batch 1 ran out of memory ({exc.trial.note}); "
-                         "allowed: a smaller model (--task-arg) or a device with more memory") from None
+            raise SettingError("--memory-limit", Raw(memory_limit), f"a limit above {format_bytes(peak)}",
+                               why=f"too small: micro_batch 1 needs {format_bytes(peak)}, peak measured",
+                               flag=True) from None
+        raise SettingError("--task", task, "a smaller model (--task-arg) or a device with more memory",
+                           why=f"it does not fit: micro_batch 1 ran out of memory ({exc.trial.note})",
+                           flag=True) from None
     if as_json:
         typer.echo(json.dumps(dict(result.to_dict(), task=task), indent=2, sort_keys=True))
         return
@@ -116,6 +118,7 @@ def noise_cmd(
 
     from .. import validate as V
     from .._util import flag_names
+    from ..errors import SettingError
     from ..lab.noise_run import NoiseRunConfig, check_noise_settings, format_estimate, format_interval, measure_noise
     from ..noise.budget import parse_budget
 
@@ -157,8 +160,9 @@ def noise_cmd(
     try:
         with flag_names(names), V.created_out_dir(out, "out"):
             result = measure_noise(cfg, out_dir=out, tensorboard=tensorboard, on_row=show)
-    except ImportError as exc:
-        raise ValueError(f"--tensorboard: {exc}") from exc
+    except ImportError as exc:  # the optional extra
+        raise SettingError("--tensorboard", True, "without --tensorboard, or pip install 'globalbatch[tensorboard]'",
+                           why=str(exc), flag=True) from exc
     if not result.rows:
         return  # not rank 0
     if as_json:
