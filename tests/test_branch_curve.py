@@ -128,3 +128,22 @@ def test_the_half_window_rule_reads_mccandlish_b_crit():
             # the fixed tolerance of Merrill et al. reads another batch, one that moves with the window and the slope
     fixed = branch_curve({start: losses}, base_batch_units=BASE, tolerance=TOL, n_boot=0).points[0]
     assert fixed.b_crit_units < 0.5 * b_crit
+
+
+def test_window_fraction_gives_each_point_its_own_window(tmp_path):
+    from globalbatch.lab.branch import BranchConfig, run_branch_test
+
+    tiny = dict(n_layer=1, d_model=16, n_head=2, seq_len=16, max_corpus_bytes=100_000)
+    cfg = BranchConfig(task="tinygpt", task_overrides=tiny, base_batch=2, ks=[1, 2], lr=3e-3, branch_at=[300, 1200],
+                       window=1, window_fraction=0.5, seeds=2, max_val_samples=16)
+    res = run_branch_test(cfg, tmp_path, threads=1, progress=False)
+    ups = res.window_units / res.window_samples
+    assert res.window_samples_by_point == {p: cfg.window_samples(ups, p) for p in (300, 1200)}
+    w300, w1200 = res.window_samples_by_point[300], res.window_samples_by_point[1200]
+    assert w300 % 4 == 0 and w1200 % 4 == 0 and w1200 > 2 * w300  # a quarter of the units → a quarter of the window
+    assert 0.5 * 300 <= w300 * ups < 0.5 * 300 + 4 * ups  # rounded up to a multiple of max k × base batch
+    for b in res.branches:
+        assert b["window_samples"] == res.window_samples_by_point[b["branch_at"]] == b["samples"]
+    assert "window 0.5 × each point's tokens" in res.text()
+    with pytest.raises(ValueError, match="window_fraction"):
+        BranchConfig(branch_at=[300], window=1, window_fraction=0.0)

@@ -107,6 +107,9 @@ class BranchConfig:
     """Units (tokens or samples) the base run has trained at each branch point."""
     window: int
     """Units every branch trains after its branch point."""
+    window_fraction: Optional[float] = None
+    """Instead of ``window``: each point's window is this fraction of that point's units (rounded up the same
+    way), so early points get short windows and late ones long (B_crit is read locally at every point)."""
     seeds: int = 3
     """Branches per (point, k), each with its own data order; at least 2 for the test."""
     seed: int = 0
@@ -154,6 +157,8 @@ class BranchConfig:
             raise E("branch_at", self.branch_at, "one or more branch points ≥ 1 unit")
         if self.window < 1:
             raise E("window", self.window, "a whole number of units ≥ 1")
+        if self.window_fraction is not None and not (0 < self.window_fraction <= 100 and math.isfinite(self.window_fraction)):
+            raise E("window_fraction", self.window_fraction, "a fraction of each branch point's units, 0 < f ≤ 100")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise E("micro_batch", self.micro_batch, "a whole number ≥ 1")
         warm = self.base_warmup_units()
@@ -183,10 +188,12 @@ class BranchConfig:
         """Units over which the base run warms its LR up (branch points must not be earlier)."""
         return int(self.base_warmup_fraction * self.branch_at[-1]) if self.branch_at else 0
 
-    def window_samples(self, units_per_sample: float) -> int:
-        """The window in samples: ``window`` units rounded up to a multiple of max(ks)·base_batch."""
+    def window_samples(self, units_per_sample: float, point: Optional[int] = None) -> int:
+        """The window in samples: ``window`` units (or ``window_fraction`` × ``point``) rounded up to a multiple of
+        max(ks)·base_batch."""
         quantum = max(self.ks) * self.base_batch
-        samples = math.ceil(self.window / max(float(units_per_sample), 1e-12) - 1e-9)
+        units = self.window if self.window_fraction is None or point is None else self.window_fraction * point
+        samples = math.ceil(units / max(float(units_per_sample), 1e-12) - 1e-9)
         return max(1, math.ceil(samples / quantum)) * quantum
 
     def lr_for(self, k: int) -> float:
@@ -203,6 +210,8 @@ class BranchConfig:
         # The decision settings do not change any run: they may differ on a rerun.
         for key in ("tolerance", "tolerance_rule", "alpha", "metric", "test"):
             d.pop(key)
+        if d["window_fraction"] is None:  # as before it existed: older directories stay resumable
+            d.pop("window_fraction")
         return {"version": MANIFEST_VERSION, "branch": d}
 
     @classmethod
@@ -550,6 +559,9 @@ class BranchResult:
     """The window every branch trained on, in samples (``window`` rounded up to a multiple of max(ks)·base_batch)."""
     window_units: float = 0.0
     """The same in units, from the base run's units per sample."""
+    window_samples_by_point: dict[int, int] = field(default_factory=dict)
+    """Branch point → its window in samples (all equal to ``window_samples`` unless ``window_fraction``; then
+    ``window_samples`` is the last point's)."""
     compute_s: float
     """Training seconds of the base run and every branch (evaluation excluded), summed."""
     wall_s: float
@@ -564,8 +576,12 @@ class BranchResult:
         c = self.config
         metric = ("validation loss (fixed held-out samples, end of window)" if c.metric == "val"
                   else "training loss of the last quarter (biased against large k)")
+        window = (f"window {c.window:,} {self.unit}s → {self.window_samples:,} samples (≈{self.window_units:,.0f} "
+                  f"{self.unit}s; " if c.window_fraction is None else
+                  f"window {c.window_fraction:g} × each point's {self.unit}s → "
+                  f"{', '.join(f'{w:,}' for w in self.window_samples_by_point.values())} samples (")
         lines = [f"branch test: base batch {c.base_batch}, lr {c.lr:g} ({c.optimizer}: LR × {'√k' if c.optimizer == 'adamw' else 'k'}), "
-                 f"window {c.window:,} {self.unit}s → {self.window_samples:,} samples (≈{self.window_units:,.0f} {self.unit}s; "
+                 + window +
                  f"rounded up to a multiple of max k × base batch = {max(c.ks) * c.base_batch}, the same samples for every k), "
                  f"{c.seeds} seeds, {c.test} one-sided t-test, alpha {c.alpha}, "
                  + (f"tolerance {c.tolerance}" if c.tolerance_rule == "absolute" else
@@ -666,12 +682,12 @@ def _run_locked(config: BranchConfig, out: Path, task: Any, *, threads: Optional
 
     # 2. The branches: every one trains on exactly ``w_samples`` samples (a whole number of steps for every k).
     ups = float(base_meta.get("units_per_sample") or 1.0)
-    w_samples = config.window_samples(ups)
     quantum = max(config.ks) * config.base_batch
-    # metric="train": the steps over the last quarter, starting at the same sample for every k.
-    tail_sample = min(math.ceil(0.75 * w_samples / quantum) * quantum, w_samples - quantum)
     branches: list[dict] = []
     for p in config.branch_at:
+        w_samples = config.window_samples(ups, p)
+        # metric="train": the steps over the last quarter, starting at the same sample for every k.
+        tail_sample = min(math.ceil(0.75 * w_samples / quantum) * quantum, w_samples - quantum)
         for k in config.ks:
             for s in range(config.seeds):
                 name = _branch_name(p, k, s)
@@ -740,12 +756,14 @@ def _summarise(out: Path, config: BranchConfig, unit: str, branches: list[dict],
                                   critical_batch=kc * config.base_batch,
                                   critical_batch_units=kc * config.base_batch * ups, tolerance=tol))
     compute = float(base_meta.get("train_time_s", 0.0)) + sum(float(b["train_time_s"]) for b in branches)
-    w_samples = config.window_samples(ups)
+    by_point_w = {p: config.window_samples(ups, p) for p in config.branch_at}
+    w_samples = by_point_w[config.branch_at[-1]]
     curve = (branch_curve(by_point, base_batch_units=config.base_batch * ups, tolerance=config.tolerance,
                           alpha=config.alpha, test=config.test, unit=unit, drops_by_point=drops)
              if len(config.branch_at) >= 2 else None)
     result = BranchResult(out_dir=str(out), config=config, unit=unit, points=points, branches=branches,
-                          window_samples=w_samples, window_units=w_samples * ups, compute_s=compute, wall_s=wall,
+                          window_samples=w_samples, window_units=w_samples * ups, window_samples_by_point=by_point_w,
+                          compute_s=compute, wall_s=wall,
                           curve=curve)
     atomic_write_json(out / "result.json", result.to_dict())
     return result
