@@ -151,7 +151,7 @@ def test_model_is_causal_and_rejects_long_inputs(gpt):
     changed = ids.clone()
     changed[0, -1] = (changed[0, -1] + 1) % 256
     torch.testing.assert_close(model(ids)[:, :-1], model(changed)[:, :-1], rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"input length: 49: must be <= seq_len=48"):
+    with pytest.raises(ValueError, match=r"^input_ids_bt length 49 is not allowed; allowed: at most seq_len 48 tokens$"):
         model(torch.zeros(1, 49, dtype=torch.int64))
 
 
@@ -319,5 +319,7 @@ def test_bad_arguments_to_methods(gpt):
         gpt.sample_order(-1)
     with pytest.raises(ValueError, match=r"micro_batch 0 is not allowed; allowed: a whole number ≥ 1"):
         gpt.val_batches(0)
-    with pytest.raises(ValueError, match=rf"indices: {gpt.num_train_samples}: must be in \[0, "):
+    with pytest.raises(ValueError, match=rf"^indices {gpt.num_train_samples} is not allowed; allowed: sample indices in \[0, "):
         gpt.collate([0, gpt.num_train_samples])
+    with pytest.raises(ValueError, match=r"^indices \[\] is not allowed; allowed: at least one sample index"):
+        gpt.collate([])

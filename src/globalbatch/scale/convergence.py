@@ -152,7 +152,8 @@ def fit_s_min(targets: Sequence[float], s_min: Sequence[float]) -> SMinLaw:
     L = np.asarray(targets, dtype=float)
     y = np.log(np.asarray(s_min, dtype=float))
     if L.size < 2 or not np.all(np.isfinite(y)) or np.any(L <= 0):
-        raise ValueError(f"targets: {L.size} usable S_min points; the S_min(L) fit needs at least 2")
+        raise SettingError("targets", L.tolist(), "at least 2 losses > 0, each with a finite S_min > 0 (the S_min(L) "
+                                                  "fit)")
     hi_floor = 0.999 * float(L.min())
 
     def model(p, floor):

@@ -59,6 +59,17 @@ def _check_micro_batch(micro_batch: int) -> None:
     whole(micro_batch, "micro_batch")
 
 
+def _checked_indices(indices: Sequence[int], num_samples: int) -> np.ndarray:
+    """``collate``'s indices as a flat int64 array: at least one, each in ``[0, num_samples)``."""
+    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    if idx.size == 0:
+        raise SettingError("indices", [], "at least one sample index (a micro-batch)")
+    bad = idx[(idx < 0) | (idx >= num_samples)]
+    if bad.size:
+        raise SettingError("indices", int(bad[0]), f"sample indices in [0, {num_samples})")
+    return idx
+
+
 VAL_ORDER_SEED = 20_181_206
 """Seed of the fixed order of the held-out samples (the same for every trial, seed and command)."""
 

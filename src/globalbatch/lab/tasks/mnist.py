@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from globalbatch.errors import SettingError
-from globalbatch.lab.tasks.base import Task, _check_micro_batch, _check_seed, to_device, val_order
+from globalbatch.lab.tasks.base import Task, _check_micro_batch, _check_seed, _checked_indices, to_device, val_order
 from globalbatch.validate import whole
 
 
@@ -114,12 +114,7 @@ class MnistTask(Task):
                                  nn.Linear(self.config.hidden, 10))
 
     def collate(self, indices: Sequence[int], device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-        idx = torch.as_tensor(np.asarray(indices, dtype=np.int64).reshape(-1))
-        if idx.numel() == 0:
-            raise ValueError("indices: []: a micro-batch needs at least one sample")
-        if idx.min() < 0 or idx.max() >= self.num_train_samples:
-            bad = int(idx[(idx < 0) | (idx >= self.num_train_samples)][0])
-            raise ValueError(f"indices: {bad}: must be in [0, {self.num_train_samples})")
+        idx = torch.as_tensor(_checked_indices(indices, self.num_train_samples))
         return to_device({"x": self.train_x[idx], "y": self.train_y[idx]}, device)
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from globalbatch.errors import SettingError
-from globalbatch.lab.tasks.base import IGNORE_INDEX, Task, _check_micro_batch, _check_seed, to_device, val_order
+from globalbatch.errors import Raw, SettingError
+from globalbatch.lab.tasks.base import (IGNORE_INDEX, Task, _check_micro_batch, _check_seed, _checked_indices, to_device,
+                                       val_order)
 from globalbatch.validate import whole
 
 
@@ -97,7 +98,7 @@ def _read_corpus(root: str, max_corpus_bytes: int) -> tuple[bytes, tuple[tuple[s
         parts.append(data)
         total += len(data)
     if total == 0:
-        raise ValueError(f"corpus_dir: {root!r}: no .py files found")
+        raise SettingError("corpus_dir", root, "a directory with .py files (the corpus)")
     return b"".join(parts), tuple(spans)
 
 
@@ -195,7 +196,7 @@ class TinyGPT(nn.Module):
     def forward(self, input_ids_bt: torch.Tensor) -> torch.Tensor:
         t = input_ids_bt.shape[1]
         if t > self.seq_len:
-            raise ValueError(f"input length: {t}: must be <= seq_len={self.seq_len}")
+            raise SettingError("input_ids_bt", Raw(f"length {t}"), f"at most seq_len {self.seq_len} tokens")
         pos_t = torch.arange(t, device=input_ids_bt.device)
         x_btc = self.tok_emb(input_ids_bt) + self.pos_emb(pos_t)
         for block in self.blocks:
@@ -232,8 +233,8 @@ class TinyGPTTask(Task):
         corpus_u8, (tr_off, tr_len), (va_off, va_len), num_files = _documents(
             str(Path(root).resolve()), config.max_corpus_bytes, config.seq_len, config.min_doc_bytes, config.val_every)
         if len(tr_off) == 0 or len(va_off) == 0:
-            raise ValueError(f"max_corpus_bytes: {config.max_corpus_bytes}: too little text for a train and a "
-                             f"validation split ({len(tr_off)} train, {len(va_off)} val documents)")
+            raise SettingError("max_corpus_bytes", config.max_corpus_bytes, "enough text for a train and a validation "
+                               "split", why=f"{len(tr_off)} train, {len(va_off)} val documents")
         return cls(name="tinygpt", unit="token", seq_len=config.seq_len, num_train_samples=len(tr_off),
                    config=config, corpus_bytes=len(corpus_u8), num_files=num_files, num_val_samples=len(va_off),
                    corpus_u8=corpus_u8, train_offsets=tr_off, train_lengths=tr_len,
@@ -247,8 +248,6 @@ class TinyGPTTask(Task):
             return TinyGPT(n_layer=c.n_layer, n_head=c.n_head, d_model=c.d_model, seq_len=c.seq_len)
 
     def _collate(self, offsets: np.ndarray, lengths: np.ndarray, device) -> dict[str, torch.Tensor]:
-        if len(offsets) == 0:
-            raise ValueError("indices: []: a micro-batch needs at least one sample")
         # A document of n bytes gives n - 1 (input, label) pairs; pad to the longest in this micro-batch.
         width = int(lengths.max()) - 1
         input_ids = np.full((len(offsets), width), PAD_ID, dtype=np.int64)
@@ -260,10 +259,7 @@ class TinyGPTTask(Task):
         return to_device({"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels)}, device)
 
     def collate(self, indices: Sequence[int], device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        if idx.size and (idx.min() < 0 or idx.max() >= self.num_train_samples):
-            bad = int(idx[(idx < 0) | (idx >= self.num_train_samples)][0])
-            raise ValueError(f"indices: {bad}: must be in [0, {self.num_train_samples})")
+        idx = _checked_indices(indices, self.num_train_samples)
         return self._collate(self.train_offsets[idx], self.train_lengths[idx], device)
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
