@@ -15,7 +15,7 @@ line names the flag instead, found in the command's own typer parameters
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional
 
 import typer
 
@@ -37,6 +37,16 @@ Metric = Literal["val", "train"]
 Test = Literal["paired", "welch"]
 LrRule = Literal["linear", "sqrt", "none"]
 AdaptiveLrRule = Literal["sqrt", "linear", "adascale", "none"]
+
+# Options several commands share, defined once (``task: TaskOption = "tinygpt"``): the same flag, type and help.
+TaskOption = Annotated[str, typer.Option("--task", help="Task: tinygpt, mnist or package.module:function.")]
+TaskArgOption = Annotated[Optional[list[str]], typer.Option("--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64.")]
+DeviceOption = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or mps (checked before anything is written).")]
+AutoDeviceOption = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:N or mps (default cuda when available).")]
+PrecisionOption = Annotated[PrecisionName, typer.Option("--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler).")]
+ThreadsOption = Annotated[Optional[int], typer.Option("--threads", help="Torch threads (default: all cores).")]
+MicroBatchOption = Annotated[Optional[int], typer.Option("--micro-batch", help="Samples per forward/backward (default min(batch, 16)).")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON with stable snake_case keys instead of tables (progress stays on stderr).")]
 
 app = typer.Typer(
     name="globalbatch",

@@ -8,8 +8,9 @@ from typing import Optional
 import typer
 
 from globalbatch.lab.device import checked_device
-from globalbatch.cli.app import (AdaptiveLrRule, app, Backend, flag_names_of, Metric, Objective, OptimizerName, PrecisionName,
-                             Test, echo_json, OPTIMIZERS_HELP)
+from globalbatch.cli.app import (AdaptiveLrRule, app, Backend, DeviceOption, flag_names_of, JsonOption, Metric,
+                                MicroBatchOption, Objective, OptimizerName, PrecisionOption, TaskArgOption, TaskOption,
+                                Test, ThreadsOption, echo_json, OPTIMIZERS_HELP)
 
 
 def _parse_units(text: str, flag: str) -> int:
@@ -64,7 +65,7 @@ def _print_report(res) -> None:
 
 @app.command("sweep", short_help="Batch × LR sweep at equal tokens; fit the critical batch.")
 def sweep_cmd(
-    task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt, mnist or package.module:function."),
+    task: TaskOption = "tinygpt",
     batches: str = typer.Option("16,32,64,128,256", "--batches", help="Global batch sizes in samples (sequences) per step, comma-separated."),
     lrs: str = typer.Option("3e-4,1e-3,3e-3", "--lrs", help="Peak learning rates, comma-separated; every batch runs every LR."),
     tokens: str = typer.Option("2M", "--tokens", help="Budget per trial in the task's unit (tokens; samples for a sample task), e.g. 2M."),
@@ -80,17 +81,17 @@ def sweep_cmd(
     lr_rule: str = typer.Option("auto", "--lr-rule", help="LR grid per batch: auto (the optimizer's rule), sqrt, linear or none (one grid for all)."),
     base_batch: Optional[int] = typer.Option(None, "--base-batch", help="The batch at which --lrs hold (default the smallest)."),
     lr_edge_extend: int = typer.Option(2, "--lr-edge-extend", help="Extra LRs per side run when a batch's best LR sits at an edge of its grid."),
-    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per forward/backward (default min(batch, 16))."),
+    micro_batch: MicroBatchOption = None,
     eval_every: Optional[str] = typer.Option(None, "--eval-every", help="Units between held-out evaluations (default: --eval-points log-spaced ones)."),
     eval_points: int = typer.Option(32, "--eval-points", help="Log-spaced held-out evaluations per trial (≥ 30 for a sound read-out)."),
     val_samples: int = typer.Option(512, "--val-samples", help="Held-out samples per evaluation (a fixed random draw, the same for every trial)."),
     optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + OPTIMIZERS_HELP + "."),
-    task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
+    task_arg: TaskArgOption = None,
     noise: bool = typer.Option(False, "--noise", help="Also log the gradient noise scale B_simple at every evaluation (the report plots it)."),
-    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or mps (checked before anything is written)."),
-    precision: PrecisionName = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    device: DeviceOption = "cpu",
+    precision: PrecisionOption = "fp32",
     sweep_budget: Optional[str] = typer.Option(None, "--budget", help="Spend at most this share of the full design's tokens (0.1, 10%) or this many tokens in all (1.2M): runs the cheapest design measured to hold (benchmarks/critical_cost.py) and says which."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys instead of tables (progress stays on stderr)."),
+    as_json: JsonOption = False,
 ) -> None:
     """Train every batch × LR on the same data order and token budget, then fit the critical batch."""
     from rich.console import Console
@@ -212,7 +213,7 @@ def report_cmd(
 
 @app.command("branch", short_help="Branch test (Merrill et al. 2025): the largest safe batch multiple k.")
 def branch_cmd(
-    task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt, mnist or package.module:function."),
+    task: TaskOption = "tinygpt",
     base_batch: int = typer.Option(16, "--base-batch", help="Batch of the base run, in samples (sequences) per step."),
     ks: str = typer.Option("1,2,4,8", "--ks", help="Batch multipliers to branch at, comma-separated; must include 1."),
     lr: float = typer.Option(1e-3, "--lr", help="LR of the base run; a k-branch uses lr·√k (adamw) or lr·k (sgd)."),
@@ -229,12 +230,12 @@ def branch_cmd(
     optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer (" + OPTIMIZERS_HELP + "); LR × √k for Adam-type, × k for SGD-type."),
     out: str = typer.Option("runs/branch", "--out", help="Output directory; rerunning reuses finished branches (a larger --seeds adds only the new seeds' branches)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the model init and the base run's data order."),
-    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per forward/backward (default min(batch, 16))."),
-    task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
-    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or mps (checked before anything is written)."),
-    precision: PrecisionName = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys instead of tables (progress stays on stderr)."),
+    micro_batch: MicroBatchOption = None,
+    task_arg: TaskArgOption = None,
+    threads: ThreadsOption = None,
+    device: DeviceOption = "cpu",
+    precision: PrecisionOption = "fp32",
+    as_json: JsonOption = False,
 ) -> None:
     """Merrill et al. 2025 branch test: the largest k whose k× batch branches are not worse than k = 1."""
     from .. import validate as V
@@ -286,11 +287,11 @@ def adaptive_cmd(
     micro_batch: int = typer.Option(4, "--micro-batch", help="Samples per forward/backward, every arm."),
     optimizer: OptimizerName = typer.Option("adamw", "--optimizer", help="A registry optimizer: " + OPTIMIZERS_HELP + " (pick --lr-rule to match: sqrt for Adam-type, linear for SGD)."),
     target: list[float] = typer.Option([], "--target", help="Held-out loss target (repeatable); default two: every fixed batch's final loss reaches it (worst + 0.01), and half of them do (median + 0.01)."),
-    task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable)."),
+    task_arg: TaskArgOption = None,
     out: str = typer.Option("runs/adaptive", "--out", help="Output directory; rerunning resumes it (finished runs are kept; --seeds may grow)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
-    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or mps (checked before anything is written)."),
-    precision: PrecisionName = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
+    threads: ThreadsOption = None,
+    device: DeviceOption = "cpu",
+    precision: PrecisionOption = "fp32",
     as_json: bool = typer.Option(False, "--json", help="Print the analyses as JSON (stable snake_case keys) instead of tables (progress stays on stderr)."),
 ) -> None:
     """Train the adaptive policy and each fixed batch at equal tokens on every seed; report loss vs tokens/steps,
@@ -336,9 +337,9 @@ def adaptive_cmd(
 def demo_cmd(
     out: str = typer.Option("demo_out", "--out", help="Output directory of the demo sweep and its report."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Trials at once (default: min(trials, cores))."),
-    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or mps (checked before anything is written)."),
-    precision: PrecisionName = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys instead of tables (progress stays on stderr)."),
+    device: DeviceOption = "cpu",
+    precision: PrecisionOption = "fp32",
+    as_json: JsonOption = False,
 ) -> None:
     """A quick sweep of a small tinygpt (a few minutes on 2 CPU cores), then the HTML report."""
     import time

@@ -9,22 +9,23 @@ from typing import Optional
 import typer
 
 from globalbatch.lab.device import checked_device
-from globalbatch.cli.app import app, flag_names_of, OptimizerName, PrecisionName, echo_json, OPTIMIZERS_HELP
+from globalbatch.cli.app import (app, AutoDeviceOption, flag_names_of, JsonOption, OptimizerName, PrecisionName,
+                                PrecisionOption, TaskArgOption, TaskOption, ThreadsOption, echo_json, OPTIMIZERS_HELP)
 
 
 @app.command("probe", short_help="Find the largest micro-batch that fits and the fastest one.")
 def probe_cmd(
-    task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt, mnist or package.module:function."),
+    task: TaskOption = "tinygpt",
     global_batch: Optional[int] = typer.Option(None, "--global-batch", help="Samples (sequences) per optimizer step, all ranks; reports the accum that keeps it."),
     dp: int = typer.Option(1, "--dp", help="Data-parallel world size for the global-batch arithmetic."),
     memory_limit: Optional[str] = typer.Option(None, "--memory-limit", help="Memory budget, e.g. 8GiB: a larger measured peak counts as out of memory."),
     max_micro_batch: Optional[int] = typer.Option(None, "--max-micro-batch", help="Largest size tried (default global ÷ dp, else 8192)."),
     steps_per_trial: int = typer.Option(3, "--steps-per-trial", help="Timed training steps per trial (after 2 untimed warm-up steps)."),
     tolerance: float = typer.Option(0.05, "--throughput-tolerance", help="Fastest = smallest micro-batch within this fraction of the best tokens/s."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N or mps (default cuda when available)."),
+    device: AutoDeviceOption = None,
     precision: PrecisionName = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys."),
-    task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
+    task_arg: TaskArgOption = None,
 ) -> None:
     """Find the largest micro-batch that fits and the fastest one; keep the global batch with accumulation."""
     import logging
@@ -89,7 +90,7 @@ def probe_cmd(
 
 @app.command("noise", short_help="Measure the gradient noise scale B_simple with its interval.")
 def noise_cmd(
-    task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt, mnist or package.module:function."),
+    task: TaskOption = "tinygpt",
     micro_batch: int = typer.Option(8, "--micro-batch", help="Samples (sequences) per forward/backward per rank."),
     grad_accum: int = typer.Option(4, "--grad-accum", help="Micro-batches per step; on one process ≥ 2 (they are the small batches)."),
     steps: int = typer.Option(50, "--steps", help="Optimizer steps (windows) to train and measure."),
@@ -102,11 +103,11 @@ def noise_cmd(
     budget: Optional[str] = typer.Option(None, "--budget", help="The monitor's cost allowed, a fraction of the step time (0.02 or 2%): it times itself and measures one window in n to stay within it (default: every window)."),
     out: str = typer.Option("runs/noise", "--out", help="Directory for noise.csv (and tb/ with --tensorboard)."),
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also write TensorBoard scalars (pip install 'globalbatch[tensorboard]')."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N or mps (default cuda when available)."),
-    precision: PrecisionName = typer.Option("fp32", "--precision", help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."),
-    task_arg: list[str] = typer.Option([], "--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys instead of tables (progress stays on stderr)."),
+    device: AutoDeviceOption = None,
+    precision: PrecisionOption = "fp32",
+    task_arg: TaskArgOption = None,
+    threads: ThreadsOption = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Measure the gradient noise scale B_simple (McCandlish et al. 2018) over a short training run."""
     import dataclasses
