@@ -12,7 +12,7 @@ Setup: the digits CNN with Ghost BN of 16 (BatchNorm statistics over 16 samples 
 as Goyal et al. keep 32 per GPU), SGD-momentum (registry "sgd"), ``--epochs`` epochs at every
 batch. Base LR tuned at batch 16 on a 4-point grid (seed 0, held-out loss); at batch B the peak
 LR is ``globalbatch.plan.scale_lr(base, 16, B, rule)``. Schedule in samples
-(``TokenLRSchedule``): cosine to 0, with a linear warmup over the first 25 % of samples, or none.
+(``LRSchedule``): cosine to 0, with a linear warmup over the first 25 % of samples, or none.
 ≥ 3 seeds per point (seeds 1.., the tuning seed excluded), mean with a 95 % t-interval.
 
     OMP_NUM_THREADS=1 python experiments/b_lr_scaling.py
@@ -28,7 +28,7 @@ from globalbatch.noise.monitor import NoiseConfig, NoiseScaleMonitor
 from globalbatch.nn import convert_to_ghost_bn
 from globalbatch.optim import build_optimizer
 from globalbatch.plan import scale_lr
-from globalbatch.schedule import TokenLRSchedule
+from globalbatch.schedule import LRSchedule
 
 BASE_BATCH, GHOST = 16, 16
 BASE_GRID = (0.05, 0.1, 0.2, 0.4, 0.8)
@@ -40,8 +40,7 @@ def run(lr: float, batch: int, warmup: bool, seed: int, epochs: int, data: commo
     total = epochs * len(data.x_train)
     model = convert_to_ghost_bn(common.cnn("bn", seed=seed), GHOST)
     opt = build_optimizer("sgd", model, lr=lr)
-    sched = TokenLRSchedule(peak_lr=lr, total=total, warmup=total // 4 if warmup else 0, shape="cosine",
-                            unit="sample")
+    sched = LRSchedule(peak_lr=lr, total=total, warmup=total // 4 if warmup else 0, shape="cosine")
     r = common.train(model, opt, data, micro_batch=batch, global_batch=batch, samples=total, seed=seed,
                      lr_schedule=sched)
     loss = r.history[-1]["test_loss"]
@@ -56,7 +55,7 @@ def noise_scale(lr: float, seed: int, epochs: int, data: common.Data, batch: int
     model = convert_to_ghost_bn(common.cnn("bn", seed=seed), GHOST)
     opt = build_optimizer("sgd", model, lr=lr)
     monitor = NoiseScaleMonitor(model, optimizer=opt, config=NoiseConfig(sources=("micro",)), unit="sample")
-    sched = TokenLRSchedule(peak_lr=lr, total=total, warmup=total // 4, shape="cosine", unit="sample")
+    sched = LRSchedule(peak_lr=lr, total=total, warmup=total // 4, shape="cosine")
     marks: dict[str, float] = {}
 
     def on_step(driver) -> None:

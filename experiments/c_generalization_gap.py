@@ -5,7 +5,7 @@ epochs a large batch reaches a worse held-out loss/accuracy than a small one; sc
 with warmup, Ghost BatchNorm and training longer (more steps) close most of that gap.
 
 Setup: the digits CNN with BatchNorm, SGD-momentum (registry "sgd"), cosine LR schedule in
-samples (TokenLRSchedule). Small batch 32 with its LR tuned on a 3-point grid (seed 0, held-out
+samples (LRSchedule). Small batch 32 with its LR tuned on a 3-point grid (seed 0, held-out
 loss); large batch ``--large`` (one micro-batch) at the same ``--epochs``:
 
 1. large, the small batch's LR (no rule, no warmup)
@@ -27,7 +27,7 @@ import common
 from globalbatch.nn import convert_to_ghost_bn
 from globalbatch.optim import build_optimizer
 from globalbatch.plan import scale_lr
-from globalbatch.schedule import TokenLRSchedule
+from globalbatch.schedule import LRSchedule
 
 SMALL, GHOST = 32, 32
 GRID = (0.025, 0.05, 0.1)
@@ -40,7 +40,7 @@ def run(batch: int, lr: float, seed: int, epochs: int, data: common.Data, *, war
     if ghost:
         convert_to_ghost_bn(model, GHOST)
     opt = build_optimizer("sgd", model, lr=lr)
-    sched = TokenLRSchedule(peak_lr=lr, total=total, warmup=total // 4 if warmup else 0, shape="cosine", unit="sample")
+    sched = LRSchedule(peak_lr=lr, total=total, warmup=total // 4 if warmup else 0, shape="cosine")
     r = common.train(model, opt, data, micro_batch=batch, global_batch=batch, samples=total, seed=seed,
                      lr_schedule=sched)
     h = r.history[-1]

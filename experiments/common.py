@@ -129,7 +129,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: Data, *, mic
     and training loss/accuracy every so many samples (and at the end) into ``Run.history``.
     """
     cfg = StepConfig(micro_batch=micro_batch, global_batch=global_batch, batch_schedule=batch_schedule,
-                     lr_schedule=lr_schedule)
+                     lr_schedule=lr_schedule, unit="sample")  # a per-sample loss: schedules count samples
     driver = StepDriver(model, optimizer, cfg, lr_scheduler=lr_scheduler, callbacks=callbacks)
     gen = torch.Generator().manual_seed(1000 + seed)
     n = len(data.x_train)

@@ -48,7 +48,7 @@ def run(arm: str, seed: int, epochs: int, data: common.Data, lr: float = LR) -> 
         return common.train(model, opt, data, micro_batch=BASE_BATCH, global_batch=BASE_BATCH, samples=total,
                             seed=seed, lr_scheduler=sched, eval_every=n)
     batches = StepBatchSchedule(steps=((0, BASE_BATCH), (m1, BASE_BATCH * FACTOR), (m2, BASE_BATCH * FACTOR ** 2)),
-                                unit="sample", lr_rule="none")
+                                lr_rule="none")
     return common.train(model, opt, data, micro_batch=BASE_BATCH, batch_schedule=batches, samples=total, seed=seed,
                         eval_every=n)
 

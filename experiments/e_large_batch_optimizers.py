@@ -7,7 +7,7 @@ Setup: the digits CNN with BatchNorm, global batch ``--batch`` (512 of the 1,297
 digits: ~2.5 steps an epoch) for ``--epochs`` epochs, one micro-batch per step, all through
 StepDriver with the registry's optimizers (no weight decay: the 1-D exemption of LARS/LAMB is
 about the trust ratio here). LR: linear warmup over the first 10 % of samples then cosine to 0
-(globalbatch.schedule.TokenLRSchedule in samples). Each optimizer's peak LR is picked on a
+(globalbatch.schedule.LRSchedule, in samples). Each optimizer's peak LR is picked on a
 4-point grid by held-out loss with seed 0; the reported numbers are seeds 1..``--seeds`` at that
 LR (the tuning seed excluded). Reference: SGD-momentum at batch 32, tuned the same way.
 
@@ -28,7 +28,7 @@ import time
 
 import common
 from globalbatch.optim import build_optimizer
-from globalbatch.schedule import TokenLRSchedule
+from globalbatch.schedule import LRSchedule
 
 GRIDS = {
     "sgd": (0.0125, 0.05, 0.2, 0.8),
@@ -56,7 +56,7 @@ def run_gpt(task, name: str, lr: float, batch: int, seed: int, steps: int, micro
     from globalbatch.lab.loop import Experiment
 
     samples = steps * batch
-    sched = TokenLRSchedule(peak_lr=lr, total=samples, warmup=samples // 10, shape="cosine", unit="sample")
+    sched = LRSchedule(peak_lr=lr, total=samples, warmup=samples // 10, shape="cosine")
     exp = Experiment(task, batch=batch, micro_batch=min(micro, batch), optimizer=name, lr=lr, seed=seed,
                      lr_schedule=sched)
     order = task.sample_order(seed)
@@ -109,7 +109,7 @@ def run(name: str, lr: float, batch: int, seed: int, epochs: int, data: common.D
     total = epochs * len(data.x_train)
     model = common.cnn("bn", seed=seed)
     opt = build_optimizer(name, model, lr=lr)
-    sched = TokenLRSchedule(peak_lr=lr, total=total, warmup=total // 10, shape="cosine", unit="sample")
+    sched = LRSchedule(peak_lr=lr, total=total, warmup=total // 10, shape="cosine")
     r = common.train(model, opt, data, micro_batch=batch, global_batch=batch, samples=total, seed=seed,
                      lr_schedule=sched)
     h = r.history[-1]

@@ -162,7 +162,7 @@ class _FixedEstimate:
 @pytest.mark.parametrize("rule", ["sqrt", "linear", "none", "adascale"])
 @pytest.mark.parametrize("with_lr_schedule", [False, True])
 def test_lr_rescaling_follows_the_rule(rule, with_lr_schedule):
-    from globalbatch.schedule import TokenLRSchedule
+    from globalbatch.schedule import LRSchedule
     from globalbatch.step import StepConfig, StepDriver
 
     x, y = ac.make_data(0)
@@ -170,11 +170,10 @@ def test_lr_rescaling_follows_the_rule(rule, with_lr_schedule):
     base_lr = 0.02
     opt = torch.optim.SGD(model.parameters(), lr=base_lr)
     f = FeasibleBatches(micro_batch=4, min_batch=8, max_batch=64, powers_of_two=True)
-    sched = AdaptiveBatchSchedule(_Forced(32, 4), f, 8, monitor=_FixedEstimate(40.0), lr_rule=rule, unit="sample",
+    sched = AdaptiveBatchSchedule(_Forced(32, 4), f, 8, monitor=_FixedEstimate(40.0), lr_rule=rule,
                                   decide_every=2, min_interval_steps=0, patience=1)
-    lrs = TokenLRSchedule(peak_lr=base_lr, total=10**6, shape="constant", unit="sample") if with_lr_schedule else None
-    driver = StepDriver(model, opt, StepConfig(micro_batch=4, batch_schedule=sched, lr_schedule=lrs),
-                        callbacks=[sched])
+    lrs = LRSchedule(peak_lr=base_lr, total=10**6, shape="constant") if with_lr_schedule else None
+    driver = StepDriver(model, opt, StepConfig(micro_batch=4, batch_schedule=sched, lr_schedule=lrs, unit="sample"))
     seen = []
     for _ in range(8):
         gb = driver.global_batch
@@ -212,9 +211,9 @@ def test_hysteresis_min_interval_and_non_decreasing():
         model = ac.make_model(0)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         f = FeasibleBatches(micro_batch=4, min_batch=8, max_batch=64, powers_of_two=True)
-        sched = AdaptiveBatchSchedule(policy, f, initial, unit="sample", decide_every=2, min_interval_steps=6,
+        sched = AdaptiveBatchSchedule(policy, f, initial, decide_every=2, min_interval_steps=6,
                                       patience=2, allow_decrease=allow_decrease)
-        driver = StepDriver(model, opt, StepConfig(micro_batch=4, batch_schedule=sched), callbacks=[sched])
+        driver = StepDriver(model, opt, StepConfig(micro_batch=4, batch_schedule=sched, unit="sample"))
         ac.run_steps(driver, x, y, 20)
         steps = [c.step for c in sched.history]
         if isinstance(policy, Up):
@@ -259,10 +258,9 @@ def test_resume_is_bitwise_across_a_change(tmp_path):
         m1, d1, s1, mon1 = _fresh()
         ac.run_steps(d1, x, y, cut)
         path = tmp_path / f"ck{cut}.pt"
-        save_checkpoint(path, m1, d1.optimizer, d1, extra={"noise": mon1.state_dict()})
+        save_checkpoint(path, d1)  # the monitor's state too: a stateful callback of the driver
         m2, d2, s2, mon2 = _fresh()
-        extra = load_checkpoint(path, m2, d2.optimizer, d2)
-        mon2.load_state_dict(extra["noise"])
+        load_checkpoint(path, d2)
         assert d2.global_batch == batches[cut] and d2.optimizer_steps == cut
         assert d2.batch_lr_mult == d1.batch_lr_mult
         rest = ac.run_steps(d2, x, y, total - cut)

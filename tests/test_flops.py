@@ -140,15 +140,15 @@ def test_per_micro_batch_flops_override_and_missing_counts():
 def test_sample_loss_has_no_valid_tokens_and_bad_settings_are_named():
     model = sc.build_model(dtype=torch.float32)
     drv = StepDriver(model, torch.optim.SGD(model.parameters(), lr=1e-3),
-                     StepConfig(micro_batch=2, global_batch=2, loss_unit="sample"))
+                     StepConfig(micro_batch=2, global_batch=2, unit="sample"))
     res = _window(drv, sc.micro_batches(sc.make_sequences(2, seed=5), 2))
     assert res.valid_tokens_per_s is None
-    for kw, match in (({"loss_unit": "byte"}, "loss_unit 'byte'"), ({"flops_per_sample": 0.0}, "flops_per_sample 0 is not allowed"),
+    for kw, match in (({"unit": "byte"}, "unit 'byte'"), ({"flops_per_sample": 0.0}, "flops_per_sample 0 is not allowed"),
                       ({"peak_flops_per_s": math.inf}, "peak_flops_per_s inf")):
         with pytest.raises(ValueError, match=match):
             StepConfig(micro_batch=1, global_batch=1, **kw)
     with pytest.raises(ValueError, match="flops -1 is not allowed"):
-        drv.backward(torch.zeros((), requires_grad=True), 1, flops=-1)
+        drv.backward(torch.zeros((), requires_grad=True), 1, samples=1, flops=-1)
 
 
 def test_step_keeps_one_host_sync(monkeypatch):

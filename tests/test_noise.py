@@ -574,7 +574,7 @@ def test_step_driver_callback_matches_plain_loop_and_unscales(mlp_problem):
             for i, b in enumerate(sizes):
                 idx = torch.randint(0, len(x), (b,), generator=gen)
                 with driver.micro_step(last=i == len(sizes) - 1):
-                    driver.backward(*nc.loss_sum(m, x[idx], y[idx]))
+                    driver.backward(*nc.loss_sum(m, x[idx], y[idx]), samples=b)
             driver.step()
         got = mon.estimate()
         if scaler is not None:  # really scaled: grads were 4096× until unscaled; norms 4096²× before ÷S²

@@ -43,9 +43,9 @@ def main() -> None:
         if sched.last_local and sched.decisions and sched.decisions[-1]["step"] == drv.optimizer_steps:
             local_rates.append(sched.last_local[3])
 
-    # swap only the schedule's own callback (the monitor keeps its step-end callbacks, if it has any)
-    driver._cb_step = [spy if getattr(cb, "__self__", None) is sched else cb for cb in driver._cb_step]
-    assert spy in driver._cb_step
+    # swap only the schedule's own step-end hook (the driver calls it after the callbacks)
+    assert getattr(driver._schedule_hook, "__self__", None) is sched
+    driver._schedule_hook = spy
     batches = ac.run_steps(driver, x, y, 50, rank=rank, world=world)
     first = x[rank * 2:(rank + 1) * 2].sum().item() + y[:8].sum().item()
     rec = {"rank": rank, "history": sched.summary(), "decisions": sched.decisions, "batches": batches,

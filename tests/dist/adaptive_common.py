@@ -42,7 +42,7 @@ def build(model: nn.Module, *, micro: int = 2, world: int = 1, min_batch: int = 
     feasible = FeasibleBatches(micro_batch=micro, dp_world_size=world, min_batch=min_batch, max_batch=max_batch,
                                powers_of_two=True)
     sched = AdaptiveBatchSchedule(policy if policy is not None else NoiseTrackingPolicy(c=c), feasible, initial,
-                                  lr_rule=lr_rule, unit="sample", decide_every=decide_every,
+                                  lr_rule=lr_rule, decide_every=decide_every,
                                   min_interval_steps=min_interval_steps, patience=patience)
     mon = None
     callbacks: list[Any] = []
@@ -51,9 +51,8 @@ def build(model: nn.Module, *, micro: int = 2, world: int = 1, min_batch: int = 
                                 config=NoiseConfig(sources=("micro",), half_life_windows=10.0, min_windows=3))
         callbacks.append(mon)
         sched.attach(mon)
-    callbacks.append(sched)
-    driver = StepDriver(model, opt, StepConfig(micro_batch=micro, batch_schedule=sched), callbacks=callbacks,
-                        dp_group=dp_group)
+    driver = StepDriver(model, opt, StepConfig(micro_batch=micro, batch_schedule=sched, unit="sample"),
+                        callbacks=callbacks, dp_group=dp_group)
     return driver, sched, mon
 
 

@@ -112,7 +112,7 @@ def phase2(x, y, rank: int, world: int, windows: int) -> dict:
         for i in range(accum):
             idx = torch.randint(0, len(x), (micro,), generator=gen)  # with replacement: population Σ
             with driver.micro_step(last=i == accum - 1):
-                driver.backward(*nc.loss_sum(ddp, x[idx], y[idx]))
+                driver.backward(*nc.loss_sum(ddp, x[idx], y[idx]), samples=micro)
         driver.step()
     out = {"truth": tr / g_sq, "truth_tr_sigma": tr, "truth_g_sq": g_sq}
     for source in ("micro", "rank"):

@@ -56,7 +56,7 @@ def _run(model, x, y, rank: int, windows: int, *, plain_loop: bool = False, atta
             idx = torch.randint(0, len(x), (MICRO,), generator=gen)  # with replacement: population Σ
             with driver.micro_step(last=i == ACCUM - 1):
                 loss, count = nc.loss_sum(model, x[idx], y[idx])
-                driver.backward(loss, count)
+                driver.backward(loss, count, samples=MICRO)
             if plain_loop and mon is not None:
                 mon.micro_backward(count, samples=MICRO)
         driver.step()

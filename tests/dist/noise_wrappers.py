@@ -43,7 +43,7 @@ def _run(model, x, y, rank: int, windows: int, monitors_kwargs: list[dict], seed
         for i in range(ACCUM):
             idx = torch.randint(0, len(x), (MICRO,), generator=gen)
             with driver.micro_step(last=i == ACCUM - 1):
-                driver.backward(*nc.loss_sum(model, x[idx], y[idx]))
+                driver.backward(*nc.loss_sum(model, x[idx], y[idx]), samples=MICRO)
         driver.step()
     out = []
     for mon in mons:

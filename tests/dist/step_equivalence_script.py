@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).parent))
 import step_common as sc  # noqa: E402
 
-from globalbatch.schedule import TokenLRSchedule  # noqa: E402
+from globalbatch.schedule import LRSchedule  # noqa: E402
 from globalbatch.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from globalbatch.step import (  # noqa: E402
     NonFiniteError,
@@ -174,7 +174,7 @@ def check_no_sync_deferred() -> None:
     # forgetting last=True is an error, not a silently unsynced step
     with drv.micro_step(last=False):
         loss, count = sc.loss_fn(ddp, sc.collate(seqs[:2]))
-        drv.backward(loss, count)
+        drv.backward(loss, count, samples=2)
     try:
         drv.step()
     except RuntimeError as e:
@@ -187,9 +187,9 @@ def check_no_sync_deferred() -> None:
 def check_nan_skip() -> None:
     model, opt = sc.clone_model_opt(sc.build_model())
     ddp = DDP(model)
-    sched = TokenLRSchedule(peak_lr=1e-2, warmup=300, total=3000)
+    sched = LRSchedule(peak_lr=1e-2, warmup=300, total=3000)
     drv = StepDriver(ddp, opt, StepConfig(micro_batch=2, global_batch=16, max_grad_norm=1.0,
-                                          max_consecutive_skips=2), lr_schedule=sched)
+                                          max_consecutive_skips=2, lr_schedule=sched))
     seqs = sc.make_sequences(64, seed=13)
     drv.run_window(sc.micro_batches(seqs[8 * RANK:8 * RANK + 8], 2), sc.loss_fn)
     params = [p.detach().clone() for p in model.parameters()]
@@ -222,12 +222,12 @@ def check_nan_skip() -> None:
 
 def check_resume(scratch: Path) -> None:
     seqs = sc.make_sequences(16 * 5, seed=14)
-    sched = TokenLRSchedule(peak_lr=1e-2, warmup=100, total=1000, shape="wsd")
+    sched = LRSchedule(peak_lr=1e-2, warmup=100, total=1000, shape="wsd")
 
     def fresh():
         model, opt = sc.clone_model_opt(sc.build_model(dtype=torch.float32))
         ddp = DDP(model)
-        drv = StepDriver(ddp, opt, StepConfig(micro_batch=2, global_batch=16, max_grad_norm=0.5), lr_schedule=sched)
+        drv = StepDriver(ddp, opt, StepConfig(micro_batch=2, global_batch=16, max_grad_norm=0.5, lr_schedule=sched))
         return model, ddp, opt, drv
 
     def run(drv, windows):
