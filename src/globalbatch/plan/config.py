@@ -222,16 +222,16 @@ def _yaml_load_unique(text: str) -> Any:
     return yaml.load(text, Loader=_UniqueKeySafeLoader)  # a SafeLoader subclass: no object construction
 
 
-def _json_load_unique(text: str) -> Any:
-    def pairs(items: list[tuple[str, Any]]) -> dict:
-        out: dict = {}
-        for k, v in items:
-            if k in out:
-                raise ValueError(f"duplicate key {k!r}")
-            out[k] = v
-        return out
+def _json_load_unique(text: str) -> tuple[Any, list[str]]:
+    """The JSON document and its duplicate keys, in order (the last value of a duplicate would silently win)."""
+    duplicates: list[str] = []
 
-    return json.loads(text, object_pairs_hook=pairs)
+    def pairs(items: list[tuple[str, Any]]) -> dict:
+        keys = [k for k, _ in items]
+        duplicates.extend(k for i, k in enumerate(keys) if k in keys[:i])
+        return dict(items)
+
+    return json.loads(text, object_pairs_hook=pairs), duplicates
 
 
 def _parse_error(exc: Exception) -> str:
@@ -288,16 +288,20 @@ def read_config_file(path: str | Path) -> tuple[str, dict]:
     if not text.strip():
         raise SettingError("config", name, "a mapping of keys to values", why="it is empty")
     kind = kinds[suffix]
+    duplicates: list[str] = []
     try:
         if kind == "yaml":
             data = _yaml_load_unique(text)
         elif kind == "toml":
             data = tomllib.loads(text)
         else:
-            data = _json_load_unique(text)
-    except Exception as exc:  # yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError, duplicate key
+            data, duplicates = _json_load_unique(text)
+    except Exception as exc:  # yaml.YAMLError (a duplicate key too), tomllib.TOMLDecodeError, json.JSONDecodeError
         raise SettingError("config", name, f"a {kind.upper()} file", why=f"it cannot be parsed as {kind.upper()}: "
                                                                         f"{_parse_error(exc)}") from None
+    if duplicates:
+        raise SettingError("config", name, f"a {kind.upper()} file",
+                           why=f"it cannot be parsed as {kind.upper()}: duplicate key {duplicates[0]!r}")
     if not isinstance(data, dict):
         raise SettingError("config", name, "a mapping of keys to values", why=f"it holds a {type(data).__name__}")
     # Keys that only our schema has decide for it (warmup_steps is also an HF key).
