@@ -27,7 +27,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,7 +35,7 @@ from globalbatch._util import SettingError, atomic_write_json
 from globalbatch.adaptive import loglog_interpolate
 from globalbatch.lab.device import PRECISIONS
 from globalbatch.lab.records import ArmSummary, damaged, read_records, read_summary
-from globalbatch.lab.rundir import append_event, check_manifest, remove_stale_tmp
+from globalbatch.lab.rundir import append_event, check_manifest, known_fields, remove_stale_tmp
 from globalbatch.lab.sweep.config import demo_config
 from globalbatch.optim import optimizer_names
 from globalbatch.validate import positive, whole, whole_list
@@ -195,8 +195,7 @@ class AdaptiveConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "AdaptiveConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        return cls(**known_fields(cls, d))
 
 
 def eval_points(budget: int, n: int, first_fraction: float = 1 / 64) -> list[int]:

@@ -64,7 +64,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -75,7 +75,7 @@ from globalbatch.errors import Raw
 from globalbatch.lab.tasks import load_task_checked
 from globalbatch.lab.device import PRECISIONS, check_device
 from globalbatch.lab.loop import default_micro_batch
-from globalbatch.lab.rundir import check_manifest, lock_run_dir
+from globalbatch.lab.rundir import check_manifest, known_fields, lock_run_dir
 from globalbatch.validate import make_out_dir
 from globalbatch.validate import out_dir as out_dir_checked
 from globalbatch.optim import lr_scaling_rule, optimizer_names
@@ -216,8 +216,7 @@ class BranchConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "BranchConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        return cls(**known_fields(cls, d))
 
 
 # ---------------------------------------------------------------------------

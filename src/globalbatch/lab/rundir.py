@@ -13,12 +13,14 @@ import json
 import os
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from globalbatch._util import SettingError, atomic_write_json, json_default
 
-__all__ = ["append_event", "pid_alive", "remove_stale_tmp", "check_manifest", "RunDirLock", "lock_run_dir", "lock_holder"]
+__all__ = ["append_event", "pid_alive", "remove_stale_tmp", "check_manifest", "known_fields", "RunDirLock", "lock_run_dir",
+           "lock_holder"]
 
 _KINDS = {"grid": "a sweep", "branch": "a branch test", "adaptive": "an adaptive-batch comparison"}
 
@@ -172,6 +174,13 @@ def lock_run_dir(out: str | os.PathLike, *, field: str = "out") -> RunDirLock:
     A second run into a directory in use is a :class:`SettingError` naming ``field`` and the holder's pid.
     """
     return RunDirLock(Path(out), field=field)
+
+
+def known_fields(config_class: Any, d: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of a manifest's config ``d`` that are fields of the dataclass ``config_class`` (a manifest of
+    another version may hold others): what ``Config.from_dict`` passes to the constructor."""
+    names = {f.name for f in fields(config_class)}
+    return {k: v for k, v in d.items() if k in names}
 
 
 def check_manifest(out: Path, want: dict[str, Any], *, section: str, mutable: Sequence[str] = ()) -> None:

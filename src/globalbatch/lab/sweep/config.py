@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from globalbatch._util import SettingError
 from globalbatch.lab.device import PRECISIONS
 from globalbatch.lab.loop import default_micro_batch
+from globalbatch.lab.rundir import known_fields
 from globalbatch.optim import optimizer_names
 from globalbatch.validate import whole
 
@@ -249,8 +250,7 @@ class SweepConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SweepConfig":
-        names = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in d.items() if k in names}
+        kw = known_fields(cls, d)
         if "lr_rule" not in d and "batches" in d:  # a manifest before version 3: one LR grid for every batch
             kw["lr_rule"] = "none"
         return cls(**kw)
