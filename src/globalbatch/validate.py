@@ -22,7 +22,7 @@ from globalbatch.units import parse_count
 
 __all__ = ["MAX_COUNT", "MAX_BATCH", "count", "whole", "positive", "number", "fraction", "choice", "out_dir",
            "existing_dir", "number_list", "count_list", "whole_list", "key_values", "seed_list", "make_out_dir",
-           "created_out_dir"]
+           "created_out_dir", "field_types"]
 
 MAX_COUNT = 10**18
 """Upper bound of any token, sample or step count (a quintillion: far above any training run)."""
@@ -189,6 +189,23 @@ def seed_list(text: Any, field: str = "seeds") -> list[int]:
             raise SettingError(field, str(text), allowed) from None
     if not out or len(set(out)) != len(out):
         raise SettingError(field, str(text), allowed)
+    return out
+
+
+def field_types(cls: type) -> dict[str, tuple[str, bool]]:
+    """Each field of dataclass ``cls``: its base type's name and whether it may be None, read from its
+    annotation (``Optional[int]`` → ``("int", True)``, ``list[int]`` → ``("list", False)``), so that a
+    record's checks follow its declaration instead of a second list of the same types."""
+    import dataclasses
+
+    out: dict[str, tuple[str, bool]] = {}
+    for f in dataclasses.fields(cls):
+        text = (f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))).replace(" ", "")
+        optional = text.startswith("Optional[") or "|None" in text or text.startswith("None|")
+        if text.startswith("Optional["):
+            text = text[len("Optional["):-1]
+        text = text.replace("|None", "").replace("None|", "")
+        out[f.name] = (text.split("[")[0], optional)
     return out
 
 

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Optional, TypeVar
 
 from globalbatch._util import read_json_checked, read_jsonl
 from globalbatch.errors import SettingError
+from globalbatch.validate import field_types
 
 __all__ = ["RUN_DIR_ALLOWED", "damaged", "check_record", "read_record", "read_records", "TrialSummary", "ArmSummary",
            "read_summary", "STEP", "EVAL", "HEADER", "TIMING"]
@@ -34,6 +35,11 @@ TEXT = "string"
 OPT_TEXT = "string or null"
 FLAG = "true or false"
 LIST = "list"
+
+
+_KIND_OF = {("int", False): WHOLE, ("int", True): OPT_WHOLE, ("float", False): NUMBER, ("float", True): OPT_NUMBER,
+            ("str", False): TEXT, ("str", True): OPT_TEXT, ("bool", False): FLAG, ("list", False): LIST}
+"""A summary field's kind from its annotation (:func:`globalbatch.validate.field_types`)."""
 
 
 def _is(kind: str, value: Any) -> bool:
@@ -135,9 +141,9 @@ _S = TypeVar("_S", bound="_Summary")
 
 
 class _Summary:
-    """``from_json``/``to_json`` for a frozen dataclass whose field kinds are in ``_FIELD_KINDS``."""
+    """``from_json``/``to_json`` for a frozen dataclass: each field is checked by the kind its annotation says
+    (``Optional[int]``: a whole number or null, ...)."""
 
-    _FIELD_KINDS: dict[str, str]
     _OLD_NAMES: dict[str, str] = {}
     """Old key → today's name (files written before the rename still read)."""
 
@@ -147,9 +153,10 @@ class _Summary:
         if isinstance(doc, dict):
             doc = {cls._OLD_NAMES.get(k, k): v for k, v in doc.items()}
         fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-        required = {f.name: cls._FIELD_KINDS[f.name] for f in fields
+        kinds = {name: _KIND_OF[t] for name, t in field_types(cls).items()}
+        required = {f.name: kinds[f.name] for f in fields
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-        optional = {f.name: cls._FIELD_KINDS[f.name] for f in fields if f.name not in required}
+        optional = {f.name: kinds[f.name] for f in fields if f.name not in required}
         rec = check_record(doc, required, run_dir=run_dir, path=path, optional=optional, field=field)
         return cls(**{f.name: rec[f.name] for f in fields if f.name in rec})
 
@@ -195,14 +202,6 @@ class TrialSummary(_Summary):
     precision: Optional[str] = None
     pid: Optional[int] = None
 
-    _FIELD_KINDS = {"trial": TEXT, "batch": WHOLE, "lr": NUMBER, "seed": WHOLE, "unit": TEXT, "steps": WHOLE,
-                    "consumed": NUMBER, "mean_batch_units": NUMBER, "units_per_s": NUMBER, "completed": FLAG,
-                    "micro_batch": OPT_WHOLE, "consumed_samples": OPT_WHOLE, "windows": OPT_WHOLE,
-                    "skipped_windows": WHOLE, "final_val_loss": OPT_NUMBER, "core_s_per_unit": OPT_NUMBER,
-                    "threads": OPT_WHOLE, "train_time_s": OPT_NUMBER, "eval_time_s": OPT_NUMBER,
-                    "wall_time_s": OPT_NUMBER, "started_at": OPT_NUMBER, "finished_at": OPT_NUMBER,
-                    "device": OPT_TEXT, "precision": OPT_TEXT, "pid": OPT_WHOLE}
-
     def rate(self) -> Optional[float]:
         """``units_per_s`` when it is a finite number > 0, else None."""
         x = self.units_per_s
@@ -231,9 +230,6 @@ class ArmSummary(_Summary):
     """The adaptive schedule's batch changes (empty for a fixed batch)."""
     decisions: int = 0
 
-    _FIELD_KINDS = {"arm": TEXT, "seed": WHOLE, "batch": WHOLE, "lr": NUMBER, "steps": WHOLE, "consumed": NUMBER,
-                    "units_per_s": NUMBER, "completed": FLAG, "skipped_windows": WHOLE, "train_time_s": OPT_NUMBER,
-                    "wall_time_s": OPT_NUMBER, "final_batch": OPT_WHOLE, "changes": LIST, "decisions": WHOLE}
     _OLD_NAMES = {"train_s": "train_time_s", "wall_s": "wall_time_s"}
 
 

@@ -32,7 +32,7 @@ from typing import Any, Mapping, Optional
 
 from globalbatch._util import SettingError, _Raw
 from globalbatch.plan import arithmetic as P
-from globalbatch.validate import whole
+from globalbatch.validate import field_types, whole
 
 __all__ = ["PlanConfig", "read_config_file", "resolve_plan_config", "config_error"]
 
@@ -142,12 +142,10 @@ def _show(v: Any) -> str:
 
 _FIELDS = {f.name: f for f in fields(PlanConfig)}
 _COUNT_FIELDS = {"total_tokens", "params", "compute_flops", "warmup_tokens"}
-_INT_FIELDS = {
-    "global_batch", "micro_batch", "grad_accum_steps", "dp_world_size", "new_dp_world_size",
-    "seq_len", "lr_base_batch", "warmup_steps", "pp_stages", "virtual_stages", "grad_bytes_per_param",
-}
-_FLOAT_FIELDS = {"valid_tokens_per_seq", "padding_fraction", "lr", "max_bubble", "loss_nats"}
-_BOOL_FIELDS = {"round_down", "no_sync"}
+_TYPES = field_types(PlanConfig)  # the checks of a file's values follow the fields' annotations
+_INT_FIELDS = {n for n, (t, _) in _TYPES.items() if t == "int"}
+_FLOAT_FIELDS = {n for n, (t, _) in _TYPES.items() if t == "float"} - _COUNT_FIELDS
+_BOOL_FIELDS = {n for n, (t, _) in _TYPES.items() if t == "bool"}
 
 
 def _coerce(name: str, value: Any) -> Any:
