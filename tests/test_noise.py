@@ -276,10 +276,10 @@ def _run_plain_loop(model, x, y, windows, sizes, seed, *, mean_loss=False, optim
             loss, count = nc.loss_sum(model, x[idx], y[idx])
             if mean_loss:  # the common `loss.mean() / k` loop: Δ.grad = g_i / k
                 (loss / count / k).backward()
-                mon.micro_backward(count, grad_multiplier=1.0 / k, is_last=i == k - 1)
+                mon.micro_backward(count, grad_multiplier=1.0 / k)
             else:
                 loss.backward()
-                mon.micro_backward(count, is_last=i == k - 1)
+                mon.micro_backward(count)
         if not mean_loss:
             for p in model.parameters():
                 p.grad /= sum(sizes)
@@ -308,7 +308,7 @@ def test_mean_loss_loop_gives_the_same_numbers_as_sum_loss(mlp_problem):
 def test_is_last_no_longer_matters(mlp_problem):
     """The micro source reads each micro-batch's incoming gradient in a parameter hook, so there is no
     snapshot for ``is_last`` to save: a wrong ``is_last`` (even "last" on the first micro-batch) gives
-    the same numbers."""
+    the same numbers. The argument is deprecated: passing it warns."""
     x, y, model, _, _ = mlp_problem
     got = []
     for flags in ([None, None, None], [True, False, True]):
@@ -319,7 +319,11 @@ def test_is_last_no_longer_matters(mlp_problem):
             for is_last in flags:
                 idx = torch.randint(0, len(x), (8,), generator=gen)
                 nc.loss_sum(m, x[idx], y[idx])[0].backward()
-                mon.micro_backward(8, is_last=is_last)
+                if is_last is None:
+                    mon.micro_backward(8)
+                else:
+                    with pytest.warns(FutureWarning, match=r"micro_backward\(is_last=...\) is deprecated"):
+                        mon.micro_backward(8, is_last=is_last)
             for p in m.parameters():
                 p.grad /= 24
             mon.window_end()

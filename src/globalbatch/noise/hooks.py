@@ -11,6 +11,7 @@ callback and reads the estimates out.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -311,8 +312,11 @@ class _MicroHooks:
             grad_multiplier: m_i with Δ.grad = m_i · (mean gradient of the micro-batch), before
                 loss scaling; default ``count`` (backward on the *summed* loss). For a loop that
                 back-propagates ``loss.mean() / k``, pass ``1 / k``.
-            is_last: accepted for compatibility; no longer needed (there is no snapshot to save).
+            is_last: deprecated and ignored (FutureWarning): there is no snapshot to save.
         """
+        if is_last is not None:
+            warnings.warn("micro_backward(is_last=...) is deprecated and ignored: the hooks read each micro-batch's "
+                          "gradient as it arrives; drop the argument", FutureWarning, stacklevel=2)
         t0 = self._clock()
         if not self._micros_seen:
             self._t_first, self._own_first = t0, self._own
