@@ -214,6 +214,12 @@ CASES = [
     _c("plan-micro-float", ["plan", "--micro-batch", "2.5"], "--micro-batch"),
     _c("plan-micro-huge", ["plan", "--micro-batch", "1e400"], "--micro-batch"),
     _c("plan-no-geometry", ["plan"], "--global-batch"),  # not "global_batch None is not allowed"
+    _c("plan-memory-flag-without-memory", ["plan", "--sharding", "zero1", "--global-batch", "8", "--micro-batch", "2"],
+       "--sharding"),
+    _c("plan-memory-without-params", ["plan", "--memory", "8GiB", "--activation-bytes-per-sample", "1MiB"],
+       "--params is missing"),
+    _c("plan-task-arg-without-task", ["plan", "--memory", "8GiB", "--params", "1B", "--activation-bytes-per-sample", "1MiB",
+                                      "--task-arg", "d_model=8"], "--task-arg"),
     _c("plan-one-geometry-flag", ["plan", "--micro-batch", "4", "--dp", "2"], "--micro-batch 4"),
     _c("plan-accum-zero", ["plan", "--micro-batch", "2", "--grad-accum", "0", "--dp", "1"], "--grad-accum"),
     _c("plan-dp-zero", ["plan", "--micro-batch", "2", "--grad-accum", "1", "--dp", "0"], "--dp"),
@@ -374,6 +380,10 @@ CASES = [
     _c("report-timing-text", ["report", "run"], "b16.json: units_per_s is 'fast'", "text_timing"),
     _c("report-missing-arg", ["report"], "RUN_DIR"),
     # noise
+    _c("noise-adam-variant-sgd", NOISE + ["--optimizer", "sgd", "--adam-variant"], "--adam-variant"),
+    _c("noise-grad-accum-one-process", NOISE + ["--grad-accum", "1"], "--grad-accum 1"),
+    _c("noise-corpus-without-py", NOISE + ["--task-arg", "corpus_dir=run"], "--task-arg", "empty_dir"),
+    _c("sweep-corpus-without-py", SWEEP + ["--task-arg", "corpus_dir=run"], "--task-arg", "empty_dir"),
     _c("noise-device-foo", NOISE + ["--device", "foo"], "--device"),
     _c("noise-device-cuda99", NOISE + ["--device", "cuda:99"], "--device"),
     _c("noise-precision", NOISE + ["--precision", "fp8"], "--precision"),

@@ -19,6 +19,9 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
+from globalbatch.critical.errors import NoAnswerError
+from globalbatch.errors import SettingError
+
 __all__ = ["Calibration", "calibrate", "calibrate_from_sweep", "calibrated_curve"]
 
 KINDS = ("local", "path_averaged")
@@ -62,10 +65,11 @@ def calibrate(analysis: Any, *, source: str, kind: str = "local") -> Calibration
     of a sweep run with ``noise``): per target where both are known, then the median and the range.
 
     Raises:
-        ValueError: ``kind`` unknown, or no target with both a B_crit point estimate and a B_simple.
+        SettingError: ``kind`` unknown.
+        NoAnswerError: no target with both a B_crit point estimate and a B_simple.
     """
     if kind not in KINDS:
-        raise ValueError(f"kind: {kind!r}: allowed {', '.join(KINDS)}")
+        raise SettingError("kind", kind, ", ".join(KINDS))
     per: dict[float, float] = {}
     notes = []
     for st in analysis.targets:
@@ -76,8 +80,8 @@ def calibrate(analysis: Any, *, source: str, kind: str = "local") -> Calibration
             continue
         per[st.target] = float(st.b_crit) / float(b_simple)
     if not per:
-        raise ValueError("analysis: no target with both a B_crit point estimate and a B_simple (was the sweep run "
-                         "with noise=True / --noise?)")
+        raise NoAnswerError("analysis: no target with both a B_crit point estimate and a B_simple (was the sweep "
+                            "run with noise=True / --noise?)")
     values = list(per.values())
     return Calibration(factor=float(statistics.median(values)), low=min(values), high=max(values), per_target=per,
                        loss_range=(min(per), max(per)), source=source, kind=kind, notes=notes)

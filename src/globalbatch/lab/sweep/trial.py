@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from globalbatch._util import atomic_write_json
+from globalbatch.errors import SettingError
 from globalbatch.lab.records import TrialSummary
 from globalbatch.lab.rundir import append_event, remove_stale_tmp
 from globalbatch.lab.sweep.config import SweepConfig, TrialSpec
@@ -117,7 +118,7 @@ def run_trial(
     positions = cfg.eval_positions()
     stop_at = cfg.budget if pause_at is None else min(int(pause_at), cfg.budget)
     if stop_at < cfg.budget and stop_at not in positions:
-        raise ValueError(f"pause_at {pause_at}: not one of the grid's evaluation positions")
+        raise SettingError("pause_at", pause_at, "one of the grid's evaluation positions (SweepConfig.eval_positions())")
     paused = trial_paused(trial_dir, trial)
     if paused is not None and paused["consumed"] >= stop_at:
         return paused
