@@ -52,10 +52,10 @@ def _link_trials(src: Path, dst: Path, names) -> int:
 
 
 def _tokens(run: Path) -> float:
-    from globalbatch.lab.sweep import load_sweep
+    """Every unit the run trained: finished trials and the paused ones (cells successive halving stopped)."""
+    from globalbatch.lab.sweep.halving import trained_units
 
-    data = load_sweep(run)
-    return float(sum(float(s.consumed if hasattr(s, "consumed") else s["consumed"]) for s in data.summaries.values()))
+    return trained_units(run)["total"]
 
 
 def _reuse(cfg, run: Path, donors: list[Path]) -> int:
@@ -77,6 +77,21 @@ def _reuse(cfg, run: Path, donors: list[Path]) -> int:
     return linked
 
 
+def _halving_note(run: Path) -> str:
+    """Successive halving: the cells stopped at each rung and the stopped cells' share of the run's tokens."""
+    import json
+
+    from globalbatch.lab.sweep.halving import LOG_NAME, trained_units
+
+    if not (run / LOG_NAME).is_file():
+        return ""
+    log, units = json.loads((run / LOG_NAME).read_text()), trained_units(run)
+    stops = "/".join(str(len(d["stopped"])) for d in log["decisions"])
+    return (f"; halving: stopped {stops} cells at rungs {log['rungs']}, {len(log.get('finished', []))} finished, "
+            f"stopped cells {units['stopped'] / units['total']:.0%} of its tokens, margin "
+            f"{log['decisions'][0]['margin']:.4f} ({log['decisions'][0]['margin_source']})")
+
+
 def _b_crit_by_target(sa) -> tuple[dict[float, float | None], dict[float, float | None]]:
     return ({st.target: st.b_crit for st in sa.targets}, {st.target: st.joint_b_crit for st in sa.targets})
 
@@ -87,7 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--full-dir", default=None, help="the full 5-seed sweep (run here when missing)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--designs", default="seeds1,narrow1,narrow2")
+    ap.add_argument("--designs", default="seeds1,narrow1,narrow2", help="also: halving")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--analyze-only", action="store_true")
@@ -102,6 +117,15 @@ def main(argv=None) -> int:
     full_dir = Path(args.full_dir or f"runs/critical_stability_{args.task}")
     out = Path(args.out or f"runs/critical_cost_{args.task}")
     designs = [d for d in args.designs.split(",") if d]
+    if "branch" in designs:  # the branch test at several points, B_crit(L): its own runner, the same reference
+        from critical_cost_branch import main as branch_main
+
+        designs.remove("branch")
+        branch_main(["--task", args.task, "--reps", str(args.reps), "--threads", str(args.threads)]
+                    + [x for flag, v in (("--full-dir", args.full_dir), ("--out", args.out)) if v for x in (flag, v)]
+                    + (["--analyze-only"] if args.analyze_only else []))
+        if not designs:
+            return 0
     t0 = time.time()
     full_cfg = dataclasses.replace(base, seeds=list(range(5)))
     if args.reps_only:
@@ -111,7 +135,7 @@ def main(argv=None) -> int:
                 run = out / f"rep{r}" / name
                 run.mkdir(parents=True, exist_ok=True)
                 donors = [out / f"rep{r}" / d for d in ("seeds1", "narrow1", "narrow2") if d != name]
-                linked = _reuse(cfg, run, [d for d in donors if d.is_dir()])
+                linked = _reuse(cfg, run, [d for d in donors if d.is_dir() and name != "halving"])
                 res = run_sweep(cfg, run, workers=args.workers, threads=args.threads, progress=False, timing_steps=0)
                 print(f"  {name} rep {r}: {len(res.ran)} trials run, {linked} reused, {time.time() - t0:,.0f} s so far",
                       flush=True)
@@ -135,7 +159,7 @@ def main(argv=None) -> int:
             donors = [out / f"rep{r}" / d for d in ("seeds1", "narrow1", "narrow2") if d != name]
             if not args.analyze_only:
                 run.mkdir(parents=True, exist_ok=True)
-                linked = _reuse(cfg, run, [d for d in donors if d.is_dir()])
+                linked = _reuse(cfg, run, [d for d in donors if d.is_dir() and name != "halving"])  # halving pauses
                 res = run_sweep(cfg, run, workers=args.workers, threads=args.threads, progress=False, timing_steps=0)
                 print(f"  {name} rep {r}: {len(res.ran)} trials run, {linked} reused, {time.time() - t0:,.0f} s so far",
                       flush=True)
@@ -155,7 +179,8 @@ def main(argv=None) -> int:
                 jratios[t].append(joint[t] / ref_joint[t] if joint.get(t) and ref_joint[t] else None)
             sel = {st.lr_selection for st in sa.targets}
             notes.append(f"rep {r}: seeds {sa.seeds}, LR selection {'/'.join(sorted(sel))}, "
-                         f"{sa.monotone_share():.0%} monotone, {len(sa.lr_falls)} falling-LR pair(s)")
+                         f"{sa.monotone_share():.0%} monotone, {len(sa.lr_falls)} falling-LR pair(s)"
+                         + _halving_note(run))
         rows[name] = (fracs, ratios, jratios, notes)
 
     def worst(xs):  # over the reps with a point estimate at this target

@@ -13,6 +13,10 @@ chooses which cells run.
   edge of that grid only (:attr:`SweepConfig.lr_edge_extend`); every other batch runs one LR, the base
   batch's best (lowest median final held-out loss over seeds) moved by the optimizer's rule
   (√k Adam-type, ×k SGD: :meth:`SweepConfig.lrs_for`); the first one / two seeds.
+* ``halving``: the full LR grid of every batch, the first seed, by successive halving
+  (:mod:`globalbatch.lab.sweep.halving`): every cell pauses at rungs of 1/9 and 1/3 of the budget, and a cell that
+  can no longer be the fastest LR of its batch to a target the rung shows stops there; the others resume from their
+  checkpoints. Its compute is what actually trained, stopped cells' tokens included.
 
 Fewer seeds, honestly: with one seed there is no seed-to-seed spread to state; the interval is that
 seed's fit (its profile-likelihood interval), which does not contain the spread the benchmark measured
@@ -44,14 +48,26 @@ class Design:
     holds: bool = False
     """The benchmark found its B_crit within 2× of the full sweep's at every common target, on every task and
     repetition."""
+    rungs: tuple[float, ...] = ()
+    """Successive halving: the rungs as fractions of the budget (:mod:`globalbatch.lab.sweep.halving`); () none."""
 
     def planned_cells(self, n_batches: int, n_lrs: int, n_seeds: int) -> int:
-        """Trials planned before any edge extension or refinement."""
+        """Trials planned before any edge extension or refinement (a halving design: every cell starts)."""
         s = n_seeds if self.seeds is None else min(self.seeds, n_seeds)
         return s * (n_lrs + n_batches - 1) if self.narrow else s * n_batches * n_lrs
 
     def planned_fraction(self, n_batches: int, n_lrs: int, n_seeds: int) -> float:
-        """Planned trials (all of the same budget) ÷ the full design's."""
+        """Planned tokens ÷ the full design's. A halving design: as planned when one LR per batch and seed survives
+        every rung (its least); it trains more where the rule keeps more (:meth:`most_fraction`)."""
+        s = n_seeds if self.seeds is None else min(self.seeds, n_seeds)
+        if self.rungs:
+            marks = sorted(self.rungs) + [1.0]
+            per_batch = n_lrs * marks[0] + sum(b - a for a, b in zip(marks, marks[1:]))
+            return s * n_batches * per_batch / (n_batches * n_lrs * n_seeds)
+        return self.planned_cells(n_batches, n_lrs, n_seeds) / (n_batches * n_lrs * n_seeds)
+
+    def most_fraction(self, n_batches: int, n_lrs: int, n_seeds: int) -> float:
+        """The most it trains before edge extensions: a halving design where nothing stops."""
         return self.planned_cells(n_batches, n_lrs, n_seeds) / (n_batches * n_lrs * n_seeds)
 
 
@@ -75,6 +91,10 @@ DESIGNS: dict[str, Design] = {d.name: d for d in (
                     "B_crit(L)) of the full 5-seed sweep, reading it low (median ratios 0.53–1.01), for 6.1 % of its "
                     "tokens; MNIST: within 1.51× / 1.43× at the 3 targets where the full sweep has a point estimate, "
                     "for 5.7 %; one seed: no seed-to-seed spread is stated"),
+    Design(name="halving", seeds=1, narrow=False, rungs=(1 / 9, 1 / 3),
+           summary="every batch × its LR grid, the first seed, by successive halving: cells pause at 1/9 and 1/3 of "
+                   "the budget and stop where they can no longer be their batch's fastest LR to a target the rung "
+                   "shows"),
 )}
 DESIGN_NAMES = tuple(DESIGNS)
 

@@ -28,6 +28,7 @@ from globalbatch.validate import make_out_dir
 from globalbatch.validate import out_dir as out_dir_checked
 from globalbatch.lab.sweep.config import BACKENDS, RAY_HINT, SweepConfig, TrialSpec
 from globalbatch.lab.sweep.designs import DESIGNS
+from globalbatch.lab.sweep.halving import middle_first, probe_cells, ray_scheduler, rung_positions, run_rungs
 from globalbatch.lab.sweep.lr_edges import edge_cells, finished_summaries, refine_cells, transfer_cells
 from globalbatch.lab.sweep.store import analyze_sweep_seeds
 from globalbatch.lab.sweep.timing import run_timing_pass
@@ -217,24 +218,33 @@ def _run_locked(config: SweepConfig, out: Path, unit: str, *, workers: Optional[
     cfg_dict = asdict(config)
     ran: list[TrialSpec] = []
 
-    def run_cells(cells: Sequence[TrialSpec]) -> None:
+    def run_cells(cells: Sequence[TrialSpec], pause_at: Optional[int] = None, scheduler: Any = None) -> None:
+        if not cells:
+            return
         with _Progress(out, cells, config.budget, unit, progress):
             if backend == "ray":
-                _run_ray(cfg_dict, cells, out, max(1, min(len(cells), requested)), threads, address)
+                _run_ray(cfg_dict, cells, out, max(1, min(len(cells), requested)), threads, address, rungs=rungs,
+                         scheduler=scheduler, probes=probe_cells(config) if scheduler is not None else ())
             elif requested == 1:
                 import torch
 
                 old = torch.get_num_threads()
                 try:
                     for t in cells:
-                        run_trial(cfg_dict, asdict(t), str(out), threads=threads)
+                        run_trial(cfg_dict, asdict(t), str(out), threads=threads, pause_at=pause_at)
                 finally:
                     torch.set_num_threads(old)
             else:
-                _run_pool(cfg_dict, cells, out, max(1, min(len(cells), requested)), threads)
+                _run_pool(cfg_dict, cells, out, max(1, min(len(cells), requested)), threads, pause_at)
         ran.extend(cells)
 
-    if pending:
+    # Successive halving (lab/sweep/halving.py): rung by rung, locally; in Ray's scheduler with --backend ray.
+    rungs = rung_positions(config, DESIGNS[config.design].rungs)
+    if rungs and backend == "ray":
+        run_cells(middle_first(config, pending), scheduler=ray_scheduler(config, out, rungs))
+    elif rungs:
+        run_rungs(config, out, rungs, run_cells)
+    elif pending:
         run_cells(pending)
     # LR grid per batch: while the best LR of a batch sits at an edge of what it ran, one more
     # LR beyond it (every seed); derived from the finished results, so a resume repeats it.
@@ -242,7 +252,7 @@ def _run_locked(config: SweepConfig, out: Path, unit: str, *, workers: Optional[
     # at its best LR moved by the rule. A chosen LR that falls as the batch grows: the rule's LR from the
     # neighbour (full-grid designs).
     narrow = DESIGNS[config.design].narrow
-    while True:
+    while not rungs:  # a halving design widens its grids at the rungs
         done_now = finished_summaries(out, config)
         complete = all(trial_done(out / "trials" / t.name, t) for t in trials)
         if narrow:
@@ -266,7 +276,8 @@ def _run_locked(config: SweepConfig, out: Path, unit: str, *, workers: Optional[
         timing = run_timing_pass(config, out, summaries, threads=min(cores, max(1, requested * threads)),
                                  steps=timing_steps, warmup=timing_warmup)
     return SweepResult(
-        out_dir=str(out), summaries=summaries, ran=[t.name for t in ran], skipped=[t.name for t in done],
+        out_dir=str(out), summaries=summaries, ran=list(dict.fromkeys(t.name for t in ran)),
+        skipped=[t.name for t in done],
         wall_time_s=time.time() - t0, workers=n_workers, threads_per_worker=threads, timing=timing,
         timing_s=time.time() - t_timing,
     )
@@ -327,13 +338,14 @@ def _worker_init(threads: int, device: str = "cpu", counter: Any = None) -> None
         pass
 
 
-def _pool_trial(cfg: dict, spec: dict, out: str, threads: int, parent_pid: int) -> dict:
+def _pool_trial(cfg: dict, spec: dict, out: str, threads: int, parent_pid: int, pause_at: Optional[int] = None) -> dict:
     """``run_trial`` in a pool worker, on the worker's own device; an orphaned worker starts nothing."""
     exit_if_orphaned(parent_pid)
-    return run_trial(cfg, spec, out, threads=threads, parent_pid=parent_pid, device=_WORKER_DEVICE)
+    return run_trial(cfg, spec, out, threads=threads, parent_pid=parent_pid, device=_WORKER_DEVICE, pause_at=pause_at)
 
 
-def _run_pool(cfg: dict, pending: Sequence[TrialSpec], out: Path, n_workers: int, threads: int) -> None:
+def _run_pool(cfg: dict, pending: Sequence[TrialSpec], out: Path, n_workers: int, threads: int,
+              pause_at: Optional[int] = None) -> None:
     import multiprocessing as mp
     from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 
@@ -342,7 +354,7 @@ def _run_pool(cfg: dict, pending: Sequence[TrialSpec], out: Path, n_workers: int
     with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx, initializer=_worker_init,
                              initargs=(threads, cfg["device"], counter)) as ex:
         futures = {
-            ex.submit(_pool_trial, cfg, asdict(t), str(out), threads, os.getpid()): t for t in pending
+            ex.submit(_pool_trial, cfg, asdict(t), str(out), threads, os.getpid(), pause_at): t for t in pending
         }
         finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
         for fut in finished:
@@ -353,7 +365,11 @@ def _run_pool(cfg: dict, pending: Sequence[TrialSpec], out: Path, n_workers: int
                 raise RuntimeError(f"trial {futures[fut].name} failed: {exc}") from exc
 
 
-def _run_ray(cfg: dict, pending: Sequence[TrialSpec], out: Path, n_workers: int, threads: int, address: Optional[str]) -> None:
+def _run_ray(cfg: dict, pending: Sequence[TrialSpec], out: Path, n_workers: int, threads: int, address: Optional[str],
+             rungs: Sequence[int] = (), scheduler: Any = None, probes: Sequence[TrialSpec] = ()) -> None:
+    """The cells as Ray Tune trials; with ``rungs`` and a halving ``scheduler`` each trial pauses at every rung (its
+    checkpoint on disk), reports it, and goes on only when the scheduler lets it; ``probes`` run first, to the first
+    rung only."""
     try:
         import ray
         from ray import tune
@@ -371,20 +387,31 @@ def _run_ray(cfg: dict, pending: Sequence[TrialSpec], out: Path, n_workers: int,
     out_abs = str(out.resolve())
 
     def trainable(params: dict) -> None:
-        summary = run_trial(cfg, params["trial"], out_abs, threads=threads)
-        metrics = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         report = getattr(tune, "report", None)
         if report is None:  # older Ray
             from ray import train
 
             report = train.report
+        spec = {k: v for k, v in params["trial"].items() if k not in ("name", "probe")}
+        if params["trial"].get("probe"):  # a seed-spread probe: to the first rung only
+            mark = run_trial(cfg, spec, out_abs, threads=threads, pause_at=rungs[0])
+            report({"probe": 1, "consumed": mark["consumed"]})
+            return
+        for k, rung in enumerate(rungs):  # a resumed (unpaused) trial reports the rungs it passed again: idempotent
+            mark = run_trial(cfg, spec, out_abs, threads=threads, pause_at=rung)
+            report({"trial": params["trial"]["name"], "rung": k, "consumed": mark["consumed"],
+                    "val_loss": mark["val_loss"]})
+        summary = run_trial(cfg, spec, out_abs, threads=threads)
+        metrics = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         report(metrics)
 
     try:
         tuner = tune.Tuner(
             tune.with_resources(trainable, {"cpu": threads, **({"gpu": 1} if cfg["device"].startswith("cuda") else {})}),
-            param_space={"trial": tune.grid_search([asdict(t) for t in pending])},
-            tune_config=tune.TuneConfig(max_concurrent_trials=n_workers if address is None else None),
+            param_space={"trial": tune.grid_search([{**asdict(t), "name": t.name, "probe": True} for t in probes]
+                                                   + [{**asdict(t), "name": t.name} for t in pending])},
+            tune_config=tune.TuneConfig(max_concurrent_trials=n_workers if address is None else None,
+                                        scheduler=scheduler),
             run_config=_ray_run_config(out_abs),
         )
         results = tuner.fit()
