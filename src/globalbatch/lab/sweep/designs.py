@@ -57,17 +57,8 @@ class Design:
         return s * (n_lrs + n_batches - 1) if self.narrow else s * n_batches * n_lrs
 
     def planned_fraction(self, n_batches: int, n_lrs: int, n_seeds: int) -> float:
-        """Planned tokens ÷ the full design's. A halving design: as planned when one LR per batch and seed survives
-        every rung (its least); it trains more where the rule keeps more (:meth:`most_fraction`)."""
-        s = n_seeds if self.seeds is None else min(self.seeds, n_seeds)
-        if self.rungs:
-            marks = sorted(self.rungs) + [1.0]
-            per_batch = n_lrs * marks[0] + sum(b - a for a, b in zip(marks, marks[1:]))
-            return s * n_batches * per_batch / (n_batches * n_lrs * n_seeds)
-        return self.planned_cells(n_batches, n_lrs, n_seeds) / (n_batches * n_lrs * n_seeds)
-
-    def most_fraction(self, n_batches: int, n_lrs: int, n_seeds: int) -> float:
-        """The most it trains before edge extensions: a halving design where nothing stops."""
+        """Planned trials (all of the same budget) ÷ the full design's. A halving design plans every cell to the
+        budget (its most: what it trains when nothing stops); what it trains is measured (``measured``)."""
         return self.planned_cells(n_batches, n_lrs, n_seeds) / (n_batches * n_lrs * n_seeds)
 
 
