@@ -192,3 +192,17 @@ def test_with_ray_the_scheduler_stops_the_hopeless_lr_by_the_same_rule(tmp_path)
     stopped = json.loads((tmp_path / "trials" / "b4_lr1e-05_s0" / "paused.json").read_text())
     assert stopped["consumed"] in (256, 768)  # at a rung: 1/9 or 1/3 of the budget, at the next evaluation
     assert trained_units(tmp_path)["stopped"] == stopped["consumed"] + 256  # the stopped cell and the probe
+
+
+def test_an_lr_beyond_the_edge_joins_where_the_best_at_the_rung_is_the_edge_never_a_cell_already_run():
+    from globalbatch.lab.sweep.halving import _edge_cells, decide_rung
+
+    cfg = SweepConfig(**{**GRID, "batches": [4], "lr_edge_extend": 1})
+    lead = [3.0, 2.6, 2.4, 2.3, 2.2]
+    cells = [_cell(4, 4e-3, 0, lead), _cell(4, 2e-3, 0, [x + 0.3 for x in lead]),
+             _cell(4, 1e-3, 0, [x + 0.5 for x in lead])]
+    d = decide_rung(cells, cfg, 500, sigma=(0.02, "given"))
+    known = {c.spec.name for c in cells}
+    assert [t.name for t in _edge_cells(cfg, cells, d, known)] == ["b4_lr0.008_s0"]  # 4e-3 × the grid's ratio 2
+    assert _edge_cells(cfg, cells, d, known | {"b4_lr0.008_s0"}) == []  # run (and perhaps stopped) already
+    assert _edge_cells(SweepConfig(**{**GRID, "batches": [4], "lr_edge_extend": 0}), cells, d, known) == []
