@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from globalbatch.errors import SettingError
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -49,9 +51,9 @@ def test_feasible_candidates():
                            powers_of_two=True).candidates() == [16, 32, 64]
     assert f.floor(30) == 24 and f.ceil(30) == 32 and f.floor(3) == 16 and f.ceil(1000) == 64
     assert f.next_above(64) is None and f.next_above(16) == 24
-    with pytest.raises(ValueError, match="no feasible global batch in \\[9, 15\\]"):
+    with pytest.raises(SettingError, match="no feasible global batch in \\[9, 15\\]"):
         FeasibleBatches(micro_batch=4, dp_world_size=4, min_batch=9, max_batch=15)
-    with pytest.raises(ValueError, match="max_batch 4 is not allowed"):
+    with pytest.raises(SettingError, match="max_batch 4 is not allowed"):
         FeasibleBatches(micro_batch=1, min_batch=8, max_batch=4)
 
 
@@ -228,11 +230,11 @@ def test_hysteresis_min_interval_and_non_decreasing():
 
 def test_bad_settings_name_the_field():
     f = FeasibleBatches(micro_batch=4, min_batch=8, max_batch=64)
-    with pytest.raises(ValueError, match="initial_batch 10 is not allowed"):
+    with pytest.raises(SettingError, match="initial_batch 10 is not allowed"):
         AdaptiveBatchSchedule(NoiseTrackingPolicy(), f, 10)
-    with pytest.raises(ValueError, match="lr_rule 'cube' is not allowed"):
+    with pytest.raises(SettingError, match="lr_rule 'cube' is not allowed"):
         AdaptiveBatchSchedule(NoiseTrackingPolicy(), f, 8, lr_rule="cube")
-    with pytest.raises(ValueError, match="c -1 is not allowed"):
+    with pytest.raises(SettingError, match="c -1 is not allowed"):
         NoiseTrackingPolicy(c=-1)
 
 

@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from globalbatch.errors import SettingError
+
 from globalbatch.plan.config import PlanConfig, read_config_file, resolve_plan_config
 from globalbatch.plan.report import build_plan, make_plan
 
@@ -37,7 +39,7 @@ def test_yaml_and_toml_agree(tmp_path):
 
 def test_unknown_key_in_our_schema_is_an_error(tmp_path):
     p = write(tmp_path, "a.yaml", "micro_batch: 2\ngrad_acum_steps: 8\n")
-    with pytest.raises(ValueError, match=r"a.yaml: key 'grad_acum_steps' is not allowed \(unknown; did you mean 'grad_accum_steps'\?\); allowed: compute"):
+    with pytest.raises(SettingError, match=r"a.yaml: key 'grad_acum_steps' is not allowed \(unknown; did you mean 'grad_accum_steps'\?\); allowed: compute"):
         load_config(p)
 
 
@@ -56,16 +58,16 @@ def test_unknown_key_in_our_schema_is_an_error(tmp_path):
 )
 def test_bad_values_in_yaml(tmp_path, text, match):
     p = write(tmp_path, "a.yaml", text)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(SettingError, match=match):
         load_config(p)
 
 
 def test_missing_file_and_bad_suffix(tmp_path):
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(SettingError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
-    with pytest.raises(ValueError, match=r"suffix '.ini'\); allowed: a file ending .yaml, .yml, .toml or .json"):
+    with pytest.raises(SettingError, match=r"suffix '.ini'\); allowed: a file ending .yaml, .yml, .toml or .json"):
         load_config(write(tmp_path, "a.ini", "x=1"))
-    with pytest.raises(ValueError, match="is a directory"):
+    with pytest.raises(SettingError, match="is a directory"):
         load_config(tmp_path)
 
 
@@ -92,13 +94,13 @@ def test_deepspeed_rules(tmp_path, ds, expect):
 
 def test_deepspeed_inconsistent_and_missing(tmp_path):
     p = write(tmp_path, "ds.json", json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8}))
-    with pytest.raises(ValueError, match=r"global batch 16 != micro_batch 4 × grad_accum 8 × dp 4 = 128"):
+    with pytest.raises(SettingError, match=r"global batch 16 != micro_batch 4 × grad_accum 8 × dp 4 = 128"):
         build_plan(PlanConfig(**load_config(p, dp_world_size=4)))
     p = write(tmp_path, "ds2.json", json.dumps({"gradient_accumulation_steps": 8}))
-    with pytest.raises(ValueError, match="either train_batch_size or train_micro_batch_size_per_gpu needs to be provided"):
+    with pytest.raises(SettingError, match="either train_batch_size or train_micro_batch_size_per_gpu needs to be provided"):
         load_config(p, dp_world_size=4)
     p = write(tmp_path, "ds3.json", json.dumps({"train_batch_size": 100, "train_micro_batch_size_per_gpu": 4}))
-    with pytest.raises(ValueError, match=r"global batch 100 is not divisible by micro_batch 4 × dp 8 = 32"):
+    with pytest.raises(SettingError, match=r"global batch 100 is not divisible by micro_batch 4 × dp 8 = 32"):
         build_plan(PlanConfig(**load_config(p, dp_world_size=8)))
 
 
@@ -118,11 +120,11 @@ def test_valid_tokens_and_padding_fraction():
     assert r.global_batch_valid_tokens == 1_536_000
     r2 = build_plan(PlanConfig(micro_batch=2, grad_accum_steps=8, dp_world_size=64, seq_len=2048, padding_fraction=0.25))
     assert r2.global_batch_valid_tokens == 1024 * 1536
-    with pytest.raises(ValueError, match=r"disagrees with \(1 − padding_fraction 0.25\) × seq_len 2048 = 1,536 valid\); allowed: valid_tokens_per_seq or"):
+    with pytest.raises(SettingError, match=r"disagrees with \(1 − padding_fraction 0.25\) × seq_len 2048 = 1,536 valid\); allowed: valid_tokens_per_seq or"):
         build_plan(PlanConfig(micro_batch=2, grad_accum_steps=8, dp_world_size=64, seq_len=2048, padding_fraction=0.25, valid_tokens_per_seq=1500))
-    with pytest.raises(ValueError, match="valid_tokens_per_seq 3,000 is not allowed; allowed: ≤ seq_len 2048"):
+    with pytest.raises(SettingError, match="valid_tokens_per_seq 3,000 is not allowed; allowed: ≤ seq_len 2048"):
         PlanConfig(seq_len=2048, valid_tokens_per_seq=3000)
-    with pytest.raises(ValueError, match=r"padding_fraction 1.0 is not allowed; allowed: 0 ≤ x < 1"):
+    with pytest.raises(SettingError, match=r"padding_fraction 1.0 is not allowed; allowed: 0 ≤ x < 1"):
         PlanConfig(padding_fraction=1.0)
 
 
@@ -141,7 +143,7 @@ def test_budget_uses_valid_tokens_when_known():
     ],
 )
 def test_missing_companions(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(SettingError, match=match):
         build_plan(PlanConfig(**kwargs))
 
 
@@ -157,7 +159,7 @@ def test_missing_companions(kwargs, match):
     ],
 )
 def test_plan_config_validation(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(SettingError, match=match):
         PlanConfig(**kwargs)
 
 
@@ -189,7 +191,7 @@ def test_new_dp_for_a_file_whose_dp_is_solved(tmp_path):
     p = write(tmp_path, "a.yaml", "global_batch: 1024\nmicro_batch: 2\ngrad_accum_steps: 8\n")
     r = make_plan(p, {}, dp_world_size=32)
     assert (r.global_batch_sequences, r.grad_accum_steps, r.dp_world_size) == (1024, 16, 32)
-    with pytest.raises(ValueError, match="not divisible by micro_batch 2 × dp 96 = 192"):
+    with pytest.raises(SettingError, match="not divisible by micro_batch 2 × dp 96 = 192"):
         make_plan(p, {}, dp_world_size=96)
 
 
@@ -236,16 +238,16 @@ def test_unusual_files(tmp_path):
 
     fifo = tmp_path / "f.yaml"
     os.mkfifo(fifo)
-    with pytest.raises(ValueError, match="is not a regular file"):
+    with pytest.raises(SettingError, match="is not a regular file"):
         read_config_file(fifo)
-    with pytest.raises(ValueError, match=r"\(not UTF-8 text \(byte"):
+    with pytest.raises(SettingError, match=r"\(not UTF-8 text \(byte"):
         read_config_file(_latin1(tmp_path))
     bom = tmp_path / "b.json"
     bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"train_batch_size": 8}).encode())
     assert read_config_file(bom)[0] == "deepspeed"
-    with pytest.raises(ValueError, match="cannot be parsed as JSON"):
+    with pytest.raises(SettingError, match="cannot be parsed as JSON"):
         read_config_file(write(tmp_path, "e.json", "{"))
-    with pytest.raises(ValueError, match="duplicate key 'lr'"):
+    with pytest.raises(SettingError, match="duplicate key 'lr'"):
         read_config_file(write(tmp_path, "d.json", '{"lr": 1, "lr": 2}'))
 
 

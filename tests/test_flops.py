@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from globalbatch.errors import SettingError
 import torch
 from torch import nn
 
@@ -33,7 +35,7 @@ def test_formula_is_palm_appendix_b():
     # 6·N + 12·L·d·T: GPT-3 175B (L 96, d 12288, T 2048) attention adds 12·96·12288·2048 ≈ 2.9e10 per token.
     got = transformer_flops_per_token(params_non_embedding=175e9, n_layer=96, seq_len=2048, d_model=12288)
     assert got == 6 * 175e9 + 12 * 96 * 12288 * 2048
-    with pytest.raises(ValueError, match="n_layer 0 is not allowed"):
+    with pytest.raises(SettingError, match="n_layer 0 is not allowed"):
         transformer_flops_per_token(params_non_embedding=1e6, n_layer=0, seq_len=8, d_model=8)
 
 
@@ -74,7 +76,7 @@ def test_peak_table_and_override():
     assert table_peak_flops("Tesla T4", "bf16") is None
     assert peak_flops_per_s(override=1e12).flops_per_s == 1e12
     for bad in (0, -1.0, float("nan"), True):
-        with pytest.raises(ValueError, match="peak_flops_per_s .* is not allowed"):
+        with pytest.raises(SettingError, match="peak_flops_per_s .* is not allowed"):
             peak_flops_per_s(override=bad)
 
 
@@ -145,9 +147,9 @@ def test_sample_loss_has_no_valid_tokens_and_bad_settings_are_named():
     assert res.valid_tokens_per_s is None
     for kw, match in (({"unit": "byte"}, "unit 'byte'"), ({"flops_per_sample": 0.0}, "flops_per_sample 0 is not allowed"),
                       ({"peak_flops_per_s": math.inf}, "peak_flops_per_s inf")):
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(SettingError, match=match):
             StepConfig(micro_batch=1, global_batch=1, **kw)
-    with pytest.raises(ValueError, match="flops -1 is not allowed"):
+    with pytest.raises(SettingError, match="flops -1 is not allowed"):
         drv.backward(torch.zeros((), requires_grad=True), 1, samples=1, flops=-1)
 
 
@@ -217,5 +219,5 @@ def test_sequence_flops_from_two_counts_match_every_counted_shape():
     assert seq.quadratic > 0  # attention is there
     for b, w in ((1, 7), (3, 64), (5, 41)):
         assert seq(b, w) == pytest.approx(count_flops(model, batch_of(b, w), loss), rel=1e-12)
-    with pytest.raises(ValueError, match="widths"):
+    with pytest.raises(SettingError, match="widths"):
         SequenceFlops(model, lambda w: batch_of(1, w), loss, widths=(32, 16))

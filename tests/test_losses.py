@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+
+from globalbatch.errors import SettingError
 import torch
 
 from globalbatch.losses import IGNORE_INDEX, causal_lm_loss_sum, causal_lm_targets, count_causal_lm_targets
@@ -78,5 +80,5 @@ def test_ignore_index_is_honoured_and_bad_shapes_are_one_line_errors():
     a = causal_lm_loss_sum(logits, labels)
     b = causal_lm_loss_sum(logits, other, ignore_index=-1)
     assert float(a[0]) == float(b[0]) and int(a[1]) == int(b[1])
-    with pytest.raises(ValueError, match=r"^logits shape \(5, 9, 11\) is not allowed \(with labels shape \(5, 8\)\)"):
+    with pytest.raises(SettingError, match=r"^logits shape \(5, 9, 11\) is not allowed \(with labels shape \(5, 8\)\)"):
         causal_lm_loss_sum(logits, labels[:, :8])

@@ -6,6 +6,8 @@ import json
 import math
 
 import pytest
+
+from globalbatch.errors import SettingError
 import torch
 
 from globalbatch.cli import main
@@ -79,7 +81,7 @@ def test_activations_from_points_recover_a_known_line():
     assert acts.workspace_bytes == pytest.approx(a - formula, rel=1e-9)
     three = activations_from_points([(4, a + 4 * b + 10), (8, a + 8 * b - 20), (16, a + 16 * b + 10)])
     assert three.bytes_per_sample == pytest.approx(b, rel=1e-5)
-    with pytest.raises(ValueError, match="at least two different micro-batch sizes"):
+    with pytest.raises(SettingError, match="at least two different micro-batch sizes"):
         activations_from_points([(8, 1.0), (8, 2.0)])
 
 
@@ -88,7 +90,7 @@ def test_activations_from_points_recover_a_known_line():
     ({"precision": "fp8"}, "precision 'fp8'"), ({"sharding": "zero4"}, "sharding 'zero4'"),
     ({"dp_world_size": 0}, "dp_world_size 0"), ({"checkpoint_divisor": 0.5}, "checkpoint_divisor 0.5")])
 def test_bad_config_names_the_field(kw, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(SettingError, match=match):
         MemoryConfig(**{"params": 10, **kw})
 
 

@@ -8,6 +8,8 @@ import copy
 import warnings
 
 import pytest
+
+from globalbatch.errors import SettingError
 import torch
 from torch import nn
 
@@ -107,7 +109,7 @@ def test_convert_keeps_parameters_mode_and_leaves_syncbn_alone():
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True])
 def test_bad_ghost_size(bad):
-    with pytest.raises(ValueError, match="ghost_batch_size .* is not allowed; allowed: a whole number ≥ 1"):
+    with pytest.raises(SettingError, match="ghost_batch_size .* is not allowed; allowed: a whole number ≥ 1"):
         convert_to_ghost_bn(_cnn(), bad)
 
 

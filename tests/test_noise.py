@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from globalbatch.errors import SettingError
 import torch
 
 from globalbatch.noise import (
@@ -106,33 +108,33 @@ def test_equal_size_formula_with_mean_counts_is_biased_for_ragged_counts():
 
 
 def test_one_small_batch_raises_naming_the_fix():
-    with pytest.raises(ValueError, match="grad_accum_steps ≥ 2 or dp_world_size ≥ 2"):
+    with pytest.raises(SettingError, match="grad_accum_steps ≥ 2 or dp_world_size ≥ 2"):
         window_estimates([1.0], [8], 1.0)
     model = torch.nn.Linear(3, 1)
     mon = NoiseScaleMonitor(model)
     model(torch.randn(4, 3)).sum().backward()
     mon.micro_backward(4)
-    with pytest.raises(ValueError, match="needs at least two batch sizes: use grad_accum_steps ≥ 2 or "
+    with pytest.raises(SettingError, match="needs at least two batch sizes: use grad_accum_steps ≥ 2 or "
                                          "dp_world_size ≥ 2"):
         mon.window_end()
-    with pytest.raises(ValueError, match=NEEDS_TWO_BATCH_SIZES):
+    with pytest.raises(SettingError, match=NEEDS_TWO_BATCH_SIZES):
         NoiseScaleMonitor(model, config=NoiseConfig(sources=("rank",)))
 
 
 def test_inputs_are_validated_with_numbers():
-    with pytest.raises(ValueError, match="big_count 10 is not allowed; allowed: sum"):
+    with pytest.raises(SettingError, match="big_count 10 is not allowed; allowed: sum"):
         window_estimates([1.0, 2.0], [4, 4], 1.0, big_count=10)
-    with pytest.raises(ValueError, match="small_counts with 3 values for 2"):
+    with pytest.raises(SettingError, match="small_counts with 3 values for 2"):
         window_estimates([1.0, 2.0], [4, 4, 4], 1.0)
-    with pytest.raises(ValueError, match="small_counts .* is not allowed; allowed: every count > 0"):
+    with pytest.raises(SettingError, match="small_counts .* is not allowed; allowed: every count > 0"):
         window_estimates([1.0, 2.0], [4, 0], 1.0)
-    with pytest.raises(ValueError, match="sources"):
+    with pytest.raises(SettingError, match="sources"):
         NoiseConfig(sources=("bogus",))
-    with pytest.raises(ValueError, match="half_life -1 is not allowed"):
+    with pytest.raises(SettingError, match="half_life -1 is not allowed"):
         NoiseConfig(half_life=-1)
-    with pytest.raises(ValueError, match="confidence 1.5 is not allowed"):
+    with pytest.raises(SettingError, match="confidence 1.5 is not allowed"):
         NoiseScaleEstimator(confidence=1.5)
-    with pytest.raises(ValueError, match=r"not allowed \(with adam=True\)"):
+    with pytest.raises(SettingError, match=r"not allowed \(with adam=True\)"):
         NoiseScaleMonitor(torch.nn.Linear(2, 2), config=NoiseConfig(adam=True))
 
 
@@ -736,7 +738,7 @@ def test_every_n_measures_one_window_in_n_and_equals_those_windows(mlp_problem):
     mon.every = 1  # changed at any time: from the next window
     _driver_run(m3, x, y, 2, callbacks=[mon])
     assert mon.estimate().windows == 6
-    with pytest.raises(ValueError, match="every 0 is not allowed"):
+    with pytest.raises(SettingError, match="every 0 is not allowed"):
         mon.every = 0
 
 
@@ -829,7 +831,7 @@ def test_window_the_driver_refused_is_left_out(mlp_problem):
                 with driver.micro_step(last=i == len(micros) - 1):
                     driver.backward(*nc.loss_sum(m, x[idx], y[idx]), samples=8)
             if w == refuse:
-                with pytest.raises(ValueError, match="more than the planned global batch"):
+                with pytest.raises(SettingError, match="more than the planned global batch"):
                     driver.step()
             else:
                 driver.step()
@@ -844,7 +846,7 @@ def test_estimate_before_any_window_is_flagged_not_raised():
     e = mon.estimate()
     assert e.flags == ("no_windows",) and e.windows == 0 and math.isnan(e.b_simple)
     assert mon.estimates() == {}
-    with pytest.raises(ValueError, match=r"estimate 'rank/token' is not allowed \(not measured\)"):
+    with pytest.raises(SettingError, match=r"estimate 'rank/token' is not allowed \(not measured\)"):
         mon.estimate("rank")  # one process: the rank source does not exist
 
 
@@ -869,7 +871,7 @@ def test_wide_interval_is_flagged():
     from globalbatch.lab.noise_run import format_estimate
 
     assert "interval wider than 2×" in format_estimate(e)
-    with pytest.raises(ValueError, match="max_interval_ratio 1 is not allowed"):
+    with pytest.raises(SettingError, match="max_interval_ratio 1 is not allowed"):
         NoiseConfig(max_interval_ratio=1)
 
 
@@ -915,7 +917,7 @@ def test_fsdp2_with_adam_variant_is_refused_naming_the_field():
     model = torch.nn.Linear(2, 2)
     model.__class__ = type("FSDPLinear", (fsdp_module_class(), torch.nn.Linear), {})  # what fully_shard does
     opt = torch.optim.Adam(model.parameters())
-    with pytest.raises(ValueError, match=r"^adam True is not allowed \(with an FSDP2 model\)"):
+    with pytest.raises(SettingError, match=r"^adam True is not allowed \(with an FSDP2 model\)"):
         NoiseScaleMonitor(model, optimizer=opt, config=NoiseConfig(adam=True))
 
 
@@ -1056,9 +1058,9 @@ def test_cli_bad_flags_are_one_line_naming_the_flag(tmp_path, capsys, argv, expe
 def test_run_config_errors_name_the_field():
     from globalbatch.lab.noise_run import NoiseRunConfig
 
-    with pytest.raises(ValueError, match="^micro_batch 0 is not allowed; allowed: a whole number ≥ 1$"):
+    with pytest.raises(SettingError, match="^micro_batch 0 is not allowed; allowed: a whole number ≥ 1$"):
         NoiseRunConfig(micro_batch=0)
-    with pytest.raises(ValueError, match="^optimizer 'adam' is not allowed; allowed: adamw, sgd, lars, lamb$"):
+    with pytest.raises(SettingError, match="^optimizer 'adam' is not allowed; allowed: adamw, sgd, lars, lamb$"):
         NoiseRunConfig(optimizer="adam")
 
 

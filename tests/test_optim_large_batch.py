@@ -225,7 +225,7 @@ def test_registry_names_rules_and_classes():
     assert isinstance(build_optimizer("lars", model, lr=0.1), LARS)
     opt = build_optimizer("lamb", model, lr=1e-3, weight_decay=0.01)
     assert isinstance(opt, LAMB) and opt.defaults["bias_correction"] and opt.defaults["eps"] == 1e-6
-    with pytest.raises(ValueError, match="allowed: .*lamb"):
+    with pytest.raises(SettingError, match="allowed: .*lamb"):
         build_optimizer("lion", model, lr=1e-3)
 
 
@@ -240,7 +240,7 @@ def test_registry_table_imports_no_torch():
                                       ({"trust_coefficient": -1.0}, "trust_coefficient")])
 def test_lars_bad_settings_name_the_field(kw, field):
     args = {"lr": 0.1, **kw}
-    with pytest.raises(ValueError, match=f"^{field} .* is not allowed; allowed"):
+    with pytest.raises(SettingError, match=f"^{field} .* is not allowed; allowed"):
         LARS([nn.Parameter(torch.zeros(2, 2))], **args)
 
 

@@ -57,7 +57,7 @@ def test_solve_each_missing_value_round_trips(m, a, d):
 @given(g=st.integers(1, 10**7), m=ints, d=ints)
 def test_solve_accum_errors_exactly_when_not_divisible(g, m, d):
     if g % (m * d):
-        with pytest.raises(ValueError, match=rf"global batch {g} is not divisible by micro_batch {m} × dp {d} = {m * d}"):
+        with pytest.raises(SettingError, match=rf"global batch {g} is not divisible by micro_batch {m} × dp {d} = {m * d}"):
             P.solve_geometry(global_batch=g, micro_batch=m, dp_world_size=d)
     else:
         geo = P.solve_geometry(global_batch=g, micro_batch=m, dp_world_size=d)
@@ -65,22 +65,22 @@ def test_solve_accum_errors_exactly_when_not_divisible(g, m, d):
 
 
 def test_error_messages_quote_the_numbers():
-    with pytest.raises(ValueError, match=r"^global_batch 1000 is not allowed \(global batch 1000 is not divisible by micro_batch 4 × dp 64 = 256; "
+    with pytest.raises(SettingError, match=r"^global_batch 1000 is not allowed \(global batch 1000 is not divisible by micro_batch 4 × dp 64 = 256; "
                        r"nearest valid global batches: 768 or 1024\); allowed: a multiple of 256$"):
         P.solve_geometry(global_batch=1000, micro_batch=4, dp_world_size=64)
-    with pytest.raises(ValueError, match=r"global batch 1000 != micro_batch 4 × grad_accum 4 × dp 64 = 1024"):
+    with pytest.raises(SettingError, match=r"global batch 1000 != micro_batch 4 × grad_accum 4 × dp 64 = 1024"):
         P.solve_geometry(global_batch=1000, micro_batch=4, grad_accum_steps=4, dp_world_size=64)
-    with pytest.raises(ValueError, match="not divisible by grad_accum 3 × dp 2 = 6"):
+    with pytest.raises(SettingError, match="not divisible by grad_accum 3 × dp 2 = 6"):
         P.solve_geometry(global_batch=16, grad_accum_steps=3, dp_world_size=2)
-    with pytest.raises(ValueError, match="not divisible by micro_batch 3 × grad_accum 2 = 6"):
+    with pytest.raises(SettingError, match="not divisible by micro_batch 3 × grad_accum 2 = 6"):
         P.solve_geometry(global_batch=16, micro_batch=3, grad_accum_steps=2)
-    with pytest.raises(ValueError, match="global_batch, micro_batch are missing"):
+    with pytest.raises(SettingError, match="global_batch, micro_batch are missing"):
         P.solve_geometry(grad_accum_steps=2, dp_world_size=2)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, "8", True])
 def test_non_positive_or_non_integer_values_are_rejected(bad):
-    with pytest.raises(ValueError, match="micro_batch"):
+    with pytest.raises(SettingError, match="micro_batch"):
         P.solve_geometry(global_batch=16, micro_batch=bad, dp_world_size=1)
 
 
@@ -104,7 +104,7 @@ def test_rescale_dp_keeps_the_global_batch_or_errors(m, a, d, d2):
             assert res.geometry.global_batch + res.dropped_samples_per_step == geo.global_batch
             assert 0 < res.dropped_samples_per_step < m * d2
         else:
-            with pytest.raises(ValueError, match="smaller than"):
+            with pytest.raises(SettingError, match="smaller than"):
                 P.rescale_dp(geo, d2, round_down=True)
 
 
@@ -122,9 +122,9 @@ def test_lr_rules():
     assert P.scale_lr(1e-3, 256, 1024, "linear") == pytest.approx(4e-3, rel=1e-15)
     assert P.scale_lr(1e-3, 256, 1024, "sqrt") == pytest.approx(2e-3, rel=1e-15)
     assert P.scale_lr(1e-3, 256, 1024, "none") == 1e-3
-    with pytest.raises(ValueError, match="lr_rule 'cubic' is not allowed; allowed: linear, sqrt, none"):
+    with pytest.raises(SettingError, match="lr_rule 'cubic' is not allowed; allowed: linear, sqrt, none"):
         P.scale_lr(1e-3, 1, 2, "cubic")
-    with pytest.raises(ValueError, match="from_batch 0"):
+    with pytest.raises(SettingError, match="from_batch 0"):
         P.scale_lr(1e-3, 0, 2, "sqrt")
 
 
@@ -205,7 +205,7 @@ def test_priors_match_the_published_formulas():
     (ds,) = P.scaling_law_priors(compute_flops=1e21)
     assert ds.batch_tokens == pytest.approx(0.2920 * 1e21**0.3271)
     assert P.scaling_law_priors() == []
-    with pytest.raises(ValueError, match="params -1"):
+    with pytest.raises(SettingError, match="params -1"):
         P.scaling_law_priors(params=-1, tokens=1)
 
 
@@ -220,7 +220,7 @@ def test_parse_count(text, value):
 
 @pytest.mark.parametrize("text", ["2X", "", "abc", "-5", "1.5", True, "nan"])
 def test_parse_count_rejects(text):
-    with pytest.raises(ValueError, match="tokens"):
+    with pytest.raises(SettingError, match="tokens"):
         P.parse_count(text, "tokens")
 
 

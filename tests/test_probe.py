@@ -275,20 +275,20 @@ def test_is_oom_error(exc, expected):
 
 
 def test_config_errors_name_field_and_value():
-    with pytest.raises(ValueError, match="max_micro_batch 0 is not allowed"):
+    with pytest.raises(SettingError, match="max_micro_batch 0 is not allowed"):
         ProbeConfig(max_micro_batch=0)
-    with pytest.raises(ValueError, match="tolerance 1.5 is not allowed"):
+    with pytest.raises(SettingError, match="tolerance 1.5 is not allowed"):
         ProbeConfig(tolerance=1.5)
-    with pytest.raises(ValueError, match="start_micro_batch 0 is not allowed"):
+    with pytest.raises(SettingError, match="start_micro_batch 0 is not allowed"):
         ProbeConfig(start_micro_batch=0)
     assert ProbeConfig().start_micro_batch == 2
     assert ProbeConfig(start_micro_batch=128, max_micro_batch=64).start_micro_batch == 64  # capped
     assert ProbeConfig(max_micro_batch=1).start_micro_batch == 1
-    with pytest.raises(ValueError, match="steps_per_trial 0 is not allowed"):
+    with pytest.raises(SettingError, match="steps_per_trial 0 is not allowed"):
         TrialConfig(steps_per_trial=0)
-    with pytest.raises(ValueError, match="cpu_memory 'vms' is not allowed"):
+    with pytest.raises(SettingError, match="cpu_memory 'vms' is not allowed"):
         TrialConfig(cpu_memory="vms")
-    with pytest.raises(ValueError, match=r"global_batch 10 is not allowed \(with dp_world_size 4\); allowed: a positive multiple of dp_world_size 4"):
+    with pytest.raises(SettingError, match=r"global_batch 10 is not allowed \(with dp_world_size 4\); allowed: a positive multiple of dp_world_size 4"):
         probe_micro_batch(FakeOOM(10), global_batch=10, dp_world_size=4)
 
 
@@ -580,9 +580,9 @@ def test_probe_task_checks_settings_before_building(monkeypatch):
     from globalbatch.lab.probe_run import probe_task
 
     monkeypatch.setattr(globalbatch.lab.tasks, "load_task", lambda *a, **k: pytest.fail("built"))
-    with pytest.raises(ValueError, match="dp_world_size 0 is not allowed"):
+    with pytest.raises(SettingError, match="dp_world_size 0 is not allowed"):
         probe_task("tinygpt", global_batch=64, dp_world_size=0)
-    with pytest.raises(ValueError, match="global_batch -4 is not allowed; allowed: a positive multiple"):
+    with pytest.raises(SettingError, match="global_batch -4 is not allowed; allowed: a positive multiple"):
         probe_task("tinygpt", global_batch=-4)
 
 

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from globalbatch.errors import SettingError
 from globalbatch.schedule import (
     RampupBatchSchedule,
     StepBatchSchedule,
@@ -48,15 +49,15 @@ def test_parse_megatron_step_schedule():
     ("0:2.5", "2.5"),
 ])
 def test_parse_errors_are_one_line_value_errors(text, match):
-    with pytest.raises(ValueError, match=match) as info:
+    with pytest.raises(SettingError, match=match) as info:
         parse_step_schedule(text)
     assert "\n" not in str(info.value)
 
 
 def test_schedule_unit_and_rule_are_checked():
-    with pytest.raises(ValueError, match="unit 'epoch' is not allowed; allowed: token, sample"):
+    with pytest.raises(SettingError, match="unit 'epoch' is not allowed; allowed: token, sample"):
         parse_step_schedule("0:4", unit="epoch")  # the deprecated argument is still checked
-    with pytest.raises(ValueError, match="lr_rule 'cubic' is not allowed; allowed: linear, sqrt, none"):
+    with pytest.raises(SettingError, match="lr_rule 'cubic' is not allowed; allowed: linear, sqrt, none"):
         parse_step_schedule("0:4", lr_rule="cubic")
 
 
@@ -92,7 +93,7 @@ def test_rampup_matches_megatron_example():
     (dict(start=16, increment=8, ramp=0, final=1024), "rampup ramp 0"),
 ])
 def test_rampup_errors(kw, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(SettingError, match=match):
         RampupBatchSchedule(**kw)
 
 
@@ -190,7 +191,7 @@ def test_token_warmup_is_identical_across_batch_sizes():
     (dict(peak_lr=1e-3, total=10, unit="step"), "unit 'step'"),
 ])
 def test_lr_schedule_errors(kw, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(SettingError, match=match):
         LRSchedule(**kw)
 
 
@@ -214,15 +215,15 @@ def test_lr_schedule_takes_count_strings_and_integral_floats():
     (dict(total="1K", warmup="2K"), r"warmup 2,000 is not allowed; allowed: <= total 1,000"),
 ])
 def test_lr_schedule_count_errors_are_one_line(kw, match):
-    with pytest.raises(ValueError, match=match) as info:
+    with pytest.raises(SettingError, match=match) as info:
         LRSchedule(peak_lr=1e-3, **kw)
     assert "\n" not in str(info.value)
 
 
 def test_step_schedule_direct_construction_is_validated():
-    with pytest.raises(ValueError, match="threshold -1"):
+    with pytest.raises(SettingError, match="threshold -1"):
         StepBatchSchedule(steps=((-1, 4),))
-    with pytest.raises(ValueError, match="is empty"):
+    with pytest.raises(SettingError, match="is empty"):
         StepBatchSchedule(steps=())
 
 
@@ -242,12 +243,12 @@ def test_the_unit_is_said_once_and_the_old_per_schedule_units_are_deprecated():
     assert isinstance(renamed, LRSchedule) and renamed.lr_at(5_000) == lr.lr_at(5_000)
     with pytest.warns(FutureWarning, match="unit= on the LR schedule is deprecated"):
         old_lr = LRSchedule(peak_lr=1e-3, total=10_000, unit="token")
-    with pytest.raises(ValueError, match="lr_schedule unit 'token' is not allowed; allowed: batch_schedule unit 'sample'"):
+    with pytest.raises(SettingError, match="lr_schedule unit 'token' is not allowed; allowed: batch_schedule unit 'sample'"):
         StepConfig(micro_batch=4, batch_schedule=old_ramp, lr_schedule=old_lr)
     assert StepConfig(micro_batch=4, batch_schedule=old_ramp).position_unit == "sample"  # honoured as before
     with pytest.warns(FutureWarning, match="loss_unit"):
         assert StepConfig(micro_batch=4, global_batch=8, loss_unit="sample").unit == "sample"
-    with pytest.raises(ValueError, match="unit 'epoch' is not allowed; allowed: token, sample"):
+    with pytest.raises(SettingError, match="unit 'epoch' is not allowed; allowed: token, sample"):
         StepConfig(micro_batch=4, global_batch=8, unit="epoch")
 
 
@@ -262,7 +263,7 @@ def test_driver_lr_schedule_argument_is_a_deprecated_alias():
     with pytest.warns(FutureWarning, match="StepConfig"):
         drv = StepDriver(model, opt, StepConfig(micro_batch=1, global_batch=2), lr_schedule=lr)
     assert drv.config.lr_schedule is lr and drv.lr_schedule is lr
-    with pytest.raises(ValueError, match="StepConfig.lr_schedule only"):
+    with pytest.raises(SettingError, match="StepConfig.lr_schedule only"):
         StepDriver(model, opt, StepConfig(micro_batch=1, global_batch=2, lr_schedule=lr), lr_schedule=lr)
 
 

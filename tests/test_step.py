@@ -45,7 +45,7 @@ def _driver(model, opt, *, micro=2, global_batch=16, clip=None, k=8, lr_schedule
 def test_plan_for_world_derives_accum_and_refuses_non_dividing_world():
     g = plan_for_world(16, 2, 2)
     assert (g.global_batch, g.micro_batch, g.grad_accum_steps, g.dp_world_size) == (16, 2, 4, 2)
-    with pytest.raises(ValueError, match=r"global batch 16 is not divisible by micro_batch 2 × dp 3 = 6"):
+    with pytest.raises(SettingError, match=r"global batch 16 is not divisible by micro_batch 2 × dp 3 = 6"):
         plan_for_world(16, 2, 3)
 
 
@@ -53,7 +53,7 @@ def test_driver_refuses_schedule_batch_that_does_not_divide():
     model = sc.build_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = parse_step_schedule("0:8 1K:12")
-    with pytest.raises(ValueError, match="global batch 12 is not divisible by micro_batch 8"):
+    with pytest.raises(SettingError, match="global batch 12 is not divisible by micro_batch 8"):
         StepDriver(model, opt, StepConfig(micro_batch=8, batch_schedule=sched))
 
 
@@ -66,7 +66,7 @@ def test_driver_refuses_schedule_batch_that_does_not_divide():
     (dict(micro_batch=2, batch_schedule="0:4"), "parse strings"),
 ])
 def test_step_config_errors_quote_the_value(kw, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(SettingError, match=match):
         StepConfig(**kw)
 
 
@@ -244,7 +244,7 @@ def test_window_larger_than_the_global_batch_is_refused_before_the_step(use_scal
                                            r"planned global batch\); allowed: at most the planned global batch 4") as info:
         drv.run_window(too_big, sc.loss_fn)
     assert "\n" not in str(info.value)
-    with pytest.raises(ValueError, match=r"samples 5 is not allowed; allowed: a whole number in \[0, "
+    with pytest.raises(SettingError, match=r"samples 5 is not allowed; allowed: a whole number in \[0, "
                                          r"StepConfig.micro_batch 2\]"):  # a micro-batch above the configured size
         drv.run_window(sc.micro_batches(seqs[10:12], 2)[:1], sc.loss_fn, samples_per_micro=[5])
     # nothing moved: parameters, optimizer state, counters, loss scale; gradients cleared

@@ -9,6 +9,8 @@ import math
 from pathlib import Path
 
 import pytest
+
+from globalbatch.errors import SettingError
 import torch
 import torch.nn.functional as F
 
@@ -70,7 +72,7 @@ def test_cut_window_is_the_labs_row_by_row_cut_and_covers_every_sample_once():
     parts = [cut_window(short, 2, 2, r) for r in range(2)]
     assert parts == [[[0, 1], [3]], [[2], [4]]]
     assert sorted(x for p in parts for m in p for x in m) == short
-    with pytest.raises(ValueError, match="samples 1 is not allowed"):
+    with pytest.raises(SettingError, match="samples 1 is not allowed"):
         cut_window([0], 2, 2, 0)
 
 
@@ -103,7 +105,7 @@ def test_rank_windows_follow_the_batch_schedule_skip_on_resume_and_end_with_a_sh
 def test_rank_windows_refuse_drawing_ahead_and_leave_out_a_tail_smaller_than_the_ranks(caplog):
     _, _, drv = _driver(micro=2, global_batch=4)
     data = list(range(10))
-    with pytest.raises(ValueError, match="samples a DataLoader with batch_size 2 is not allowed"):
+    with pytest.raises(SettingError, match="samples a DataLoader with batch_size 2 is not allowed"):
         rank_windows(torch.utils.data.DataLoader(data, batch_size=2), drv)  # refused before anything is drawn
     one_by_one = next(rank_windows(torch.utils.data.DataLoader(data, batch_size=None), drv))
     assert [[int(x) for x in m] for m in one_by_one] == [[0, 1], [2, 3]]
@@ -157,7 +159,7 @@ def test_a_mean_loss_is_refused_before_its_backward(make, how):
     with drv.micro_step(last=True):
         loss = make(model(x).reshape(10, -1), y)
         assert how in mean_reduction(loss)
-        with pytest.raises(ValueError, match="loss_sum from .* is not allowed .*the driver divides by the global count"):
+        with pytest.raises(SettingError, match="loss_sum from .* is not allowed .*the driver divides by the global count"):
             drv.backward(loss, 10, samples=2)
     assert all(p.grad is None for p in model.parameters())  # refused before any gradient
 
@@ -182,7 +184,7 @@ def test_the_guard_catches_the_wrong_gradient_it_would_give_and_passes_sums():
     assert sc.max_rel_diff(grads["sum"], truth) < 1e-10
     assert sc.max_rel_diff(grads["mean"], truth) > 0.5  # what the guard prevents
     model, opt, drv = _driver(micro=2, global_batch=8)
-    with pytest.raises(ValueError, match="loss_sum from a division"):
+    with pytest.raises(SettingError, match="loss_sum from a division"):
         drv.run_window(mbs, mean_loss)
     assert mean_reduction(sc.loss_fn(model, mbs[0])[0]) is None
     assert mean_reduction(torch.tensor(3.0)) is None
@@ -196,7 +198,7 @@ def test_samples_are_given_once_inferred_and_checked():
     assert res.global_samples == 5
     with drv.micro_step(last=True):
         loss, count = sc.loss_fn(model, sc.collate(sc.make_sequences(2, seed=6)))
-        with pytest.raises(ValueError, match=r"samples 3 is not allowed; allowed: a whole number in \[0, "):
+        with pytest.raises(SettingError, match=r"samples 3 is not allowed; allowed: a whole number in \[0, "):
             drv.backward(loss, count, samples=3)
         with pytest.warns(FutureWarning, match="backward\\(\\) without samples= assumes a full micro-batch"):
             drv.backward(loss, count)
@@ -215,9 +217,9 @@ def test_callbacks_conform_to_step_callback_and_misspelled_hooks_are_refused():
         def on_step_ended(self, driver, result):
             pass
 
-    with pytest.raises(ValueError, match="callbacks Typo with on_step_ended is not allowed; allowed: hooks named"):
+    with pytest.raises(SettingError, match="callbacks Typo with on_step_ended is not allowed; allowed: hooks named"):
         drv.callbacks.append(Typo())
-    with pytest.raises(ValueError, match="callbacks object is not allowed"):
+    with pytest.raises(SettingError, match="callbacks object is not allowed"):
         StepDriver(model, opt, StepConfig(micro_batch=2, global_batch=8), callbacks=[object()])
 
 
@@ -261,7 +263,7 @@ def test_the_adaptive_schedule_is_passed_once_and_finds_its_monitor():
     with pytest.warns(FutureWarning, match="pass it once"):  # the old way: also in callbacks
         d2 = StepDriver(m2, o2, StepConfig(micro_batch=2, batch_schedule=sched2), callbacks=[mon2, sched2.attach(mon2)])
     assert list(d2.callbacks) == [mon2, sched2] and d2._schedule_hook is None  # called there, once
-    with pytest.raises(ValueError, match="callbacks 2 noise monitors is not allowed"):
+    with pytest.raises(SettingError, match="callbacks 2 noise monitors is not allowed"):
         StepDriver(m2, o2, StepConfig(micro_batch=2, batch_schedule=_adaptive()), callbacks=[mon2, mon2])
 
 
@@ -299,7 +301,7 @@ def test_checkpoint_takes_everything_from_the_driver_monitor_included(tmp_path):
         save_checkpoint(tmp_path / "old.pt", model, drv.optimizer, drv)
     with pytest.warns(FutureWarning, match="load_checkpoint"):
         load_checkpoint(tmp_path / "old.pt", m2, d2.optimizer, d2)
-    with pytest.raises(ValueError, match="arguments Linear is not allowed; allowed: save_checkpoint"):
+    with pytest.raises(SettingError, match="arguments Linear is not allowed; allowed: save_checkpoint"):
         save_checkpoint(tmp_path / "x.pt", torch.nn.Linear(1, 1))
     state = torch.load(tmp_path / "c.pt", weights_only=True)
     assert list(state["callbacks"]) == ["0:NoiseScaleMonitor"]
