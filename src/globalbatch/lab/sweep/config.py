@@ -12,7 +12,7 @@ from globalbatch.lab.device import PRECISIONS
 from globalbatch.lab.loop import default_micro_batch
 from globalbatch.lab.rundir import known_fields
 from globalbatch.optim import optimizer_names
-from globalbatch.validate import whole
+from globalbatch.validate import choice, count, whole, whole_list
 
 __all__ = ["SweepConfig", "TrialSpec", "demo_config", "mnist_demo_config", "MANIFEST_VERSION", "BACKENDS", "RAY_HINT"]
 
@@ -95,39 +95,27 @@ class SweepConfig:
 
     def __post_init__(self) -> None:
         E = SettingError
-        if not self.batches or any(isinstance(b, bool) or int(b) != b or b < 1 for b in self.batches) \
-                or len(set(self.batches)) != len(self.batches):
-            raise E("batches", list(self.batches), "distinct whole numbers ≥ 1, e.g. 16,32,64")
-        self.batches = [int(b) for b in self.batches]
+        self.batches = whole_list(self.batches, "batches", allowed="distinct whole numbers ≥ 1, e.g. 16,32,64")
         if not self.lrs or any(not (float(x) > 0 and math.isfinite(float(x))) for x in self.lrs) \
                 or len(set(self.lrs)) != len(self.lrs):
             raise E("lrs", [float(x) for x in self.lrs], "distinct finite numbers > 0, e.g. 3e-4,1e-3")
         self.lrs = [float(x) for x in self.lrs]
-        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)) or int(self.budget) != self.budget \
-                or self.budget < 1:
-            raise E("budget", self.budget, "a whole number of units ≥ 1, e.g. 2M")
-        self.budget = int(self.budget)
-        if isinstance(self.seed, bool) or int(self.seed) != self.seed or self.seed < 0:
-            raise E("seed", self.seed, "a whole number ≥ 0")
+        self.budget = count(self.budget, "budget", what="a whole number of units")
+        whole(self.seed, "seed", minimum=0)
         if self.seeds is not None:
-            if not isinstance(self.seeds, (list, tuple)) or not self.seeds or len(set(self.seeds)) != len(self.seeds) \
-                    or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in self.seeds):
-                raise E("seeds", self.seeds, "distinct whole numbers ≥ 0, e.g. 0,1,2")
-            self.seeds = [int(x) for x in self.seeds]
-        if self.lr_rule not in LR_RULES:
-            raise E("lr_rule", self.lr_rule, ", ".join(LR_RULES))
-        if self.base_batch is not None and (isinstance(self.base_batch, bool) or int(self.base_batch) != self.base_batch
-                                            or self.base_batch < 1):
-            raise E("base_batch", self.base_batch, "a whole number ≥ 1 (samples per step)")
+            self.seeds = whole_list(self.seeds, "seeds", minimum=0, allowed="distinct whole numbers ≥ 0, e.g. 0,1,2")
+        choice(self.lr_rule, "lr_rule", LR_RULES)
+        if self.base_batch is not None:
+            whole(self.base_batch, "base_batch", allowed="a whole number ≥ 1 (samples per step)")
         whole(self.lr_edge_extend, "lr_edge_extend", minimum=0)
         from globalbatch.lab.sweep.designs import DESIGN_NAMES
 
         if self.design not in DESIGN_NAMES:
             raise E("design", self.design, ", ".join(DESIGN_NAMES))
         whole(self.lr_refine, "lr_refine", minimum=0)
-        if self.warmup is not None and (isinstance(self.warmup, bool) or int(self.warmup) != self.warmup
-                                        or self.warmup < 0 or self.warmup >= self.budget):
-            raise E("warmup", self.warmup, f"a whole number of units, 0 ≤ warmup < budget ({self.budget:,})")
+        if self.warmup is not None:
+            self.warmup = count(self.warmup, "warmup", minimum=0, maximum=self.budget - 1,  # below the budget
+                                what="a whole number of units")
         whole(self.eval_points, "eval_points", minimum=2, allowed="a whole number ≥ 2 (30 or more for a sound read-out)")
         whole(self.eval_batch, "eval_batch")
         if self.micro_batch is not None:
