@@ -36,7 +36,7 @@ from globalbatch.scale.cluster import (
     step_times_grid,
 )
 from globalbatch.scale.convergence import ConvergenceModel
-from globalbatch.validate import whole
+from globalbatch.validate import choice, number, positive, whole
 
 __all__ = ["OBJECTIVES", "ScaleConfig", "Choice", "RampChoice", "ScaleResult", "scale", "gpu_counts",
            "format_count", "schedule_string"]
@@ -78,21 +78,18 @@ class ScaleConfig:
 
     def __post_init__(self) -> None:
         whole(self.max_gpus, "max_gpus", maximum=10**7, allowed="a whole number from 1 to 10,000,000")
-        if self.objective not in OBJECTIVES:
-            raise SettingError("objective", self.objective, ", ".join(OBJECTIVES))
+        choice(self.objective, "objective", OBJECTIVES)
         for name in ("deadline_s", "budget_gpu_hours"):
-            v = getattr(self, name)
-            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
-                raise SettingError(name, v, "a number > 0")
-        if not (isinstance(self.overlap, (int, float)) and 0 <= self.overlap <= 1):
-            raise SettingError("overlap", self.overlap, "a share from 0 to 1")
+            if getattr(self, name) is not None:
+                positive(getattr(self, name), name, allowed="a number > 0")
+        number(self.overlap, "overlap", low=0.0, high=1.0, allowed="a share from 0 to 1")
         whole(self.max_stages, "max_stages", maximum=8, allowed="a whole number from 1 to 8")
-        if self.lr_rule not in LR_RULE_TEXT:
-            raise SettingError("lr_rule", self.lr_rule, ", ".join(LR_RULE_TEXT))
+        choice(self.lr_rule, "lr_rule", LR_RULE_TEXT)
         for name in ("tp_options", "pp_options"):
-            v = getattr(self, name)
-            if not v or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v):
-                raise SettingError(name, v, "whole numbers ≥ 1")
+            if not getattr(self, name):
+                raise SettingError(name, getattr(self, name), "whole numbers ≥ 1, at least one")
+            for x in getattr(self, name):
+                whole(x, name, allowed="whole numbers ≥ 1")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
