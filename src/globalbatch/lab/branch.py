@@ -76,7 +76,7 @@ from globalbatch.lab.tasks import load_task_checked
 from globalbatch.lab.device import PRECISIONS, check_device
 from globalbatch.lab.loop import default_micro_batch
 from globalbatch.lab.rundir import check_manifest, known_fields, lock_run_dir
-from globalbatch.validate import make_out_dir
+from globalbatch.validate import make_out_dir, whole
 from globalbatch.validate import out_dir as out_dir_checked
 from globalbatch.optim import lr_scaling_rule, optimizer_names
 
@@ -619,8 +619,8 @@ def run_branch_test(config: BranchConfig, out_dir: str | os.PathLike, *, threads
     checked before anything is written.
     """
     # Every setting is checked, and the task built, before anything is written.
-    if threads is not None and (isinstance(threads, bool) or int(threads) != threads or threads < 1):
-        raise SettingError("threads", threads, "a whole number ≥ 1")
+    if threads is not None:
+        whole(threads, "threads")
     check_device(config.device, config.precision)
     task = load_task_checked(config.task, config.task_overrides)
     out = out_dir_checked(out_dir, "out")
