@@ -44,7 +44,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "deprecated": {"plan", "measure", "deprecated"},
 }
 TORCH_FREE = ["globalbatch.errors", "globalbatch.units", "globalbatch.validate", "globalbatch._util", "globalbatch.plan",
-              "globalbatch.plan.config", "globalbatch.plan.report", "globalbatch.plan.memory", "globalbatch.critical",
+              "globalbatch.plan.config", "globalbatch.plan.settings", "globalbatch.plan.report", "globalbatch.plan.memory", "globalbatch.critical",
               "globalbatch.critical.seeds", "globalbatch.optim.registry"]
 
 
