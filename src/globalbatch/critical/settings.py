@@ -9,13 +9,12 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping, Optional
 
 from globalbatch.errors import SettingError
-from globalbatch.validate import number, whole
+from globalbatch.validate import number, positive, whole
 
 __all__ = ["AnalysisSettings", "settings_from", "check_analysis_settings", "OBJECTIVES", "LR_SELECTIONS",
            "FIRST_SEED_NAMES"]
@@ -37,9 +36,8 @@ def check_analysis_settings(*, objective: str = "time", tolerance: float = 0.05,
            allowed="a fraction, 0 ≤ tolerance < 1 (0.05 = within 5%)")
     number(ema_fraction, "ema_fraction", low=0.0, high=1.0, low_open=True, high_open=True,
            allowed="a fraction, 0 < ema_fraction < 1 (e.g. 0.05)")
-    if halflife_steps is not None and not (isinstance(halflife_steps, (int, float)) and halflife_steps > 0
-                                           and math.isfinite(halflife_steps)):
-        raise SettingError("halflife_steps", halflife_steps, "a number of steps > 0")
+    if halflife_steps is not None:
+        positive(halflife_steps, "halflife_steps", allowed="a number of steps > 0")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -88,13 +86,11 @@ class AnalysisSettings:
             v = getattr(self, name)
             if v is None:
                 continue
-            try:
-                ok = len(v) > 0 and all(not isinstance(x, bool) and math.isfinite(float(x)) for x in v)
-            except (TypeError, ValueError):
-                ok = False
-            if not ok:
-                raise SettingError(name, v, "finite loss values, at least one")
-            object.__setattr__(self, name, tuple(float(x) for x in v))
+            allowed = "finite loss values, at least one"
+            if isinstance(v, (str, bytes)) or not hasattr(v, "__len__") or len(v) == 0:
+                raise SettingError(name, v, allowed)
+            object.__setattr__(self, name, tuple(number(x.item() if hasattr(x, "item") else x, name, allowed=allowed)
+                                                 for x in v))  # numpy scalars as Python numbers
 
 
 _NAMES = frozenset(f.name for f in fields(AnalysisSettings))
