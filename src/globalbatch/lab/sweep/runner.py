@@ -64,7 +64,7 @@ def analysis_flags(out: Path) -> tuple[Optional[dict[int, str]], Optional[list[t
     lr_high)``, batches in samples; ``(None, None)`` when the sweep cannot be analysed yet."""
     try:
         data, sa = analyze_sweep_seeds(out, settings=AnalysisSettings(objective="cost"))
-    except ValueError:  # not analysable yet (too few finished cells, no common target): the final loss decides
+    except SettingError:  # not analysable yet (too few finished cells, no common target): the final loss decides
         return None, None
     units = data.batch_units()
 
