@@ -55,7 +55,7 @@ class SweepConfig:
     (:func:`globalbatch.lab.sweep.lr_edges.refine_cells`); 0: flag only."""
     design: str = "full"
     """Which cells run (:mod:`globalbatch.lab.sweep.designs`): ``full`` (every batch × its LR grid × every
-    seed), ``seeds1``, ``narrow1``, ``narrow2`` (cheaper designs, measured against ``full``)."""
+    seed), ``seeds1``, ``narrow1``, ``narrow2``, ``halving`` (cheaper designs, measured against ``full``)."""
     micro_batch: Optional[int] = None
     """Samples per forward/backward; None: min(batch, 16) (must divide every batch)."""
     eval_every: Optional[int] = None
