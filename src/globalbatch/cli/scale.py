@@ -86,7 +86,7 @@ def convergence_from_sweep(run_dir: str):
                                             f"{len(a.targets)} targets)",
                            conditions=f"task {data.config.task} {data.config.task_overrides}, "
                                       f"{data.config.optimizer}, held-out loss")
-    except ValueError as exc:
+    except SettingError as exc:  # fit_s_min: fewer than 2 usable targets
         raise SettingError("run_dir", run_dir, "a sweep with S_min at ≥ 2 targets", why=str(exc)) from None
     units = data.batch_units()
     per_seq = [u / b for b, u in units.items() if b > 0]
