@@ -824,3 +824,13 @@ def test_staircase_memory_is_exact_and_close_to_the_bisection_bound(block, b, re
         assert len(ran) <= bound + 1, (t, ran)
         over += len(ran) > bound
     assert over <= 40  # most thresholds within the bound itself
+
+
+def test_gb_probe_is_a_deprecated_alias_of_probe_model():
+    import globalbatch as gb
+
+    model = nn.Linear(4, 1)
+    with pytest.warns(FutureWarning, match=r"globalbatch.probe\(\.\.\.\) is deprecated; call globalbatch.probe_model"):
+        old = gb.probe(model, lambda s: torch.randn(s, 4), lambda m, x: m(x).square().mean(), max_micro_batch=4,
+                       steps_per_trial=1, warmup_steps=1)
+    assert old.largest_fit == 4
