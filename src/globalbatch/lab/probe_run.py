@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from globalbatch.errors import SettingError
+from globalbatch.lab.throughput import task_peak
 from globalbatch.probe.runner import probe
 from globalbatch.probe.search import DEFAULT_MAX_MICRO_BATCH, ProbeResult, check_probe_settings
 
@@ -86,7 +87,7 @@ def probe_task(
                    memory_limit_bytes=memory_limit_bytes, max_micro_batch=max_micro_batch,
                    steps_per_trial=steps_per_trial, tolerance=tolerance, count_tokens=count_tokens,
                    count_step=_task_step_counter(task, model, unit))
-    peak = _peak_or_none(torch_device, precision)
+    peak = task_peak(torch_device, precision)
     return dataclasses.replace(result, unit=unit, predicted_micro_batch=predicted, predicted_note=predicted_note,
                                peak_flops_per_s=None if peak is None else peak.flops_per_s,
                                peak_flops_source="" if peak is None else peak.source)
@@ -111,12 +112,4 @@ def _task_step_counter(task: Any, model: nn.Module,
     return count
 
 
-def _peak_or_none(device: torch.device, precision: str) -> Any:
-    """The device's peak FLOP/s for the precision (measured matmul on CPU, the table on CUDA); None if unknown."""
-    from globalbatch.flops import peak_flops_per_s
-
-    try:
-        return peak_flops_per_s(device=str(device), dtype=precision)
-    except ValueError:
-        return None
 
