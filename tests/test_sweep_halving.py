@@ -169,6 +169,10 @@ def test_the_halving_design_stops_a_hopeless_lr_at_the_first_rung_counts_its_tok
     assert units["stopped"] >= sum(paused) and units["stopped"] > 0  # stopped cells and the probes are counted
     _, sa = analyze_sweep_seeds(tmp_path)  # the analysis reads the finished cells only (the first seed)
     assert sa.seeds == [0]
+    from globalbatch.lab.sweep.designs import design_statement
+
+    said = design_statement("halving", 2, 3, 2, out_dir=str(tmp_path))  # the report's line
+    assert f"It stopped {len(log['stopped'])} cell(s) at rungs of 1,000, 2,000 units" in said and "One seed" in said
     again = run_sweep(cfg, tmp_path, workers=1, threads=1, progress=False, timing_steps=0)
     assert again.ran == [] and json.loads((tmp_path / LOG_NAME).read_text()) == log  # same decisions, nothing retrained
 

@@ -463,7 +463,7 @@ def _design_text(data: SweepData) -> str:
 
     cfg = data.config
     n_seeds = len(cfg.seeds) if cfg.seeds is not None else 1
-    return design_statement(cfg.design, len(cfg.batches), len(cfg.lrs), n_seeds)
+    return design_statement(cfg.design, len(cfg.batches), len(cfg.lrs), n_seeds, out_dir=data.out_dir)
 
 
 # ---------------------------------------------------------------------------
