@@ -88,8 +88,7 @@ def cut_window(samples: Sequence[T], micro_batch: int, dp_world_size: int, rank:
     if layout is None:
         raise SettingError("samples", len(samples), f"at least dp_world_size {dp_world_size} samples in a window "
                            "(every rank needs a micro-batch)")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < dp_world_size:
-        raise SettingError("rank", rank, f"a whole number in [0, {dp_world_size})")
+    whole(rank, "rank", minimum=0, maximum=dp_world_size - 1, allowed=f"a whole number in [0, {dp_world_size})")
     mine: list[list[T]] = []
     pos = 0
     for a in range(max(len(sizes) for sizes in layout)):

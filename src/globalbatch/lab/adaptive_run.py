@@ -42,6 +42,7 @@ from globalbatch.lab.adaptive_config import (
 )
 from globalbatch.lab.records import ArmSummary, damaged, read_records, read_summary
 from globalbatch.lab.rundir import append_event, check_manifest, remove_stale_tmp
+from globalbatch.validate import whole
 
 __all__ = ["AdaptiveConfig", "run_adaptive", "run_arm", "analyze_adaptive", "AdaptiveAnalysis", "eval_points",
            "POLICIES", "ADAPTIVE_MANIFEST_VERSION"]
@@ -203,8 +204,8 @@ def run_adaptive(cfg: AdaptiveConfig, out: str | os.PathLike, *, threads: Option
     from globalbatch.lab.tasks import load_task_checked
     from globalbatch.lab.device import check_device
 
-    if threads is not None and (isinstance(threads, bool) or int(threads) != threads or threads < 1):
-        raise SettingError("threads", threads, "a whole number ≥ 1")
+    if threads is not None:
+        whole(threads, "threads")
     check_device(cfg.device, cfg.precision)  # bad input: before anything is written
     load_task_checked(cfg.task, cfg.task_overrides)
     if ":" in cfg.policy:

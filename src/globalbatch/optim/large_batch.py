@@ -41,23 +41,22 @@ an ``if`` on a norm).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from globalbatch.errors import SettingError
+from globalbatch.validate import number
 
 __all__ = ["LARS", "LAMB"]
 
 
 def _check(name: str, value: float, low: float, high: float = float("inf"), *, open_low: bool = False,
            open_high: bool = False) -> None:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not number or ((value <= low) if open_low else (value < low)) or ((value >= high) if open_high else value > high):
-        rng = f"{'>' if open_low else '>='} {low}" + ("" if high == float("inf") else
-                                                      f" and {'<' if open_high else '<='} {high}")
-        raise SettingError(name, value, f"a number {rng}")
+    rng = f"{'>' if open_low else '>='} {low}" + ("" if high == float("inf") else
+                                                  f" and {'<' if open_high else '<='} {high}")
+    number(value, name, low=low, high=None if high == float("inf") else high, low_open=open_low, high_open=open_high,
+           allowed=f"a number {rng}")
 
 
 def _trust_ratio(numerator: torch.Tensor, denominator: torch.Tensor, coefficient: float = 1.0) -> torch.Tensor:

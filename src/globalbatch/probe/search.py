@@ -107,10 +107,8 @@ class ProbeConfig:
             whole(value, name)
         # A start above the cap only moves the first trial: capping it keeps the search exact.
         self.start_micro_batch = min(self.start_micro_batch, self.max_micro_batch)
-        if self.memory_limit_bytes is not None and (
-                isinstance(self.memory_limit_bytes, bool) or not isinstance(self.memory_limit_bytes, int)
-                or self.memory_limit_bytes < 1):
-            raise SettingError("memory_limit_bytes", self.memory_limit_bytes, "None or a whole number ≥ 1")
+        if self.memory_limit_bytes is not None:
+            whole(self.memory_limit_bytes, "memory_limit_bytes", allowed="None or a whole number ≥ 1")
         if not (isinstance(self.tolerance, (int, float)) and 0 <= self.tolerance < 1):
             raise SettingError("tolerance", self.tolerance, "0 ≤ tolerance < 1")
         if self.max_prediction_misses < 0:

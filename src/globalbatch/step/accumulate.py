@@ -25,6 +25,7 @@ from globalbatch.schedule import LRSchedule
 from globalbatch.step.callbacks import _CallbackList, _check_callback
 from globalbatch.step.config import StepConfig, plan_for_world
 from globalbatch.step.inputs import mean_reduction
+from globalbatch.validate import number, whole
 
 logger = logging.getLogger("globalbatch.step")  # one logger for the whole driver (users configure this name)
 
@@ -281,9 +282,9 @@ class _WindowAccumulator:
                               f"{self.config.micro_batch} samples; pass samples= (it will be required), or use "
                               "run_window / globalbatch.windows.rank_windows", FutureWarning, stacklevel=2)
             samples = self.config.micro_batch
-        elif isinstance(samples, bool) or not isinstance(samples, int) or not 0 <= samples <= self.config.micro_batch:
-            raise SettingError("samples", samples, f"a whole number in [0, StepConfig.micro_batch "
-                               f"{self.config.micro_batch}] (the samples of this micro-batch)")
+        else:
+            whole(samples, "samples", minimum=0, maximum=self.config.micro_batch, allowed=f"a whole number in [0, "
+                  f"StepConfig.micro_batch {self.config.micro_batch}] (the samples of this micro-batch)")
         if self._micro_index == 0 and not self._in_micro:
             self._begin_window()
         loss_d = loss_sum.detach()
@@ -294,8 +295,7 @@ class _WindowAccumulator:
             if count_t.device != loss_d.device:
                 count_t = count_t.to(loss_d.device, non_blocking=True)
         else:
-            if isinstance(count, bool) or not isinstance(count, (int, float)) or count < 0:
-                raise SettingError("count", count, "a number >= 0 of loss-bearing units")
+            number(count, "count", low=0.0, allowed="a number >= 0 of loss-bearing units")
             # A host number stays on the host: torch.tensor(int, device=cuda) would copy from
             # pageable memory and synchronize the stream on every micro-batch.
             self._units_host += count
@@ -316,8 +316,7 @@ class _WindowAccumulator:
         self.last_micro_count = count  # for callbacks: the host number as given (no tensor to read back)
         self._samples_local += self.last_micro_samples
         if flops is not None:
-            if isinstance(flops, bool) or not isinstance(flops, (int, float)) or not flops >= 0:
-                raise SettingError("flops", flops, "a host number >= 0 (FLOPs of this micro-batch)")
+            number(flops, "flops", low=0.0, allowed="a host number >= 0 (FLOPs of this micro-batch)")
             self._flops_local += float(flops)
             if self._micro_index == 0:
                 self._flops_known = True
