@@ -35,7 +35,7 @@ import numpy as np
 from globalbatch.critical.curves import Curve, ema_smooth, steps_to_target
 from globalbatch.critical.errors import NoAnswerError
 from globalbatch.critical.fit import HyperbolaFit, fit_hyperbola
-from globalbatch.critical.readout import monotone_fit
+from globalbatch.critical.readout import heldout_fit
 from globalbatch.critical.recommend import TargetResult, points_for_target
 from globalbatch.errors import SettingError
 
@@ -59,13 +59,13 @@ def bootstrap_rng(seed: int = 0) -> np.random.Generator:
 
 
 def _fit_at(curve: Curve, examples: float) -> float:
-    """The monotone fit of a curve's held-out loss at ``examples`` (linear in log examples)."""
+    """The read-out's fit of a curve's held-out loss (:func:`heldout_fit`) at ``examples`` (linear in log examples)."""
 
     e, y = cast(np.ndarray, curve.eval_examples), cast(np.ndarray, curve.eval_loss)  # held-out curves only
     ok = np.isfinite(y) & (e > 0)
     if not ok.any():
         return math.inf
-    e, y = e[ok], monotone_fit(y[ok])
+    e, y = e[ok], heldout_fit(e[ok], y[ok])
     if examples <= e[0]:
         return float(y[0])
     return float(np.interp(math.log(examples), np.log(e), y))
