@@ -122,8 +122,14 @@ def test_nothing_stops_without_a_band_and_the_margin_is_the_seed_spread():
     from globalbatch.lab.sweep.halving import decide_rung
 
     cfg = SweepConfig(**GRID)
-    flat = [_cell(4, lr, 0, [2.0] * 5) for lr in (1e-3, 2e-3)] + [_cell(4, 4e-3, 0, [2.5] * 5)]
-    assert decide_rung(flat, cfg, 500).band is None and decide_rung(flat, cfg, 500).stopped == []
+    # Still in warmup at the rung: no target is within reach yet, nothing stops.
+    warm = [_cell(4, lr, 0, [2.0] * 5, warmup=900) for lr in (1e-3, 2e-3)] + [_cell(4, 4e-3, 0, [2.5] * 5, warmup=900)]
+    assert decide_rung(warm, cfg, 500).band is None and decide_rung(warm, cfg, 500).stopped == []
+    # A batch whose best is still above every possible target (the band's top) stops nothing either.
+    slow = [_cell(8, 2e-3, 0, [4.0, 3.9, 3.8, 3.7, 3.6]), _cell(8, 1e-3, 0, [5.0] * 5),
+            _cell(4, 2e-3, 0, [3.0, 2.6, 2.4, 2.3, 2.2]), _cell(4, 1e-3, 0, [3.5, 3.4, 3.3, 3.2, 3.1])]
+    d = decide_rung(slow, SweepConfig(**{**GRID, "batches": [4, 8]}), 500, sigma=(0.02, "given"))
+    assert d.band == pytest.approx((3.6, 3.6 + 0.75 * (3.0 - 3.6))) and d.stopped == ["b4_lr0.001_s0"]
     lead = [3.0, 2.6, 2.4, 2.3, 2.2]
     cells = [_cell(4, 4e-3, 0, lead), _cell(4, 1e-3, 0, [x + 0.3 for x in lead]), _cell(4, 2e-3, 0, lead)]
     probes = [_cell(4, 2e-3, 1, [x + 0.1 for x in lead])]  # one cell at a second seed: SD 0.0707 → margin 0.141

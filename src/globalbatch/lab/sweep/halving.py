@@ -12,11 +12,12 @@ already shows:
 At rung u_r (units), for batch b and seed s, with m_c(u) the non-increasing (isotonic) fit of cell c's held-out
 loss at the evaluations u ≤ u_r (all cells of b share the positions: equal tokens):
 
-* the *band*: the losses the common targets can take, as far as the rung shows — from floor = the worst over
-  batches × seeds of the best m_c(u_r) (the final floor can only be lower) up to floor + 0.75·(ceiling − floor),
-  ceiling = the lowest over batches × seeds of the best loss at the end of LR warmup (the analysis' rule,
-  :func:`globalbatch.critical.seeds.common_targets`); P = the evaluations after warmup where the batch's best
-  m(u) lies in the band; no band, or P empty: nothing stops;
+* the *band*: the losses the common targets can take, as far as the rung shows — at most floor + 0.75·(ceiling −
+  floor) (the analysis' rule, :func:`globalbatch.critical.seeds.common_targets`), with floor = the worst over
+  batches × seeds of the best m_c(u_r) and ceiling = the lowest over batches × seeds of the best loss at the end of
+  LR warmup so far; both can only fall by the end of the sweep, so this bounds the loosest target from above;
+  P = the evaluations after warmup where the batch's best m(u) is at or below that bound; P empty (no batch past
+  warmup, or this batch not yet down to a possible target): nothing stops;
 * the *margin* δ = 2σ, σ the spread of the loss between seeds: the standard deviation over seeds of the batch's best
   m(u_r), median over batches (≥ 2 seeds); with one seed there is no seed spread in the run, and σ is √2 × the
   scatter of the held-out loss about its monotone fit over P, pooled over every cell (the noise of a difference
@@ -119,7 +120,8 @@ class RungDecision:
     """σ (the margin is 2σ)."""
     margin_source: str
     band: Optional[tuple[float, float]]
-    """(floor, top) of the losses the common targets can take, as the rung shows; None: no band (nothing stops)."""
+    """(floor, top): the worst batch's best loss at the rung, and the bound on the loosest common target; None: no
+    batch past its warmup (nothing stops)."""
     stopped: list[str]
     protected: list[str]
     best: dict[str, float]
@@ -160,10 +162,12 @@ def decide_rung(cells: Sequence[RungCell], config: SweepConfig, rung: int, *, pr
         m = mono[c.spec.name][after_warmup(c)]
         return float(m[0]) if m.size else math.inf
 
-    # The band: floor = worst group's best at the rung; ceiling = lowest best loss at the end of warmup.
+    # The band's top: floor + 0.75·(ceiling − floor) with floor = the worst group's best at the rung and ceiling =
+    # the lowest best loss at the end of warmup so far; both can only fall by the end, so this bounds the top target.
     floor = max(at_rung[b.spec.name] for b in best.values())
     ceiling = min(min(at_warmup_end(c) for c in cs) for cs in groups.values())
-    band = (floor, floor + BAND_TOP * (ceiling - floor)) if math.isfinite(floor) and ceiling > floor else None
+    top = floor + BAND_TOP * (ceiling - floor)
+    band = (floor, top) if math.isfinite(top) else None
 
     # The margin: the seed spread (SD over seeds of one cell's loss at the rung, median over cells), else the
     # read-out scatter of one cell's held-out loss (√2: a difference).
