@@ -28,6 +28,7 @@ def numeric(trial_dir: Path) -> list[dict]:
             if r["kind"] != "header"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("noise", [False, True])
 def test_a_trial_paused_at_two_rungs_and_resumed_equals_the_uninterrupted_trial(tmp_path, noise):
     cfg = asdict(tiny_config(noise=noise))
@@ -153,6 +154,7 @@ def test_with_several_seeds_an_lr_is_stopped_only_where_every_seed_stops_it():
 # --- the design end to end ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_halving_design_stops_a_hopeless_lr_at_the_first_rung_counts_its_tokens_and_resumes_to_nothing(tmp_path):
     import json
 
