@@ -101,6 +101,7 @@ def noise_cmd(
     half_life_windows: float = typer.Option(10.0, "--half-life-windows", help="EMA half-life in windows of the global batch (forgetting is per unit)."),
     adam_variant: bool = typer.Option(False, "--adam-variant", help="Also report the Adam-preconditioned variant g/(√v̂+eps)."),
     budget: Optional[str] = typer.Option(None, "--budget", help="The monitor's cost allowed, a fraction of the step time (0.02 or 2%): it times itself and measures one window in n to stay within it (default: every window)."),
+    calibrate_from: Optional[str] = typer.Option(None, "--calibrate-from", help="A sweep directory run with --noise: also report B_crit ≈ F × B_simple along the run, F = B_crit / B_simple measured on that sweep (labelled with it)."),
     out: str = typer.Option("runs/noise", "--out", help="Directory for noise.csv (and tb/ with --tensorboard)."),
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also write TensorBoard scalars (pip install 'globalbatch[tensorboard]')."),
     device: AutoDeviceOption = None,
@@ -120,12 +121,14 @@ def noise_cmd(
     from .. import validate as V
     from .._util import flag_names
     from ..errors import SettingError
-    from ..lab.noise_run import NoiseRunConfig, check_noise_settings, format_estimate, format_interval, measure_noise
+    from ..lab.noise_run import (NoiseRunConfig, check_noise_settings, format_estimate, format_interval, format_number,
+                                 measure_noise)
     from ..noise.budget import parse_budget
 
     names = flag_names_of("noise")
     with flag_names(names):
         budget_fraction = None if budget is None else parse_budget(budget, "budget")
+    calibration = None if calibrate_from is None else _calibration(calibrate_from)
     check_noise_settings(micro_batch=micro_batch, grad_accum_steps=grad_accum, steps=steps, lr=lr, optimizer=optimizer,
                          log_every=log_every, half_life_windows=half_life_windows, adam_variant=adam_variant,
                          threads=threads, world_size=int(os.environ.get("WORLD_SIZE", "1")), names=names)
@@ -169,7 +172,9 @@ def noise_cmd(
     if as_json:
         echo_json({"unit": result.unit, "dp_world_size": result.dp_world_size, "csv": result.csv_path,
                     "rows": result.rows, "final": {k: dataclasses.asdict(e) for k, e in result.final.items()},
-                    "cost": None if result.cost is None else result.cost.to_dict()})
+                    "cost": None if result.cost is None else result.cost.to_dict(),
+                    "calibrated": None if calibration is None else {
+                        "calibration": calibration.to_dict(), "rows": _calibrated_rows(result, calibration)}})
         return
     table = Table(title=f"B_simple curve ({result.unit}-mean loss; interval {next(iter(result.final.values())).confidence:.0%} Fieller)")
     keys = [k[len("b_simple_"):] for k in result.rows[0] if k.startswith("b_simple_")]
@@ -193,8 +198,37 @@ def noise_cmd(
                       soft_wrap=True)
     if result.cost is not None:
         console.print(result.cost.text(), markup=False, highlight=False, soft_wrap=True)
+    if calibration is not None:
+        console.print(calibration.label, markup=False, highlight=False, soft_wrap=True)
+        for r in _calibrated_rows(result, calibration):
+            console.print(f"step {r['step']:>5}  loss {r['loss']:.4f}  B_simple {format_number(r['b_simple'])}  → B_crit ≈ "
+                          f"{format_number(r['b_crit_calibrated'])} [{format_number(r['b_crit_calibrated_low'])}–"
+                          f"{format_number(r['b_crit_calibrated_high'])}] {result.unit}s"
+                          + ("" if r["in_calibrated_range"] else "  (loss outside the calibrated losses)"),
+                          markup=False, highlight=False, soft_wrap=True)
     if result.csv_path:
         console.print(f"wrote {result.csv_path}" + (f" and {out}/tb" if tensorboard else ""))
+
+
+def _calibration(run_dir: str):
+    """``--calibrate-from``: the factor B_crit / B_simple of a sweep run with ``--noise``, before anything runs."""
+    from ..errors import Raw, SettingError
+    from ..lab.noise_calibration import calibrate_from_sweep
+
+    try:
+        return calibrate_from_sweep(run_dir)
+    except ValueError as exc:  # not a sweep directory, or one without B_simple / B_crit at its targets
+        raise SettingError("--calibrate-from", Raw(run_dir), "a sweep directory run with --noise", why=str(exc),
+                           flag=True) from None
+
+
+def _calibrated_rows(result, calibration) -> list[dict]:
+    """The run's B_simple curve (micro-batches, in the loss's unit) times the calibration's factor."""
+    from ..lab.noise_calibration import calibrated_curve
+
+    key = next((k for k in (f"b_simple_micro_{result.unit}", f"b_simple_rank_{result.unit}") if k in result.rows[0]),
+               f"b_simple_micro_{result.unit}")
+    return calibrated_curve(result.rows, calibration, key=key)
 
 
 def _rate_text(row: dict) -> str:
