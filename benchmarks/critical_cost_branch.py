@@ -46,7 +46,8 @@ DOC_REFERENCE = {
 }
 
 
-def branch_config(task: str, seed: int, *, points: int, seeds: int, window: int | None, window_fraction: float = 1.0):
+def branch_config(task: str, seed: int, *, points: int, seeds: int, window: int | None, window_fraction: float = 1.0,
+                  lr: float | None = None):
     """The design's BranchConfig from the sweep's configuration of ``task``."""
     import numpy as np
 
@@ -57,7 +58,7 @@ def branch_config(task: str, seed: int, *, points: int, seeds: int, window: int 
     grid = cfg.lrs_for(base)
     at = sorted({int(round(x)) for x in np.geomspace(cfg.budget / 64, cfg.budget / 4, points)})
     return BranchConfig(task=cfg.task, task_overrides=dict(cfg.task_overrides), base_batch=base,
-                        ks=[b // base for b in cfg.batches], lr=grid[len(grid) // 2], optimizer=cfg.optimizer,
+                        ks=[b // base for b in cfg.batches], lr=lr or grid[len(grid) // 2], optimizer=cfg.optimizer,
                         branch_at=at, window=window or 1, window_fraction=None if window else window_fraction, seeds=seeds, seed=seed,
                         micro_batch=cfg.micro_batch, max_val_samples=cfg.max_val_samples,
                         max_grad_norm=cfg.max_grad_norm)
@@ -107,6 +108,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--window", type=int, default=None, help="units per branch (default: half each point's units)")
     ap.add_argument("--window-fraction", type=float, default=1.0, help="each branch trains this × its point's units")
+    ap.add_argument("--lr", type=float, default=None, help="the base run's LR (default: the middle of the base batch's "
+                    "grid; the sweep's result is not used)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--analyze-only", action="store_true")
     args = ap.parse_args(argv)
@@ -122,7 +125,7 @@ def main(argv=None) -> int:
     runs = []
     for r in range(args.reps):
         cfg = branch_config(args.task, REP_SEED0 + 10 * r, points=args.points, seeds=args.seeds, window=args.window,
-                            window_fraction=args.window_fraction)
+                            window_fraction=args.window_fraction, lr=args.lr)
         run = out / f"rep{r}" / "branch_points"
         if not args.analyze_only:
             run.mkdir(parents=True, exist_ok=True)
