@@ -47,7 +47,7 @@ DOC_REFERENCE = {
 
 
 def branch_config(task: str, seed: int, *, points: int, seeds: int, window: int | None, window_fraction: float = 1.0,
-                  lr: float | None = None):
+                  lr: float | None = None, second_moment: str = "keep"):
     """The design's BranchConfig from the sweep's configuration of ``task``."""
     import numpy as np
 
@@ -61,7 +61,7 @@ def branch_config(task: str, seed: int, *, points: int, seeds: int, window: int 
                         ks=[b // base for b in cfg.batches], lr=lr or grid[len(grid) // 2], optimizer=cfg.optimizer,
                         branch_at=at, window=window or 1, window_fraction=None if window else window_fraction, seeds=seeds, seed=seed,
                         micro_batch=cfg.micro_batch, max_val_samples=cfg.max_val_samples,
-                        max_grad_norm=cfg.max_grad_norm)
+                        max_grad_norm=cfg.max_grad_norm, second_moment=second_moment)
 
 
 def sweep_units(run: Path) -> float:
@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     ap.add_argument("--window-fraction", type=float, default=1.0, help="each branch trains this × its point's units")
     ap.add_argument("--lr", type=float, default=None, help="the base run's LR (default: the middle of the base batch's "
                     "grid; the sweep's result is not used)")
+    ap.add_argument("--second-moment", choices=("keep", "scaled"), default="keep",
+                    help="scaled: a k-branch's Adam exp_avg_sq divided by k (a diagnostic)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--analyze-only", action="store_true")
     args = ap.parse_args(argv)
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
     runs = []
     for r in range(args.reps):
         cfg = branch_config(args.task, REP_SEED0 + 10 * r, points=args.points, seeds=args.seeds, window=args.window,
-                            window_fraction=args.window_fraction, lr=args.lr)
+                            window_fraction=args.window_fraction, lr=args.lr, second_moment=args.second_moment)
         run = out / f"rep{r}" / "branch_points"
         if not args.analyze_only:
             run.mkdir(parents=True, exist_ok=True)

@@ -147,3 +147,21 @@ def test_window_fraction_gives_each_point_its_own_window(tmp_path):
     assert "window 0.5 × each point's tokens" in res.text()
     with pytest.raises(ValueError, match="window_fraction"):
         BranchConfig(branch_at=[300], window=1, window_fraction=0.0)
+
+
+def test_second_moment_scaled_changes_only_the_k_above_1_branches(tmp_path):
+    from globalbatch.lab.branch import BranchConfig, run_branch_test
+
+    tiny = dict(n_layer=1, d_model=16, n_head=2, seq_len=16, max_corpus_bytes=100_000)
+    kw = dict(task="tinygpt", task_overrides=tiny, base_batch=2, ks=[1, 2], lr=3e-3, branch_at=[300], window=200,
+              seeds=2, max_val_samples=16)
+    keep = run_branch_test(BranchConfig(**kw), tmp_path / "keep", threads=1, progress=False)
+    scaled = run_branch_test(BranchConfig(**kw, second_moment="scaled"), tmp_path / "scaled", threads=1,
+                             progress=False)
+    a = {(b["k"], b["seed"]): b["val_loss"] for b in keep.branches}
+    b = {(r["k"], r["seed"]): r["val_loss"] for r in scaled.branches}
+    assert all(a[(1, s)] == b[(1, s)] for s in (0, 1))  # k = 1 untouched, bit for bit
+    assert all(a[(2, s)] != b[(2, s)] for s in (0, 1))  # k = 2 starts from exp_avg_sq / 2
+    assert "second_moment" not in json.loads((tmp_path / "keep" / "manifest.json").read_text())["branch"]
+    with pytest.raises(ValueError, match="second_moment"):
+        BranchConfig(**kw, second_moment="reset")

@@ -85,6 +85,7 @@ __all__ = ["BranchConfig", "KVerdict", "Verdicts", "PointResult", "BranchResult"
 
 METRICS = ("val", "train")
 TOLERANCE_RULES = ("absolute", "half_window")
+SECOND_MOMENTS = ("keep", "scaled")
 TESTS = ("paired", "welch")
 MANIFEST_VERSION = 3  # 2: the window in samples, rounded up to max(ks)·base_batch; 3: device, precision, registry optimizers
 
@@ -134,6 +135,10 @@ class BranchConfig:
     """``cpu``, ``cuda``, ``cuda:N`` or ``mps``; in the manifest."""
     precision: str = "fp32"
     """``fp32``, ``bf16`` or ``fp16``; in the manifest."""
+    second_moment: str = "keep"
+    """The base run's Adam second moments at a k-branch: ``keep`` them (the checkpoint as it is), or ``scaled``:
+    divided by k, the noise-dominated limit E[g²] ≈ tr Σ / batch (a diagnostic: a large-k branch otherwise starts
+    with the small batch's larger ``exp_avg_sq``, which shrinks its first ≈ 1/(1 − β₂) steps)."""
 
     def __post_init__(self) -> None:
         self.ks = sorted(int(k) for k in self.ks)
@@ -183,6 +188,8 @@ class BranchConfig:
                     why="the half-window rule reads the k = 1 branches' validation loss half-way through the window")
         if self.test not in TESTS:
             raise E("test", self.test, ", ".join(TESTS))
+        if self.second_moment not in SECOND_MOMENTS:
+            raise E("second_moment", self.second_moment, ", ".join(SECOND_MOMENTS))
 
     def base_warmup_units(self) -> int:
         """Units over which the base run warms its LR up (branch points must not be earlier)."""
@@ -212,6 +219,8 @@ class BranchConfig:
             d.pop(key)
         if d["window_fraction"] is None:  # as before it existed: older directories stay resumable
             d.pop("window_fraction")
+        if d["second_moment"] == "keep":
+            d.pop("second_moment")
         return {"version": MANIFEST_VERSION, "branch": d}
 
     @classmethod
@@ -702,6 +711,10 @@ def _run_locked(config: BranchConfig, out: Path, task: Any, *, threads: Optional
                 state = torch.load(ckpt_dir / f"ckpt_{p}.pt", map_location=exp.device, weights_only=True)
                 model.load_state_dict(state["model"])
                 opt.load_state_dict(state["optimizer"])  # Adam moments continue; the LR is set next
+                if config.second_moment == "scaled" and k > 1:
+                    for st in opt.state.values():
+                        if "exp_avg_sq" in st:
+                            st["exp_avg_sq"].div_(k)
                 for g in opt.param_groups:
                     g["lr"] = lr_k
                 # Same order for every k at this seed: k-branches consume the 1-branch's samples k at a time,
