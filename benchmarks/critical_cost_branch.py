@@ -6,7 +6,8 @@ batch B, at the middle of that batch's LR grid (the design sees no sweep result)
 trial's units; ``--points`` branch points spaced geometrically from 1/64 to 1/4 of a trial's units (a small
 batch reaches the sweep's targets early: at B ≪ B_crit it needs about E_min units); at each, branches at every
 swept batch (k = batch / B, LR × the optimizer's rule), ``--seeds`` data orders each, each branch training as
-many units as its point's (``--window-fraction`` 1: B_crit read locally, short windows early; 0.5 read lower).
+many units as its point's (``--window-fraction`` 1: B_crit read locally, short windows early; 0.5 read lower),
+its Adam second moments divided by k (``--second-moment scaled``; ``keep`` read B_crit 2–4× low on MNIST).
 Each point gives B_crit at the loss the k = 1 branches reach, and ``branch_curve`` fits B_crit(L) =
 B_ref·(L/L_ref)^k over the points (the sweep's joint form).
 
@@ -110,8 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--window-fraction", type=float, default=1.0, help="each branch trains this × its point's units")
     ap.add_argument("--lr", type=float, default=None, help="the base run's LR (default: the middle of the base batch's "
                     "grid; the sweep's result is not used)")
-    ap.add_argument("--second-moment", choices=("keep", "scaled"), default="keep",
-                    help="scaled: a k-branch's Adam exp_avg_sq divided by k (a diagnostic)")
+    ap.add_argument("--second-moment", choices=("keep", "scaled"), default="scaled",
+                    help="scaled (the design measured best): a k-branch's Adam exp_avg_sq divided by k; keep: as is")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--analyze-only", action="store_true")
     args = ap.parse_args(argv)

@@ -414,6 +414,7 @@ CASES = [
     _c("branch-base-zero", BRANCH + ["--base-batch", "0"], "--base-batch"),
     _c("branch-points-one", BRANCH + ["--points", "1"], "--points"),
     _c("branch-window-fraction-zero", BRANCH + ["--window-fraction", "0"], "--window-fraction"),
+    _c("branch-second-moment", BRANCH + ["--second-moment", "reset"], "--second-moment"),
     _c("branch-tolerance-rule", BRANCH + ["--tolerance-rule", "relative"], "--tolerance-rule"),
     _c("branch-tolerance-rule-train", BRANCH + ["--tolerance-rule", "half_window", "--metric", "train"],
        "--tolerance-rule"),
