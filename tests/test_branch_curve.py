@@ -165,3 +165,12 @@ def test_second_moment_scaled_changes_only_the_k_above_1_branches(tmp_path):
     assert "second_moment" not in json.loads((tmp_path / "keep" / "manifest.json").read_text())["branch"]
     with pytest.raises(ValueError, match="second_moment"):
         BranchConfig(**kw, second_moment="reset")
+
+
+def test_half_window_below_the_base_batch_is_an_upper_bound():
+    """Every k > 1 fails by far: the crossing lies between k = 1 and 2, so B_crit = (k* − 2)·B ≤ 0 — read as '<'."""
+    losses = {1: [3.00, 3.01, 2.99], 2: [3.30, 3.31, 3.29], 4: [3.60, 3.61, 3.59]}
+    curve = branch_curve({100: losses, 200: losses}, base_batch_units=BASE, n_boot=0,
+                         drops_by_point={100: [0.05, 0.05, 0.05], 200: [0.05, 0.05, 0.05]})
+    assert [(p.bound, p.censored, p.b_crit_units) for p in curve.points] == [("<", True, BASE)] * 2
+    assert curve.fit is None and "< 4" in curve.text()
