@@ -11,6 +11,7 @@ fit of the raw values (``halfwidth=0``) and with the truth.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -80,3 +81,14 @@ def test_a_diverged_evaluation_stays_out_of_the_smoother():
 def test_a_negative_halfwidth_names_the_field(bad):
     with pytest.raises(SettingError, match="halfwidth"):
         heldout_fit(E, loss_true(E), halfwidth=bad)
+
+
+def test_evaluations_too_sparse_for_the_window_keep_their_values():
+    """Points alone in their window (here 0.5–0.7 apart in ln examples) are kept as they are, without a warning."""
+    e = np.array([0.0, 1e5, 2e5, 3e5, 4e5])
+    y = np.array([5.0, 2.53, 2.32, 2.22, 2.21])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit = heldout_fit(e, y)
+    assert np.all(np.isfinite(fit)) and np.all(np.diff(fit) <= 0)
+    assert fit[1] == pytest.approx(2.53, abs=1e-12)

@@ -77,9 +77,7 @@ def _local_linear(x: np.ndarray, y: np.ndarray, halfwidth: float) -> np.ndarray:
     det = s0 * s2 - s1 * s1
     # Weighted least squares of y ≈ a + b·(x − x_i), value a at x_i; fewer than two distinct points: keep y.
     ok = (np.count_nonzero(w, axis=1) >= 3) & (det > 1e-12 * np.maximum(s0 * s2, 1e-300))
-    out = y.copy()
-    out[ok] = ((s2 * t0 - s1 * t1) / det)[ok]
-    return out
+    return np.divide(s2 * t0 - s1 * t1, det, out=y.copy(), where=ok)
 
 
 def heldout_fit(examples: np.ndarray, loss: np.ndarray, *, halfwidth: float = SMOOTH_HALFWIDTH) -> np.ndarray:
