@@ -85,7 +85,11 @@ DESIGNS: dict[str, Design] = {d.name: d for d in (
     Design(name="halving", seeds=1, narrow=False, rungs=(1 / 9, 1 / 3),
            summary="every batch × its LR grid, the first seed, by successive halving: cells pause at 1/9 and 1/3 of "
                    "the budget and stop where they can no longer be their batch's fastest LR to a target the rung "
-                   "shows"),
+                   "shows",
+           measured="MNIST: B_crit within 1.33× (per target) / 2.02× (joint fit) of the full 5-seed sweep at the 4 "
+                    "targets where it has a point estimate, for 11.5 % (9.7–12.3 %) of its compute; demo tinygpt: "
+                    "within 1.97× per target (against the documented full sweep), reading it low (median ratios "
+                    "0.55–1.14), for 12.7 % (10.5–13.6 %); one seed: no seed-to-seed spread is stated"),
 )}
 DESIGN_NAMES = tuple(DESIGNS)
 
