@@ -45,6 +45,10 @@ def test_a_trial_paused_at_two_rungs_and_resumed_equals_the_uninterrupted_trial(
     assert second["consumed"] >= 4000 and trial_paused(b, tiny_spec(spec)) == second
     assert sorted(p.name for p in b.glob("paused-*")) == [f"paused-{second['consumed']}.jsonl",
                                                            f"paused-{second['consumed']}.pt"]  # older rung dropped
+    # A crash between the rungs: a killed writer's records and a checkpoint written before its marker. The marker is
+    # written last, so the resume starts from the pause it names and the leftovers are ignored, then removed.
+    (b / "metrics.jsonl.tmp-999999999").write_text('{"kind": "header"}\n')
+    (b / "paused-5000.pt").write_bytes(b"torn")
     done = run_trial(cfg, spec, str(tmp_path / "b"), threads=1)
     assert numeric(b) == numeric(tmp_path / "a" / "trials" / name)  # bitwise: every loss, norm, LR, val loss
     if noise:
@@ -178,8 +182,9 @@ def test_the_halving_design_stops_a_hopeless_lr_at_the_first_rung_counts_its_tok
     _, sa = analyze_sweep_seeds(tmp_path)  # the analysis reads the finished cells only (the first seed)
     assert sa.seeds == [0]
     from globalbatch.lab.sweep.designs import design_statement
+    from globalbatch.lab.sweep.halving import run_statement
 
-    said = design_statement("halving", 2, 3, 2, out_dir=str(tmp_path))  # the report's line
+    said = design_statement("halving", 2, 3, 2, ran=run_statement(tmp_path))  # the report's line
     assert f"It stopped {len(log['stopped'])} cell(s) at rungs of 1,000, 2,000 units" in said and "One seed" in said
     again = run_sweep(cfg, tmp_path, workers=1, threads=1, progress=False, timing_steps=0)
     assert again.ran == [] and json.loads((tmp_path / LOG_NAME).read_text()) == log  # same decisions, nothing retrained

@@ -463,7 +463,9 @@ def _design_text(data: SweepData) -> str:
 
     cfg = data.config
     n_seeds = len(cfg.seeds) if cfg.seeds is not None else 1
-    return design_statement(cfg.design, len(cfg.batches), len(cfg.lrs), n_seeds, out_dir=data.out_dir)
+    from globalbatch.lab.sweep.halving import run_statement
+
+    return design_statement(cfg.design, len(cfg.batches), len(cfg.lrs), n_seeds, ran=run_statement(data.out_dir))
 
 
 # ---------------------------------------------------------------------------

@@ -155,15 +155,15 @@ def budget_fraction(text: object, full_units: int, field: str = "sweep_budget") 
     return value
 
 
-def design_statement(name: str, n_batches: int, n_lrs: int, n_seeds: int, out_dir: Optional[str] = None) -> str:
-    """The report's line about the design a sweep ran (a halving design's: what it stopped and trained, read from
-    ``out_dir``)."""
+def design_statement(name: str, n_batches: int, n_lrs: int, n_seeds: int, ran: str = "") -> str:
+    """The report's line about the design a sweep ran; ``ran``: what a halving sweep stopped and trained
+    (:func:`globalbatch.lab.sweep.halving.run_statement`), said instead of its plan."""
     d = DESIGNS[name]
     if d.name == "full":
         return ""
     frac = d.planned_fraction(n_batches, n_lrs, n_seeds)
-    if d.rungs and out_dir is not None:
-        return f"Design {d.name}: {d.summary}. " + _halving_text(d, out_dir) + _agreement(d) + seeds_text(d)
+    if d.rungs and ran:
+        return f"Design {d.name}: {d.summary}. " + ran + _agreement(d) + seeds_text(d)
     return _statement(d, frac) + seeds_text(d)
 
 
@@ -172,21 +172,6 @@ def seeds_text(d: Design) -> str:
     return "" if d.seeds is None or d.seeds > 1 else (
         " One seed: the intervals are that seed's fit alone and do not contain the seed-to-seed spread "
         "(B_crit max/min over 5 seeds was 1.25–1.40 on the demo task).")
-
-
-def _halving_text(d: Design, out_dir: str) -> str:
-    """What a halving sweep stopped and trained (its ``halving.json`` and trials)."""
-    import json
-    from pathlib import Path
-
-    from globalbatch.lab.sweep.halving import LOG_NAME, trained_units
-
-    path = Path(out_dir) / LOG_NAME
-    if not path.is_file():
-        return "No rung decided yet."
-    log, units = json.loads(path.read_text()), trained_units(Path(out_dir))
-    return (f"It stopped {len(log['stopped'])} cell(s) at rungs of {', '.join(f'{r:,}' for r in log['rungs'])} units; "
-            f"it trained {units['total']:,.0f} units, {units['stopped']:,.0f} of them in stopped cells and probes. ")
 
 
 def _agreement(d: Design) -> str:

@@ -54,7 +54,7 @@ from globalbatch._util import atomic_write_json
 from globalbatch.lab.sweep.config import SweepConfig, TrialSpec
 
 __all__ = ["rung_positions", "RungCell", "RungDecision", "read_cell", "decide_rung", "trained_units", "run_rungs",
-           "probe_cells", "middle_first",
+           "probe_cells", "middle_first", "run_statement",
            "ray_scheduler", "LOG_NAME"]
 
 LOG_NAME = "halving.json"
@@ -331,6 +331,16 @@ def middle_first(config: SweepConfig, specs: Sequence[TrialSpec]) -> list[TrialS
         return (t.seed, t.batch, abs(t.lr - grid[(len(grid) - 1) // 2]) > 1e-12, t.lr)
 
     return sorted(specs, key=key)
+
+
+def run_statement(out_dir: str | Path) -> str:
+    """What a halving sweep stopped and trained, for the report ("" before its first rung is decided)."""
+    path = Path(out_dir) / LOG_NAME
+    if not path.is_file():
+        return ""
+    log, units = json.loads(path.read_text()), trained_units(Path(out_dir))
+    return (f"It stopped {len(log['stopped'])} cell(s) at rungs of {', '.join(f'{r:,}' for r in log['rungs'])} units; "
+            f"it trained {units['total']:,.0f} units, {units['stopped']:,.0f} of them in stopped cells and probes. ")
 
 
 def ray_scheduler(config: SweepConfig, out: Path, rungs: Sequence[int]):
