@@ -20,7 +20,6 @@ REPO = Path(__file__).resolve().parents[1]
 SLOW_TESTS = {
     # measured with --durations=0 on the loaded machine (seconds, setup + call); module-fixture users together
     "test_loop.py::test_cli_sweep_in_bf16_on_cpu_records_device_and_precision",  # 41
-    "test_sweep.py::test_ray_backend_runs_a_trial_through_tune",  # 19
     "test_sweep.py::test_sigkill_mid_trial_then_resume_equals_uninterrupted",  # 10, the reference sweep's users:
     "test_sweep.py::test_sweep_records_every_step_and_eval",
     "test_sweep.py::test_same_data_order_for_every_trial",

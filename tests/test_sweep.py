@@ -236,18 +236,6 @@ def test_ray_backend_without_ray_names_the_extra(tmp_path, monkeypatch):
         run_sweep(tiny_config(batches=[4], lrs=[1e-3]), tmp_path, backend="ray", progress=False)
 
 
-def test_ray_backend_runs_a_trial_through_tune(tmp_path):
-    pytest.importorskip("ray", reason="the dev extra installs ray[tune]; this runs the sweep through Ray Tune")
-    res = run_sweep(tiny_config(batches=[4], lrs=[1e-3]), tmp_path, backend="ray", workers=1, threads=1, progress=False)
-    assert res.ran == ["b4_lr0.001_s0"] and load_sweep(tmp_path).summaries["b4_lr0.001_s0"].completed
-    # the same trial through the local backend gives the same losses: Ray only schedules
-    local = tmp_path / "local"
-    run_sweep(tiny_config(batches=[4], lrs=[1e-3]), local, backend="local", workers=1, threads=1, progress=False)
-    ray_losses = [r.get("loss") for r in load_sweep(tmp_path).trials["b4_lr0.001_s0"] if r.get("kind") == "step"]
-    local_losses = [r.get("loss") for r in load_sweep(local).trials["b4_lr0.001_s0"] if r.get("kind") == "step"]
-    assert ray_losses and ray_losses == local_losses
-
-
 def test_run_trial_removes_stale_tmp_of_dead_writers(tmp_path):
     cfg = tiny_config(batches=[4], lrs=[1e-3], budget=200)
     d = tmp_path / "trials" / "b4_lr0.001_s0"

@@ -209,6 +209,15 @@ def test_with_ray_the_scheduler_stops_the_hopeless_lr_by_the_same_rule(tmp_path)
     stopped = json.loads((tmp_path / "trials" / "b4_lr1e-05_s0" / "paused.json").read_text())
     assert stopped["consumed"] in (256, 768)  # at a rung: 1/9 or 1/3 of the budget, at the next evaluation
     assert trained_units(tmp_path)["stopped"] == stopped["consumed"] + 256  # the stopped cell and the probe
+    # Ray only schedules: the cell that ran to the end has the losses of the same cell run by the local backend
+    from globalbatch.lab.sweep import load_sweep
+
+    local = tmp_path / "local"
+    run_sweep(tiny_config(batches=[4], lrs=[1e-3], budget=2000, eval_every=250), local, backend="local", workers=1,
+              threads=1, progress=False, timing_steps=0)
+    ray_losses = [r.get("loss") for r in load_sweep(tmp_path).trials["b4_lr0.001_s0"] if r.get("kind") == "step"]
+    local_losses = [r.get("loss") for r in load_sweep(local).trials["b4_lr0.001_s0"] if r.get("kind") == "step"]
+    assert ray_losses and ray_losses == local_losses
 
 
 def test_an_lr_beyond_the_edge_joins_where_the_best_at_the_rung_is_the_edge_never_a_cell_already_run():
