@@ -1,4 +1,4 @@
-"""B_crit(L) from the branch test at several points (lab/branch.py: branch_curve) on synthetic losses with a known
+"""B_crit(L) from the branch test at several points (lab/branch_stats.py: branch_curve) on synthetic losses with a known
 B_crit(L), and the plumbing through a tiny real multi-point run and the CLI."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from globalbatch.lab.branch import branch_curve
+from globalbatch.lab.branch_stats import branch_curve
 
 TOL = 0.01
 BASE = 4  # samples per step of the base run; B_crit in samples here (base_batch_units = 4)
