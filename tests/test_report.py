@@ -391,7 +391,7 @@ def test_one_seed_page_leads_with_its_answer(report):
 
 def test_loss_plot_legend_has_one_entry_per_batch(seeds_report, tmp_path, monkeypatch):
     """36 trials (6 batches × 2 LRs × 3 seeds): one legend entry per batch, at its chosen LR, outside the axes."""
-    import globalbatch.lab.report as report_mod
+    import globalbatch.lab.report_plots as report_mod
 
     figs = []
     monkeypatch.setattr(report_mod, "_save", lambda fig, path: figs.append(fig) or str(path))
