@@ -22,7 +22,7 @@ import numpy as np
 
 from globalbatch._util import atomic_write_json, atomic_write_text
 from globalbatch.lab.adaptive_run import AdaptiveAnalysis, analyze_adaptive
-from globalbatch.lab.report import _plt, _save
+from globalbatch.lab.report_plots import _plt, _save
 
 __all__ = ["write_adaptive_report", "format_analysis"]
 
