@@ -186,7 +186,7 @@ def report_cmd(
     with flag_names(flag_names_of("report")):
         V.existing_dir(run_dir, "run_dir", allowed="a sweep directory (written by globalbatch sweep)")
         target_list = None if targets is None else tuple(V.number_list(targets, "targets", positive_only=False))
-        from ..lab.scale_section import add_scale_section, load_scale_json
+        from ..lab.scale_section import load_scale_json
 
         scale_doc = None if scale is None else load_scale_json(scale)
         with V.created_out_dir(out if out is not None else str(Path(run_dir) / "report"), "out"):
@@ -195,9 +195,7 @@ def report_cmd(
             settings = AnalysisSettings(objective=objective, tolerance=tolerance, ema_fraction=ema_fraction,
                                         halflife_steps=half_life_steps, readout=readout, lr_selection=lr_selection,
                                         targets=target_list, first_seed_targets=target_list)
-            res = write_report(run_dir, out, settings=settings)
-            if scale_doc is not None:
-                res.plots.append(add_scale_section(res.html, scale_doc))
+            res = write_report(run_dir, out, settings=settings, scale=scale_doc)
     if as_json:
         doc = seed_json(res.data, res.seed_analysis) if res.seed_analysis is not None else {
             "recommendation": None, "warnings": []}

@@ -37,6 +37,7 @@ from globalbatch.critical.settings import FIRST_SEED_NAMES, AnalysisSettings, se
 from globalbatch.critical.seeds import SeedAnalysis, lr_selection_text, seed_analysis_json
 from globalbatch.lab.report_plots import (_chosen_lr, batch_label, plot_b_crit_vs_loss, plot_batch_tradeoff,
                                          plot_loss_vs_data, plot_noise_scale, plot_steps_vs_examples)
+from globalbatch.lab.scale_section import pareto_figure, scale_section_html
 from globalbatch.lab.sweep import SweepData, analyze_sweep, analyze_sweep_seeds
 
 __all__ = ["ReportResult", "write_report", "analysis_table", "batch_label", "render_html"]
@@ -370,7 +371,7 @@ def _details(summary: str, body: str, *, open_: bool = False) -> str:
 
 
 def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, str]], *, title: str = "globalbatch sweep report",
-                seed_analysis: Optional[SeedAnalysis] = None) -> str:
+                seed_analysis: Optional[SeedAnalysis] = None, extra_html: str = "") -> str:
     """The page: one answer first (``<section id="answer">``: the recommended batch, how sure, B_crit(L) with its
     spread), then the plots, then the numbers behind it and the comparisons, collapsed (``<details>``).
 
@@ -445,6 +446,7 @@ def render_html(data: SweepData, analysis: Analysis, plots: Sequence[tuple[str, 
 {''.join(imgs)}
 <h2>The numbers behind it, and comparisons</h2>
 {below}
+{extra_html}
 <p id="img-check" class="foot">images rendered: checking…</p>
 <script>
 // Self-check for headless browsers: count the embedded plots the browser actually decoded.
@@ -493,13 +495,16 @@ REPORT_NAMES = {**FIRST_SEED_NAMES, "seed_targets": "targets"}
 
 
 def write_report(run_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike] = None, *,
-                 settings: Optional[AnalysisSettings] = None, **old: Any) -> ReportResult:
+                 settings: Optional[AnalysisSettings] = None, scale: Optional[dict[str, Any]] = None,
+                 **old: Any) -> ReportResult:
     """Analyse the sweep in ``run_dir`` and write the plots, ``analysis.json`` and ``report.html``.
 
     Args:
         out_dir: where to write; default ``run_dir/report``.
         settings: a :class:`globalbatch.critical.AnalysisSettings` for both analyses: the analysis over seeds
             (:func:`analyze_sweep_seeds`) and the first seed's training-loss one (its ``first_seed_`` fields).
+        scale: a ``globalbatch scale --json`` answer (:func:`globalbatch.lab.scale_section.load_scale_json`): adds
+            its section (the Pareto plot ``scale_pareto.png``, the table per GPU count, the assumptions) to the page.
         old: the keywords before ``settings`` (deprecated: ``targets``/``n_targets`` are its ``first_seed_``
             ones, ``seed_targets`` its ``targets``).
     """
@@ -530,7 +535,12 @@ def write_report(run_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike
                "grid": data.config.manifest()["grid"],
                "seeds": seed_json(data, seed_analysis) if seed_analysis is not None else None}
     atomic_write_json(out / "analysis.json", summary)
-    page = render_html(data, analysis, plots, seed_analysis=seed_analysis)
+    extra_html, plot_paths = "", [p for _, p in plots]
+    if scale is not None:
+        scale_plot = pareto_figure(scale, out / "scale_pareto.png")
+        extra_html = scale_section_html(scale, scale_plot)
+        plot_paths.append(scale_plot)
+    page = render_html(data, analysis, plots, seed_analysis=seed_analysis, extra_html=extra_html)
     atomic_write_text(out / "report.html", page)
-    return ReportResult(html=str(out / "report.html"), plots=[p for _, p in plots], analysis_json=str(out / "analysis.json"),
+    return ReportResult(html=str(out / "report.html"), plots=plot_paths, analysis_json=str(out / "analysis.json"),
                         analysis=analysis, data=data, seed_analysis=seed_analysis)

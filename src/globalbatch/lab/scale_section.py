@@ -15,10 +15,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from globalbatch._util import atomic_write, atomic_write_text
+from globalbatch._util import atomic_write
 from globalbatch.errors import SettingError
 
-__all__ = ["load_scale_json", "pareto_figure", "scale_section_html", "add_scale_section"]
+__all__ = ["load_scale_json", "pareto_figure", "scale_section_html"]
 
 _ROW_KEYS = ("gpus", "global_batch", "global_batch_tokens", "geometry", "steps", "tokens", "compute_s", "comm_exposed_s",
              "bubble_s", "mfu", "time_s", "gpu_hours", "statistical_efficiency", "pareto", "meets_limits")
@@ -148,21 +148,3 @@ def scale_section_html(doc: dict[str, Any], plot_path: str | Path) -> str:
             f"<figure><img alt='{e(cap)}' src='data:image/png;base64,{b64}'><figcaption>{e(cap)}</figcaption></figure>"
             + "".join(lines) + table + "<h3>Assumptions</h3><ul>" + "".join(f"<li>{e(a)}</li>" for a in assumptions)
             + "</ul></section>\n")
-
-
-_MARKER = "<p id=\"img-check\""
-
-
-def add_scale_section(report_html: str | Path, doc: dict[str, Any]) -> str:
-    """Write ``scale_pareto.png`` next to ``report_html`` and insert the section into the page (before its
-    image self-check, else before ``</body>``), atomically. Returns the plot's path."""
-    page_path = Path(report_html)
-    plot = pareto_figure(doc, page_path.parent / "scale_pareto.png")
-    page = page_path.read_text(encoding="utf-8")
-    at = page.find(_MARKER)
-    if at < 0:
-        at = page.rfind("</body>")
-    if at < 0:
-        at = len(page)
-    atomic_write_text(page_path, page[:at] + scale_section_html(doc, plot) + page[at:])
-    return plot
