@@ -356,8 +356,8 @@ class Prior:
     """Paper the formula comes from."""
     formula: str
     """The formula as published."""
-    batch_tokens: Optional[float] = None
-    """Predicted batch in tokens (B_opt or B_crit, see ``quantity``)."""
+    batch_tokens: float
+    """Predicted batch in tokens (B_opt or B_crit, see ``quantity``): every law gives one."""
     lr: Optional[float] = None
     """Predicted peak learning rate, where the law gives one."""
     quantity: str = "B_opt"

@@ -359,7 +359,7 @@ def plan_table(report: PlanReport):
         t.add_row("model FLOPs per step", f"{report.model_flops_per_step:.3g}",
                   f"6·N × {fmt(report.global_batch_tokens)} token slots (formula, no attention)")
     for prior in report.priors:
-        value = f"{_human_count(prior.batch_tokens)} tok" if prior.batch_tokens is not None else ""
+        value = f"{_human_count(prior.batch_tokens)} tok"
         extra = f"; lr {prior.lr:.3g}" if prior.lr is not None else ""
         t.add_row(f"prior {prior.quantity} ({prior.source.split(',')[0]})", value, f"{prior.formula}{extra}")
     return t
