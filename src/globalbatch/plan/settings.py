@@ -8,14 +8,20 @@ token and parameter counts also take ``'100B'``-style strings. No torch import h
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from globalbatch._util import SettingError, _Raw
 from globalbatch.plan import arithmetic as P
 from globalbatch.validate import field_types, whole
 
-__all__ = ["PlanConfig"]
+__all__ = ["PlanConfig", "COUNT_FIELDS"]
+
+
+def _count() -> Any:
+    """A field holding a token, parameter or FLOP count: a config file and the CLI may also give it as a
+    ``'100B'``-style string (:data:`COUNT_FIELDS`)."""
+    return field(default=None, metadata={"count": True})
 
 
 @dataclass(kw_only=True)
@@ -40,7 +46,7 @@ class PlanConfig:
     """Mean non-padding (loss-bearing) tokens per sequence."""
     padding_fraction: Optional[float] = None
     """Share of token slots that are padding, in [0, 1)."""
-    total_tokens: Optional[float] = None
+    total_tokens: Optional[float] = _count()
     """Training budget in tokens (valid tokens when valid_tokens_per_seq/padding_fraction is set)."""
     lr: Optional[float] = None
     """Learning rate, tuned at ``lr_base_batch`` if that is given, else at this global batch."""
@@ -48,7 +54,7 @@ class PlanConfig:
     """Global batch (sequences) at which ``lr`` was tuned."""
     lr_rule: str = "sqrt"
     """How the LR moves with the batch: linear, sqrt or none."""
-    warmup_tokens: Optional[float] = None
+    warmup_tokens: Optional[float] = _count()
     """Warmup length in tokens (converted to steps)."""
     warmup_steps: Optional[int] = None
     """Warmup length in optimizer steps (converted to tokens)."""
@@ -58,13 +64,13 @@ class PlanConfig:
     """Interleaved virtual stages per pipeline stage v."""
     max_bubble: Optional[float] = None
     """Target pipeline bubble (fraction of ideal compute) for the smallest-global-batch hint."""
-    params: Optional[float] = None
+    params: Optional[float] = _count()
     """Model parameters N (for all-reduce volume and priors)."""
     grad_bytes_per_param: int = 4
     """Bytes per gradient element in the all-reduce (4 = fp32, 2 = bf16)."""
     no_sync: bool = True
     """Gradient sync only on the last micro-step (DDP no_sync)."""
-    compute_flops: Optional[float] = None
+    compute_flops: Optional[float] = _count()
     """Training compute C for the DeepSeek prior (default 6·N·D)."""
     loss_nats: Optional[float] = None
     """Loss (nats/token) for the Kaplan B_crit prior."""
@@ -119,16 +125,17 @@ def _show(v: Any) -> str:
 
 
 _FIELDS = {f.name: f for f in fields(PlanConfig)}
-_COUNT_FIELDS = {"total_tokens", "params", "compute_flops", "warmup_tokens"}
+COUNT_FIELDS = frozenset(f.name for f in fields(PlanConfig) if f.metadata.get("count"))
+"""The fields that take ``'100B'``-style counts (``total_tokens``, ``warmup_tokens``, ``params``, ``compute_flops``)."""
 _TYPES = field_types(PlanConfig)  # the checks of a file's values follow the fields' annotations
 _INT_FIELDS = {n for n, (t, _) in _TYPES.items() if t == "int"}
-_FLOAT_FIELDS = {n for n, (t, _) in _TYPES.items() if t == "float"} - _COUNT_FIELDS
+_FLOAT_FIELDS = {n for n, (t, _) in _TYPES.items() if t == "float"} - COUNT_FIELDS
 _BOOL_FIELDS = {n for n, (t, _) in _TYPES.items() if t == "bool"}
 
 
 def _coerce(name: str, value: Any) -> Any:
     """Type-check one value of our schema; token/param counts accept ``'100B'``-style strings."""
-    if name in _COUNT_FIELDS:
+    if name in COUNT_FIELDS:
         return float(P.parse_count(value, name))
     if name in _INT_FIELDS:
         # Batch sizes and lengths take plain whole numbers: "2K" for a seq_len is ambiguous (2000 or 2048?).
