@@ -1,8 +1,9 @@
 """One trial's record (:class:`TrialResult`), and how the ranks agree on it.
 
 Under ``torch.distributed`` every rank runs the same size, then the flag (0 fits, 1 OOM,
-2 failed), peak memory, step time and tokens are all-reduced with MAX and the capacity
-with MIN (:func:`_agree`), so all ranks take the same next size. Without an initialised
+2 failed) and every measured field are all-reduced, each as its declaration says (peak memory,
+step time, tokens and FLOPs with MAX, the capacity with MIN: :func:`_agree`), so all ranks take
+the same next size. Without an initialised
 process group the agreement is the identity.
 """
 
@@ -16,12 +17,19 @@ from typing import Any, Optional
 
 import torch
 
-from globalbatch.validate import whole
+from globalbatch.validate import field_types, whole
 
 log = logging.getLogger(__name__)
 
-# The all-reduced per-trial record: flag, peak bytes, step seconds, tokens per step, −capacity.
+# The trial's flag, all-reduced with MAX ahead of the measured fields (:func:`_agree`).
 _FITS, _OOM, _FAILED = 0.0, 1.0, 2.0
+_SIGN = {"max": 1.0, "min": -1.0}
+"""How ranks agree on a measured field → the sign it is all-reduced with under MAX."""
+
+
+def _measured(agree: str) -> Any:
+    """A field one trial measures (None: not measured), and how the ranks agree on it (``"max"`` or ``"min"``)."""
+    return dataclasses.field(default=None, metadata={"agree": agree})
 
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
@@ -74,17 +82,17 @@ class TrialResult:
     """Samples per forward/backward on this rank."""
     oom: bool = False
     """True when the trial ran out of memory or its peak exceeded the memory budget."""
-    peak_memory_bytes: Optional[int] = None
+    peak_memory_bytes: Optional[int] = _measured("max")
     """Peak bytes during the trial (:mod:`globalbatch.probe` says what is counted); None if not measured."""
-    step_time_s: Optional[float] = None
+    step_time_s: Optional[float] = _measured("max")
     """Median seconds per timed training step (warm-up excluded); None for a failed trial."""
-    tokens_per_step: Optional[int] = None
+    tokens_per_step: Optional[int] = _measured("max")
     """Tokens (padding included) per micro-batch on this rank; None when the batch has no token count."""
-    capacity_bytes: Optional[int] = None
+    capacity_bytes: Optional[int] = _measured("min")
     """Bytes the device could hold for this process (CUDA: free + reserved by torch); None if unknown."""
-    model_flops_per_step: Optional[float] = None
+    model_flops_per_step: Optional[float] = _measured("max")
     """Model FLOPs of one forward + backward of this micro-batch (FlopCounterMode); None if not counted."""
-    valid_tokens_per_step: Optional[int] = None
+    valid_tokens_per_step: Optional[int] = _measured("max")
     """Non-padding (loss-bearing) tokens per micro-batch; None for a sample task or when not counted."""
     note: str = ""
     """Why a trial failed (one line), or extra detail."""
@@ -170,30 +178,28 @@ def _decode(x: float) -> Optional[float]:
     return None if x == -math.inf else x
 
 
+_MEASURED = [(f.name, _SIGN[f.metadata["agree"]]) for f in dataclasses.fields(TrialResult) if "agree" in f.metadata]
+_WHOLE = {name for name, (kind, _) in field_types(TrialResult).items() if kind == "int"}
+
+
 def _agree(result: Optional[TrialResult], micro_batch: int, flag: float) -> TrialResult:
-    """All ranks agree on the trial: MAX of the flag, peak, step time, tokens; MIN of capacity."""
+    """All ranks agree on the trial: MAX of the flag, and each measured field as it declares (MAX, or MIN of
+    the capacity); a field no rank measured stays None, the step time of a trial that did not fit too."""
     r = result or TrialResult(micro_batch=micro_batch, oom=flag != _FITS)
-    local = [flag, _encode(r.peak_memory_bytes), _encode(r.step_time_s), _encode(r.tokens_per_step),
-             _encode(None if r.capacity_bytes is None else -r.capacity_bytes), _encode(r.model_flops_per_step),
-             _encode(r.valid_tokens_per_step)]
+    local = [flag] + [_encode(None if (v := getattr(r, name)) is None else sign * v) for name, sign in _MEASURED]
     if not _dist_ready():
         return r
-    agreed_flag, peak, step, tokens, neg_cap, flops, valid = _all_reduce_max(local)
+    agreed_flag, *values = _all_reduce_max(local)
     if agreed_flag == _FAILED and flag != _FAILED:
         raise RuntimeError(f"probe: another rank failed at micro_batch {micro_batch} (see its log)")
+    agreed: dict[str, Any] = {}
+    for (name, sign), x in zip(_MEASURED, values):
+        v = _decode(x)
+        agreed[name] = None if v is None else int(sign * v) if name in _WHOLE else sign * v
+    if agreed_flag != _FITS:
+        agreed["step_time_s"] = None
     note = r.note if flag == agreed_flag else "another rank ran out of memory"
-    cap = _decode(neg_cap)
-    return TrialResult(
-        micro_batch=micro_batch,
-        oom=agreed_flag != _FITS,
-        peak_memory_bytes=None if _decode(peak) is None else int(peak),
-        step_time_s=None if agreed_flag != _FITS else _decode(step),
-        tokens_per_step=None if _decode(tokens) is None else int(tokens),
-        capacity_bytes=None if cap is None else int(-cap),
-        model_flops_per_step=_decode(flops),
-        valid_tokens_per_step=None if _decode(valid) is None else int(valid),
-        note=note,
-    )
+    return TrialResult(micro_batch=micro_batch, oom=agreed_flag != _FITS, note=note, **agreed)
 
 
 
