@@ -248,6 +248,28 @@ def test_step_overhead_measured_default_and_dp_latency():
         ThroughputCurve(tokens=(1.0,), mfu=(0.5,), source="x", step_overhead_s=1e-3)
 
 
+def test_dp_bookkeeping_is_once_per_step_plus_per_micro_batch_with_dp():
+    from dataclasses import replace
+
+    from globalbatch.scale import dp_bookkeeping_time
+
+    flat = ThroughputCurve(tokens=(1.0,), mfu=(0.5,), source="flat")
+    model = ModelSpec(params=1e9, seq_len=1000)
+    c = replace(C, dp_step_overhead_s=2e-3, dp_micro_overhead_s=3e-4)
+    for accum in (1, 4):
+        base = step_time(model, C, flat, micro_batch=4, grad_accum_steps=accum, dp=16)
+        st = step_time(model, c, flat, micro_batch=4, grad_accum_steps=accum, dp=16)
+        assert st.overhead_s == pytest.approx(base.overhead_s + 2e-3 + accum * 3e-4, rel=1e-12)
+        assert st.total_s == pytest.approx(base.total_s + 2e-3 + accum * 3e-4, rel=1e-12)
+        assert (st.compute_s, st.comm_exposed_s) == (base.compute_s, base.comm_exposed_s)
+        # one replica has no data-parallel bookkeeping
+        assert step_time(model, c, flat, micro_batch=4, grad_accum_steps=accum, dp=1).overhead_s == \
+            step_time(model, C, flat, micro_batch=4, grad_accum_steps=accum, dp=1).overhead_s
+    assert dp_bookkeeping_time(c, dp=2, grad_accum_steps=np.array([1.0, 8.0])) == pytest.approx([2.3e-3, 4.4e-3])
+    assert dp_bookkeeping_time(c, dp=1, grad_accum_steps=8) == 0.0
+    assert all(p.dp_step_overhead_s == 0.0 and p.dp_micro_overhead_s == 0.0 for p in PRESETS.values())
+
+
 def test_probe_file_optimizer_step_is_removed_from_the_curve(tmp_path):
     import json
 
@@ -284,12 +306,16 @@ def test_memory_bounds_the_micro_batch_and_a_huge_model_fits_nowhere():
     assert e.value.field == "params"
 
 
-def test_search_best_equals_brute_force_over_geometries():
+@pytest.mark.parametrize("dp_overheads", [(0.0, 0.0), (0.05, 0.002)])
+def test_search_best_equals_brute_force_over_geometries(dp_overheads):
     conv = _conv(k=-6.0)
     model = ModelSpec(params=2e8, seq_len=1024, tokens_per_sequence=1000.0)
     cluster = Cluster(name="t", gpus_per_node=4, peak_flops_per_s=1e14, memory_bytes=80e9,
-                      intra_busbw_bytes_per_s=1e11, inter_busbw_bytes_per_s=1e10)
-    curve = default_mfu_curve()
+                      intra_busbw_bytes_per_s=1e11, inter_busbw_bytes_per_s=1e10,
+                      dp_step_overhead_s=dp_overheads[0], dp_micro_overhead_s=dp_overheads[1])
+    # with the DP bookkeeping, an MFU that falls with the micro-batch: the best geometries accumulate
+    curve = default_mfu_curve() if not dp_overheads[1] else ThroughputCurve(tokens=(1024.0, 262144.0), mfu=(0.5, 0.1),
+                                                                             source="falling")
     cfg = ScaleConfig(target_loss=2.6, max_gpus=16, tp_options=(1, 2), pp_options=(1, 2), max_global_batch=256)
     assert ScaleConfig(target_loss=2.6).tp_options == (1,)
     res = scale(conv, model, cluster, curve, cfg)
@@ -312,6 +338,8 @@ def test_search_best_equals_brute_force_over_geometries():
                         best = min(best, conv.steps(st.global_batch * 1000.0, 2.6) * st.total_s)
         assert row.time_s == pytest.approx(best, rel=1e-9)
     assert res.best is min(res.rows, key=lambda r: r.time_s)
+    if dp_overheads[1]:
+        assert any(r.step.grad_accum_steps > 1 and r.step.dp > 1 for r in res.rows)
     assert any(r.pareto for r in res.rows)
 
 
@@ -359,11 +387,14 @@ def test_yaml_cluster_keys_are_checked_one_by_one(tmp_path):
     base = ("gpus_per_node: 4\npeak_flops_per_s: 3.12e14\nmemory_bytes: 40e9\nintra_busbw_bytes_per_s: 2e11\n"
             "inter_busbw_bytes_per_s: 2.5e10\n")
     p = tmp_path / "c.yaml"
-    p.write_text(base + "gpu_hour_price: 2.5\n")
+    p.write_text(base + "gpu_hour_price: 2.5\ndp_step_overhead_s: 1.5e-3\ndp_micro_overhead_s: 0.0002\n")
     c = load_cluster(str(p))
     assert c.name == "c" and c.peak_flops_per_s == 3.12e14 and c.gpu_hour_price == 2.5  # "3.12e14": YAML 1.1 string
+    assert (c.dp_step_overhead_s, c.dp_micro_overhead_s) == (1.5e-3, 2e-4)
     for extra, key in (("gpus_per_node: 0\n", "gpus_per_node"), ("memory_bytes: -1\n", "memory_bytes"),
                        ("base_latency_s: -1e-6\n", "base_latency_s"), ("bogus: 1\n", "bogus"),
+                       ("dp_step_overhead_s: -1e-3\n", "dp_step_overhead_s"),
+                       ("dp_micro_overhead_s: .inf\n", "dp_micro_overhead_s"),
                        ("peak_flops_per_s: fast\n", "peak_flops_per_s"), ("gpu_hour_price: .nan\n", "gpu_hour_price")):
         lines = [ln for ln in base.splitlines() if not ln.startswith(extra.split(":")[0] + ":")]
         p.write_text("\n".join(lines) + "\n" + extra)

@@ -19,6 +19,7 @@ from globalbatch.scale.cluster import (
     allreduce_time,
     cluster_from_mapping,
     default_mfu_curve,
+    dp_bookkeeping_time,
     dp_comm_time,
     largest_micro,
     load_cluster,
@@ -50,7 +51,7 @@ from globalbatch.scale.search import (
 )
 
 __all__ = ["PRESETS", "Cluster", "ModelSpec", "StepTime", "ThroughputCurve", "allreduce_time", "cluster_from_mapping",
-           "default_mfu_curve", "dp_comm_time", "largest_micro", "load_cluster", "mfu_curve_from_probe",
+           "default_mfu_curve", "dp_bookkeeping_time", "dp_comm_time", "largest_micro", "load_cluster", "mfu_curve_from_probe",
            "ring_collective_time", "tree_allreduce_time", "step_time", "step_overhead_time", "BCritLaw", "ConvergenceModel", "ScheduleCost",
            "SMinLaw", "deepseek_batch_prior", "fit_s_min", "kaplan_prior", "OBJECTIVES", "Choice", "RampChoice",
            "ScaleConfig", "ScaleResult", "format_count", "gpu_counts", "scale", "schedule_string"]

@@ -21,6 +21,10 @@
   labelled default, ``OPTIMIZER_BYTES_PER_PARAM`` bytes per updated parameter over the GPU's memory
   bandwidth (AdamW is memory-bound); with DP > 1 also StepDriver's two small all-reduces per step.
   DDP's gradient buckets (25 MB) are one all-reduce each: each pays the collective's latency.
+* Data-parallel bookkeeping (DP > 1): what a data-parallel step costs beyond its collectives' α–β — the cluster's
+  ``dp_step_overhead_s`` once per step and ``dp_micro_overhead_s`` per micro-batch (DDP's reducer, its hooks, the
+  wake-ups of ranks that wait for each other inside a step); measured for a cluster (zero-loss windows of a
+  one-parameter module, DDP against no DP, ``benchmarks/scale_validation.py --measure-cluster``), 0 in the presets.
 * TP is given: its communication is inside the MFU the curve states (not modelled separately).
 * Memory bounds the micro-batch with the project's memory model (:mod:`globalbatch.plan.memory`).
 
@@ -44,7 +48,7 @@ from globalbatch.validate import whole
 __all__ = ["Cluster", "PRESETS", "load_cluster", "cluster_from_mapping", "ThroughputCurve", "default_mfu_curve",
            "mfu_curve_from_probe", "ModelSpec", "allreduce_time", "ring_collective_time", "tree_allreduce_time", "dp_comm_time",
            "StepTime", "step_time", "largest_micro", "NCCL_BASE_LAT_S", "DDP_BUCKET_BYTES", "step_overhead_time",
-           "OPTIMIZER_BYTES_PER_PARAM", "DRIVER_STEP_COLLECTIVES"]
+           "dp_bookkeeping_time", "OPTIMIZER_BYTES_PER_PARAM", "DRIVER_STEP_COLLECTIVES"]
 
 NCCL_BASE_LAT_S = 8.4e-6
 """NCCL tuning.cc ``baseLat`` of Ring/Simple (µs → s)."""
@@ -87,6 +91,16 @@ class Cluster:
     """Price of one GPU-hour (any currency), when cost should be shown in money."""
     memory_bandwidth_bytes_per_s: Optional[float] = None
     """Device memory bandwidth: the default per-step optimizer overhead (None: no default overhead)."""
+    dp_step_overhead_s: float = 0.0
+    """Seconds a data-parallel optimizer step (DP > 1) costs beyond its collectives' α–β, once per step: DDP's
+    reducer (armed in the forward, its autograd hooks, the bucket copies, the finalize) and the wake-ups of ranks
+    that wait for each other at a collective inside a step, which an all-reduce timed after a barrier does not see.
+    Measured as a zero-loss window of a one-parameter module under DDP minus the same window without DP, minus the
+    window's collectives as this cluster models them (``benchmarks/scale_validation.py --measure-cluster``).
+    0 in the presets: not measured on them; on a GPU the reducer's host work is issued ahead of the kernels."""
+    dp_micro_overhead_s: float = 0.0
+    """The same per micro-batch (DDP's forward hooks, ``no_sync``): measured from the windows with 4 and 1
+    micro-batches; 0 in the presets."""
     source: str = ""
     """Where the numbers come from."""
 
@@ -107,6 +121,8 @@ _CLUSTER_ALLOWED = {
     "tree_inter_latency_s": "seconds ≥ 0",
     "gpu_hour_price": "a price ≥ 0 or null",
     "memory_bandwidth_bytes_per_s": "bytes/s > 0 or null, e.g. 3.35e12",
+    "dp_step_overhead_s": "seconds ≥ 0",
+    "dp_micro_overhead_s": "seconds ≥ 0",
 }
 
 
@@ -125,7 +141,7 @@ def check_cluster(c: Cluster) -> None:
         if not (_num_ok(v) and v > 0):
             raise SettingError(key, v, _CLUSTER_ALLOWED[key])
     for key in ("base_latency_s", "intra_hop_latency_s", "inter_hop_latency_s", "tree_intra_latency_s",
-                "tree_inter_latency_s"):
+                "tree_inter_latency_s", "dp_step_overhead_s", "dp_micro_overhead_s"):
         v = getattr(c, key)
         if not (_num_ok(v) and v >= 0):
             raise SettingError(key, v, _CLUSTER_ALLOWED[key])
@@ -425,12 +441,21 @@ def dp_comm_time(model: ModelSpec, c: Cluster, *, dp: int, tp: int, pp: int) -> 
     return rs + n_ag * ag, f"reduce-scatter + {n_ag} all-gather (ring)"
 
 
+def dp_bookkeeping_time(c: Cluster, *, dp: int, grad_accum_steps: Any = 1) -> Any:
+    """What a data-parallel step costs beyond its collectives' α–β: ``dp_step_overhead_s + grad_accum_steps ·
+    dp_micro_overhead_s`` of the cluster with DP > 1, else 0 (``grad_accum_steps`` may be an array)."""
+    if dp <= 1:
+        return 0.0 * grad_accum_steps
+    return c.dp_step_overhead_s + c.dp_micro_overhead_s * grad_accum_steps
+
+
 def step_overhead_time(model: ModelSpec, c: Cluster, curve: ThroughputCurve, *, dp: int, tp: int, pp: int) -> float:
     """Seconds per optimizer step outside forward, backward and the gradient communication: the optimizer step and
     its bookkeeping on the parameters this rank updates (``N/(tp·pp)``; ``/dp`` more with ZeRO / FSDP, whose ranks
     update their shard), measured (``curve.step_overhead_s`` scaled from ``curve.overhead_params``) or the labelled
     default ``OPTIMIZER_BYTES_PER_PARAM`` / memory bandwidth (0 when the cluster states none); with DP > 1 plus
-    StepDriver's ``DRIVER_STEP_COLLECTIVES`` small all-reduces (the collective's latency)."""
+    StepDriver's ``DRIVER_STEP_COLLECTIVES`` small all-reduces (the collective's latency). The data-parallel
+    bookkeeping, which depends on the micro-batches, is :func:`dp_bookkeeping_time`."""
     updated = model.params / (tp * pp) / (dp if model.sharding != "none" else 1)
     if curve.step_overhead_s is not None and curve.overhead_params:
         t = curve.step_overhead_s * updated / curve.overhead_params
@@ -482,7 +507,7 @@ class StepTime:
     mfu_kernel: float
     """MFU of the micro-batch's kernels (the curve)."""
     overhead_s: float = 0.0
-    """Per-step overhead outside forward and backward (:func:`step_overhead_time`)."""
+    """Per-step overhead outside forward and backward (:func:`step_overhead_time` + :func:`dp_bookkeeping_time`)."""
 
     @property
     def total_s(self) -> float:
@@ -519,7 +544,9 @@ def step_time(model: ModelSpec, c: Cluster, curve: ThroughputCurve, *, micro_bat
     exposed = _exposed(comm, compute, grad_accum_steps, model, overlap, tp * pp)
     return StepTime(gpus=gpus, global_batch=gb, micro_batch=micro_batch, grad_accum_steps=grad_accum_steps, dp=dp,
                     tp=tp, pp=pp, compute_s=compute, comm_exposed_s=exposed, bubble_s=bubble, comm_total_s=comm,
-                    comm_how=how, mfu_kernel=mfu_k, overhead_s=step_overhead_time(model, c, curve, dp=dp, tp=tp, pp=pp))
+                    comm_how=how, mfu_kernel=mfu_k,
+                    overhead_s=step_overhead_time(model, c, curve, dp=dp, tp=tp, pp=pp)
+                    + dp_bookkeeping_time(c, dp=dp, grad_accum_steps=grad_accum_steps))
 
 
 def _exposed(comm: float, compute: float, accum: int, model: ModelSpec, overlap: float, model_parallel: int) -> float:

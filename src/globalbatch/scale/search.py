@@ -30,6 +30,7 @@ from globalbatch.scale.cluster import (
     ModelSpec,
     StepTime,
     ThroughputCurve,
+    dp_bookkeeping_time,
     dp_comm_time,
     largest_micro,
     step_overhead_time,
@@ -191,8 +192,9 @@ class ScaleResult:
             "convergence": self.convergence.to_dict(),
             "cluster": {"name": c.name, "gpus_per_node": c.gpus_per_node, "peak_flops_per_s": c.peak_flops_per_s,
                         "memory_bytes": c.memory_bytes, "intra_busbw_bytes_per_s": c.intra_busbw_bytes_per_s,
-                        "inter_busbw_bytes_per_s": c.inter_busbw_bytes_per_s, "gpu_hour_price": c.gpu_hour_price,
-                        "source": c.source},
+                        "inter_busbw_bytes_per_s": c.inter_busbw_bytes_per_s, "base_latency_s": c.base_latency_s,
+                        "dp_step_overhead_s": c.dp_step_overhead_s, "dp_micro_overhead_s": c.dp_micro_overhead_s,
+                        "gpu_hour_price": c.gpu_hour_price, "source": c.source},
             "model": {"params": self.model.params, "seq_len": self.model.seq_len,
                       "tokens_per_sequence": self.model.tokens_per_seq,
                       "flops_per_token": self.model.train_flops_per_token, "sharding": self.model.sharding},
@@ -266,7 +268,8 @@ def _best_by_batch(model: ModelSpec, cluster: Cluster, curve: ThroughputCurve, c
             compute, bubble, exposed, mfu_k = step_times_grid(model, cluster, curve, dp=dp, tp=tp, pp=pp, micro=micro,
                                                               accum=accum, overlap=cfg.overlap, comm=comm,
                                                               peak_flops_per_s=peak)
-            overhead = step_overhead_time(model, cluster, curve, dp=dp, tp=tp, pp=pp)
+            overhead = (step_overhead_time(model, cluster, curve, dp=dp, tp=tp, pp=pp)
+                        + dp_bookkeeping_time(cluster, dp=dp, grad_accum_steps=accum))
             total = compute + bubble + exposed + overhead
             evaluated += total.size
             for r in np.unique(per_rep):
@@ -280,7 +283,7 @@ def _best_by_batch(model: ModelSpec, cluster: Cluster, curve: ThroughputCurve, c
                                         grad_accum_steps=int(accum[k]), dp=dp, tp=tp, pp=pp,
                                         compute_s=float(compute[k]), comm_exposed_s=float(exposed[k]),
                                         bubble_s=float(bubble[k]), comm_total_s=comm[0], comm_how=comm[1],
-                                        mfu_kernel=float(mfu_k[k]), overhead_s=overhead)
+                                        mfu_kernel=float(mfu_k[k]), overhead_s=float(overhead[k]))
     return best, evaluated
 
 
