@@ -70,8 +70,7 @@ def echo_json(obj: Any) -> None:
 # ---------------------------------------------------------------------------
 
 _FIELD_PARAMS: dict[str, dict[str, str]] = {
-    "plan": {"grad_accum_steps": "grad_accum", "dp_world_size": "dp", "new_dp_world_size": "dp",
-             "compute_flops": "compute", "loss_nats": "loss", "config": "config"},
+    "plan": {"dp_world_size": "dp", "new_dp_world_size": "dp", "config": "config"},
     "probe": {"dp_world_size": "dp", "tolerance": "throughput_tolerance", "task_overrides": "task_arg",
               "memory_limit_bytes": "memory_limit"},
     "sweep": {"budget": "tokens", "task_overrides": "task_arg", "max_val_samples": "val_samples"},

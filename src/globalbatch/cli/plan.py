@@ -3,49 +3,106 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
-from typing import Any, Optional, cast
+from typing import Any, Callable, Optional, cast
 
 import typer
 
 from globalbatch.cli.app import app, flag_names_of, LrRule
+from globalbatch.plan.settings import COUNT_FIELDS, PlanConfig
+from globalbatch.validate import field_types
+
+HELP = {
+    "config": "YAML/TOML (our schema), DeepSpeed JSON or HF TrainingArguments JSON.",
+    "global_batch": "Sequences per optimizer step, all ranks.",
+    "micro_batch": "Sequences per forward/backward per rank.",
+    "grad_accum_steps": "Micro-batches accumulated per optimizer step.",
+    "dp": "Data-parallel world size. With --config: a new world size; the global batch stays fixed and accum is re-derived.",
+    "round_down": "When the new --dp does not divide, round the global batch down and say how much is dropped.",
+    "seq_len": "Tokens per sequence (padded).",
+    "valid_tokens_per_seq": "Mean non-padding tokens per sequence.",
+    "padding_fraction": "Share of token slots that are padding, 0 ≤ x < 1.",
+    "total_tokens": "Training budget in tokens, e.g. 100B.",
+    "lr": "Learning rate (tuned at --lr-base-batch if given).",
+    "lr_base_batch": "Global batch (sequences) at which --lr was tuned.",
+    "lr_rule": "linear | sqrt | none (default sqrt, or --optimizer's rule).",
+    "optimizer": "A registry name (adamw, sgd, lars, lamb): its LR rule is the default --lr-rule; with --memory also its state bytes (plus sgd-plain, sgd-momentum, adafactor; default adamw).",
+    "warmup_tokens": "Warmup in tokens, e.g. 375M (converted to steps).",
+    "warmup_steps": "Warmup in steps (converted to tokens).",
+    "pp_stages": "Pipeline stages p (micro-batches per step m = grad accum).",
+    "virtual_stages": "Interleaved virtual stages v (default 1).",
+    "max_bubble": "Bubble target (fraction of compute) for the smallest-global-batch hint.",
+    "params": "Model parameters N, e.g. 7B (all-reduce volume, priors).",
+    "grad_bytes_per_param": "Bytes per gradient element (4 fp32, 2 bf16; default 4).",
+    "sync_every_micro_step": "All-reduce on every micro-step (no no_sync).",
+    "compute_flops": "Training FLOPs C for the DeepSeek prior (default 6·N·D).",
+    "loss_nats": "Loss in nats/token for the Kaplan B_crit prior.",
+    "memory": "Device memory, e.g. 80GiB: predict the largest micro-batch and show the memory breakdown (needs --params and --activation-bytes-per-sample, or --task).",
+    "precision": "With --memory: fp32 or bf16-mixed (bf16 weights/grads, fp32 master; default fp32).",
+    "sharding": "With --memory: none, zero1, zero2, zero3 or fsdp, over --dp ranks (default none).",
+    "activation_bytes": "With --memory: activation bytes per sample, e.g. 1.5GiB (else measured with --task).",
+    "checkpoint_divisor": "With --memory: activation checkpointing divides activations by this (default 1: none).",
+    "task": "With --memory: measure params and activations of this task (tinygpt, mnist or package.module:function; needs torch).",
+    "task_arg": "With --task: override KEY=VALUE (repeatable), e.g. d_model=64.",
+    "batch_schedule": "A batch schedule in tokens, e.g. '0:256 2B:512' (what `globalbatch scale` proposes and StepDriver takes): each stage's accum and steps; the first stage is the plan's global batch.",
+    "as_json": "Print JSON with stable snake_case keys.",
+}
+"""Every option of ``globalbatch plan``, in ``--help`` order: parameter → help. The flag is the parameter's name
+with dashes (:data:`FLAGS` where not); the type is declared by :func:`plan_cmd`, or else by :class:`PlanConfig`'s
+field of the same name (which the option sets; counts as strings, ``'100B'``) or by :data:`MEMORY_FLAGS`."""
+
+FLAGS = {"grad_accum_steps": "--grad-accum", "compute_flops": "--compute", "loss_nats": "--loss",
+         "activation_bytes": "--activation-bytes-per-sample", "as_json": "--json"}
+"""Parameter → flag, where the flag is not the parameter's name with dashes."""
+
+MEMORY_FLAGS: dict[str, Any] = {"precision": str, "sharding": str, "activation_bytes": str,
+                                "checkpoint_divisor": float, "task": str, "task_arg": list[str]}
+"""The options that need ``--memory``, with their types."""
+
+
+def _flag(name: str) -> str:
+    return FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def _option_type(name: str) -> Any:
+    """The type of an option :func:`plan_cmd` does not declare (see :data:`HELP`)."""
+    if name in MEMORY_FLAGS:
+        kind = MEMORY_FLAGS[name]
+        return kind if kind == list[str] else Optional[kind]
+    if name == "lr_rule":
+        return Optional[LrRule]
+    kind = str if name in COUNT_FIELDS else {"int": int, "float": float}[field_types(PlanConfig)[name][0]]
+    return Optional[kind]
+
+
+def _with_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Give ``command`` one typer option per :data:`HELP` entry: its own parameters as declared, the others
+    (passed in ``**given``) typed by :func:`_option_type`, unset by default."""
+    own = inspect.signature(command, eval_str=True).parameters
+    params = []
+    for name, text in HELP.items():
+        kind = own[name].annotation if name in own else _option_type(name)
+        default = own[name].default if name in own else [] if kind == list[str] else None
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=kind,
+                                        default=typer.Option(default, _flag(name), help=text)))
+    command.__signature__ = inspect.Signature(params, return_annotation=None)  # type: ignore[attr-defined]
+    return command
 
 
 @app.command("plan", short_help="State, check and derive the batch geometry of a run (no torch needed).")
+@_with_options
 def plan_cmd(
-    config: Optional[str] = typer.Option(None, "--config", help="YAML/TOML (our schema), DeepSpeed JSON or HF TrainingArguments JSON."),
-    global_batch: Optional[int] = typer.Option(None, "--global-batch", help="Sequences per optimizer step, all ranks."),
-    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Sequences per forward/backward per rank."),
-    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Micro-batches accumulated per optimizer step."),
-    dp: Optional[int] = typer.Option(None, "--dp", help="Data-parallel world size. With --config: a new world size; the global batch stays fixed and accum is re-derived."),
-    round_down: bool = typer.Option(False, "--round-down", help="When the new --dp does not divide, round the global batch down and say how much is dropped."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence (padded)."),
-    valid_tokens_per_seq: Optional[float] = typer.Option(None, "--valid-tokens-per-seq", help="Mean non-padding tokens per sequence."),
-    padding_fraction: Optional[float] = typer.Option(None, "--padding-fraction", help="Share of token slots that are padding, 0 ≤ x < 1."),
-    total_tokens: Optional[str] = typer.Option(None, "--total-tokens", help="Training budget in tokens, e.g. 100B."),
-    lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate (tuned at --lr-base-batch if given)."),
-    lr_base_batch: Optional[int] = typer.Option(None, "--lr-base-batch", help="Global batch (sequences) at which --lr was tuned."),
-    lr_rule: Optional[LrRule] = typer.Option(None, "--lr-rule", help="linear | sqrt | none (default sqrt, or --optimizer's rule)."),
-    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="A registry name (adamw, sgd, lars, lamb): its LR rule is the default --lr-rule; with --memory also its state bytes (plus sgd-plain, sgd-momentum, adafactor; default adamw)."),
-    warmup_tokens: Optional[str] = typer.Option(None, "--warmup-tokens", help="Warmup in tokens, e.g. 375M (converted to steps)."),
-    warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", help="Warmup in steps (converted to tokens)."),
-    pp_stages: Optional[int] = typer.Option(None, "--pp-stages", help="Pipeline stages p (micro-batches per step m = grad accum)."),
-    virtual_stages: Optional[int] = typer.Option(None, "--virtual-stages", help="Interleaved virtual stages v (default 1)."),
-    max_bubble: Optional[float] = typer.Option(None, "--max-bubble", help="Bubble target (fraction of compute) for the smallest-global-batch hint."),
-    params: Optional[str] = typer.Option(None, "--params", help="Model parameters N, e.g. 7B (all-reduce volume, priors)."),
-    grad_bytes_per_param: Optional[int] = typer.Option(None, "--grad-bytes-per-param", help="Bytes per gradient element (4 fp32, 2 bf16; default 4)."),
-    sync_every_micro_step: bool = typer.Option(False, "--sync-every-micro-step", help="All-reduce on every micro-step (no no_sync)."),
-    compute: Optional[str] = typer.Option(None, "--compute", help="Training FLOPs C for the DeepSeek prior (default 6·N·D)."),
-    loss: Optional[float] = typer.Option(None, "--loss", help="Loss in nats/token for the Kaplan B_crit prior."),
-    memory: Optional[str] = typer.Option(None, "--memory", help="Device memory, e.g. 80GiB: predict the largest micro-batch and show the memory breakdown (needs --params and --activation-bytes-per-sample, or --task)."),
-    precision: Optional[str] = typer.Option(None, "--precision", help="With --memory: fp32 or bf16-mixed (bf16 weights/grads, fp32 master; default fp32)."),
-    sharding: Optional[str] = typer.Option(None, "--sharding", help="With --memory: none, zero1, zero2, zero3 or fsdp, over --dp ranks (default none)."),
-    activation_bytes: Optional[str] = typer.Option(None, "--activation-bytes-per-sample", help="With --memory: activation bytes per sample, e.g. 1.5GiB (else measured with --task)."),
-    checkpoint_divisor: Optional[float] = typer.Option(None, "--checkpoint-divisor", help="With --memory: activation checkpointing divides activations by this (default 1: none)."),
-    task: Optional[str] = typer.Option(None, "--task", help="With --memory: measure params and activations of this task (tinygpt, mnist or package.module:function; needs torch)."),
-    task_arg: list[str] = typer.Option([], "--task-arg", help="With --task: override KEY=VALUE (repeatable), e.g. d_model=64."),
-    batch_schedule: Optional[str] = typer.Option(None, "--batch-schedule", help="A batch schedule in tokens, e.g. '0:256 2B:512' (what `globalbatch scale` proposes and StepDriver takes): each stage's accum and steps; the first stage is the plan's global batch."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON with stable snake_case keys."),
+    *,
+    config: Optional[str] = None,
+    dp: Optional[int] = None,
+    round_down: bool = False,
+    optimizer: Optional[str] = None,
+    sync_every_micro_step: bool = False,
+    memory: Optional[str] = None,
+    batch_schedule: Optional[str] = None,
+    as_json: bool = False,
+    **given: Any,
 ) -> None:
     """State the whole batch geometry of a run, check it, and say what follows from it."""
 
@@ -53,8 +110,10 @@ def plan_cmd(
     from ..errors import Raw, SettingError
     from ..plan.report import make_plan, plan_table
 
-    def count(text: Optional[str], flag: str) -> Optional[float]:
-        return None if text is None else float(P.parse_count(text, flag))
+    memory_given = {name: given.pop(name) for name in MEMORY_FLAGS}
+    settings = given  # the PlanConfig fields, as typed (counts still strings)
+    global_batch, micro_batch, grad_accum = settings["global_batch"], settings["micro_batch"], settings["grad_accum_steps"]
+    seq_len, total_tokens = settings["seq_len"], settings["total_tokens"]
 
     if optimizer is not None:  # the registry's table imports no torch
         from ..optim.registry import lr_scaling_rule, optimizer_names
@@ -70,22 +129,17 @@ def plan_cmd(
             if optimizer not in OPTIMIZER_STATES:
                 raise SettingError("--optimizer", optimizer, ", ".join(dict.fromkeys(
                     [*optimizer_names(), *OPTIMIZER_STATES])), flag=True)
-        if lr_rule is None and optimizer in optimizer_names():
-            lr_rule = cast(LrRule, lr_scaling_rule(optimizer))
+        if settings["lr_rule"] is None and optimizer in optimizer_names():
+            settings["lr_rule"] = cast(LrRule, lr_scaling_rule(optimizer))
 
-    memory_flags = {"--precision": precision, "--sharding": sharding,
-                    "--activation-bytes-per-sample": activation_bytes, "--checkpoint-divisor": checkpoint_divisor,
-                    "--task": task, "--task-arg": task_arg or None}
     memory_inputs = None
     if memory is None:
-        for flag, value in memory_flags.items():
-            if value is not None:
-                raise SettingError(flag, Raw(value if not isinstance(value, list) else ",".join(value)),
+        for name, value in memory_given.items():
+            if value not in (None, []):  # (an unset --task-arg is an empty list)
+                raise SettingError(_flag(name), Raw(value if not isinstance(value, list) else ",".join(value)),
                                    "add --memory DEVICE_BYTES, e.g. --memory 80GiB", why="without --memory", flag=True)
     else:
-        memory_inputs = _memory_inputs(memory, params=params, dp=dp, optimizer=optimizer, precision=precision,
-                                       sharding=sharding, activation_bytes=activation_bytes,
-                                       checkpoint_divisor=checkpoint_divisor, task=task, task_arg=task_arg)
+        memory_inputs = _memory_inputs(memory, params=settings["params"], dp=dp, optimizer=optimizer, **memory_given)
     geometry_given = config is not None or any(v is not None for v in (global_batch, micro_batch, grad_accum))
     if memory_inputs is not None and not geometry_given:
         _print_memory(memory_inputs, None, as_json)
@@ -93,18 +147,9 @@ def plan_cmd(
     if config is None and batch_schedule is None:  # (a schedule's first stage is the global batch; it needs --micro-batch)
         _check_geometry_given(global_batch, micro_batch, grad_accum)
 
-    flags = {
-        "global_batch": global_batch, "micro_batch": micro_batch, "grad_accum_steps": grad_accum,
-        "seq_len": seq_len, "valid_tokens_per_seq": valid_tokens_per_seq, "padding_fraction": padding_fraction,
-        "total_tokens": count(total_tokens, "--total-tokens"),
-        "lr": lr, "lr_base_batch": lr_base_batch, "lr_rule": lr_rule,
-        "warmup_tokens": count(warmup_tokens, "--warmup-tokens"),
-        "warmup_steps": warmup_steps, "pp_stages": pp_stages, "virtual_stages": virtual_stages,
-        "max_bubble": max_bubble, "params": count(params, "--params"),
-        "grad_bytes_per_param": grad_bytes_per_param,
-        "compute_flops": count(compute, "--compute"), "loss_nats": loss,
-        "no_sync": False if sync_every_micro_step else None,
-    }
+    flags = {name: float(P.parse_count(v, _flag(name))) if name in COUNT_FIELDS and v is not None else v
+             for name, v in settings.items()}
+    flags["no_sync"] = False if sync_every_micro_step else None
     schedule = None
     if batch_schedule is not None:
         from ..errors import flag_names
