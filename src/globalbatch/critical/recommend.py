@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Generic, Optional, Sequence, TypeVar
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from globalbatch.critical.settings import (FIRST_SEED_NAMES, OBJECTIVES, Analysi
                                           settings_from)
 from globalbatch.errors import SettingError
 
-__all__ = ["BatchPoint", "TargetResult", "Recommendation", "Analysis", "OBJECTIVES", "points_for_target",
+__all__ = ["BatchPoint", "TargetResult", "BatchChoice", "Recommendation", "AnalysisResult", "Analysis", "OBJECTIVES", "points_for_target",
            "check_analysis_settings", "smoothing_halflife", "default_targets", "recommend", "analyze"]
 
 
@@ -66,11 +66,14 @@ class TargetResult:
 
 
 @dataclass(kw_only=True)
-class Recommendation:
+class BatchChoice:
+    """The batch to use at one target, with its LR and the reasons in words (:meth:`text`); what
+    :class:`Recommendation` (one seed) and :class:`~globalbatch.critical.seeds.SeedRecommendation` (over seeds) share."""
+
     batch_size: float
+    """The recommended batch, in units per step."""
     lr: float
-    objective: str
-    tolerance: float
+    """Its LR (over seeds: the most common best LR)."""
     target: float
     reasons: list[str] = field(default_factory=list)
 
@@ -79,17 +82,36 @@ class Recommendation:
 
 
 @dataclass(kw_only=True)
-class Analysis:
+class Recommendation(BatchChoice):
+    objective: str
+    tolerance: float
+
+
+TargetT = TypeVar("TargetT")
+ChoiceT = TypeVar("ChoiceT", bound=BatchChoice)
+
+
+@dataclass(kw_only=True)
+class AnalysisResult(Generic[TargetT, ChoiceT]):
+    """What :class:`Analysis` (one seed) and :class:`~globalbatch.critical.seeds.SeedAnalysis` (over seeds) share:
+    the results per target, the recommendation and the caveats."""
+
     unit: str
-    targets: list[TargetResult]
+    """What the batches count per step: ``example`` (samples) or ``token``."""
+    targets: list[TargetT]
+    recommendation: Optional[ChoiceT] = None
+    """None when the objective needs a throughput some batch lacks, or no batch reached the primary target."""
+    warnings: list[str] = field(default_factory=list)
+    """Caveats of the measurement (e.g. in-trial throughput that varied with machine load)."""
+
+
+@dataclass(kw_only=True)
+class Analysis(AnalysisResult[TargetResult, Recommendation]):
     primary_target: float
-    recommendation: Optional[Recommendation]
     ema_fraction: float
     """EMA half-life as a fraction of each trial's steps to the target (the default smoothing)."""
     halflife_steps: Optional[float] = None
     """A fixed EMA half-life in steps, when one was asked for instead."""
-    warnings: list[str] = field(default_factory=list)
-    """Caveats of the measurement (e.g. in-trial throughput that varied with machine load)."""
 
     def halflife_for(self, n_steps: int) -> float:
         return smoothing_halflife(n_steps, ema_fraction=self.ema_fraction, halflife_steps=self.halflife_steps)

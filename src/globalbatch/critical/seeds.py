@@ -27,7 +27,7 @@ from globalbatch.critical.curves import Curve
 from globalbatch.critical.errors import NoAnswerError
 from globalbatch.critical.joint import JointFit, fit_joint
 from globalbatch.critical.lr_choice import LrFall, choose_lr_per_target, lr_edges, lr_falls, one_lr_per_batch
-from globalbatch.critical.recommend import recommend
+from globalbatch.critical.recommend import AnalysisResult, BatchChoice, recommend
 from globalbatch.critical.seed_targets import (MONOTONE_SLACK, N_BOOT, SeedTarget, bootstrap_rng, common_lr,
                                                common_targets, is_monotone, target_over_seeds)
 from globalbatch.critical.settings import LR_SELECTIONS, AnalysisSettings, settings_from
@@ -39,14 +39,10 @@ __all__ = ["SeedTarget", "JointFit", "SeedRecommendation", "SeedAnalysis", "LrFa
 
 
 @dataclass(kw_only=True)
-class SeedRecommendation:
-    """The batch to use at one target, with what the seeds say about it (:func:`recommend_over_seeds`)."""
+class SeedRecommendation(BatchChoice):
+    """The batch to use at one target, with what the seeds say about it (:func:`recommend_over_seeds`); its LR is
+    the most common best LR over seeds."""
 
-    batch_size: float
-    """The recommended batch, in units per step."""
-    lr: float
-    """Its LR (the most common best LR over seeds)."""
-    target: float
     per_seed: dict[int, Optional[float]]
     """Seed → the batch (units per step) recommended on that seed alone."""
     probability_fastest: dict[float, float]
@@ -55,10 +51,6 @@ class SeedRecommendation:
     """Batch → (median, min, max) over seeds of seconds to target (examples ÷ throughput)."""
     tie: list[float]
     """Batches the data cannot separate from the winner (within the tolerance, or fastest in ≥ 20 % of resamples)."""
-    reasons: list[str] = field(default_factory=list)
-
-    def text(self) -> str:
-        return "\n".join(self.reasons)
 
 
 def recommend_over_seeds(st: SeedTarget, throughput: dict[float, Optional[float]], *, tolerance: float = 0.05,
@@ -117,21 +109,16 @@ def recommend_over_seeds(st: SeedTarget, throughput: dict[float, Optional[float]
                               tie=tie, reasons=reasons)
 
 @dataclass(kw_only=True)
-class SeedAnalysis:
-    """What :func:`analyze_seeds` found: the results per target, the joint fit, the flags and the recommendation."""
+class SeedAnalysis(AnalysisResult[SeedTarget, SeedRecommendation]):
+    """What :func:`analyze_seeds` found: the results per target (:attr:`targets`: loosest first; the last is the
+    primary target, :attr:`primary`), the joint fit, the flags and the recommendation."""
 
-    unit: str
-    """What the batches count per step: ``example`` (samples) or ``token``."""
     readout: str
     """``heldout`` (the monotone fit of the held-out evaluations) or ``train`` (the EMA of the training loss)."""
     seeds: list[int]
-    targets: list[SeedTarget]
-    """Loosest first; the last is the primary target (:attr:`primary`)."""
     joint: Optional[JointFit] = None
     """The fit of B_crit(L) across targets and seeds; None when it could not be made (:attr:`joint_error`)."""
     joint_error: Optional[str] = None
-    recommendation: Optional[SeedRecommendation] = None
-    """None when the objective needs a throughput some batch lacks, or no batch reached the primary target."""
     lr_edges: dict[float, str] = field(default_factory=dict)
     """Batch → "low"/"high" when its LR (the one for every seed, chosen at the primary target) is the edge of the LRs it ran."""
     lr_selection: str = "auto"
@@ -140,7 +127,6 @@ class SeedAnalysis:
     """Neighbouring batches whose chosen LR falls as the batch grows (at any target), against the optimizer's rule."""
     b_simple: dict[float, dict[str, Optional[float]]] = field(default_factory=dict)
     """Target → {"local": median B_simple at the crossing, "path_averaged": median mean B_simple up to it}."""
-    warnings: list[str] = field(default_factory=list)
 
     @property
     def primary(self) -> SeedTarget:
