@@ -213,6 +213,31 @@ def test_b_simple_is_read_at_the_same_losses_from_the_best_lr_trials():
     assert all(v["path_averaged"] is None or v["path_averaged"] <= v["local"] for v in a.b_simple.values())
 
 
+def test_b_simple_is_none_where_the_crossing_lies_outside_the_readings():
+    """No B_simple from a distant reading: a crossing after the last (unflagged) reading or before the first has
+    none (taking the nearest reading there gave B_crit/B_simple factors of 7–17 on tinygpt). Readings that stop
+    before every trial's crossing of the tightest target leave that target without a B_simple; the loosest,
+    crossed inside the readings, keeps its log-log interpolation."""
+    from globalbatch.critical.seeds import _b_simple_at
+
+    c = synth_curve(500.0, 0)
+    c.b_simple = [(100.0, 10.0), (1000.0, 100.0)]
+    assert _b_simple_at(c, 50.0) == (None, None) and _b_simple_at(c, 2000.0) == (None, None)
+    local, path = _b_simple_at(c, 10 ** 2.5)
+    assert local == pytest.approx(10 ** 1.5, rel=1e-12) and path == 10.0
+    curves = _curves([0, 1])
+    a0 = analyze_seeds(curves, settings=AnalysisSettings(n_targets=3))
+    loose, tight = a0.targets[0], a0.targets[-1]
+    for c in curves:
+        stop = 0.9 * tight.examples[c.batch_size][c.seed]  # every trial crosses the tightest target after it
+        assert loose.examples[c.batch_size][c.seed] < stop
+        c.b_simple = [(e, 100.0 + e / 100.0) for e in np.geomspace(stop / 100, stop, 10)]
+    a = analyze_seeds(curves, settings=AnalysisSettings(n_targets=3))
+    assert tight.target not in a.b_simple and loose.target in a.b_simple
+    e = float(np.median([loose.examples[b][s] for b in loose.steps for s in (0, 1)]))
+    assert a.b_simple[loose.target]["local"] == pytest.approx(100.0 + e / 100.0, rel=0.05)
+
+
 def test_one_lr_per_batch_for_every_seed_not_each_seeds_lucky_best():
     """At the largest batch a second LR sits at the edge of stability: one seed gets lucky (0.6× the
     steps), the others pay 2×. Each seed's own best LR would give seed 0 the lucky curve and move its

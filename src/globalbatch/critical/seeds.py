@@ -139,14 +139,17 @@ class SeedAnalysis(AnalysisResult[SeedTarget, SeedRecommendation]):
 
 
 def _b_simple_at(curve: Curve, examples: float) -> tuple[Optional[float], Optional[float]]:
-    pts = sorted(curve.b_simple)
-    if not pts:
+    """(local, path-averaged) B_simple of ``curve`` at ``examples``: log-log interpolation between the two readings
+    around it, and the mean of the readings up to it. (None, None) when ``examples`` lies outside the (unflagged)
+    readings: no value is taken from a distant reading (late in a run most readings can be flagged, and the last
+    unflagged one may lie far before the crossing)."""
+    pts = sorted(p for p in curve.b_simple if p[0] > 0 and p[1] > 0)
+    if not pts or not pts[0][0] <= examples <= pts[-1][0]:
         return None, None
     e = np.array([p[0] for p in pts])
     v = np.array([p[1] for p in pts])
-    local = float(np.exp(np.interp(math.log(max(examples, e[0])), np.log(np.maximum(e, 1e-12)), np.log(v))))
-    upto = v[e <= examples]
-    return local, float(np.mean(upto)) if upto.size else None
+    local = float(np.exp(np.interp(math.log(examples), np.log(e), np.log(v))))
+    return local, float(np.mean(v[e <= examples]))
 
 
 def _b_simple_by_target(results: Sequence[SeedTarget], curves: Sequence[Curve],

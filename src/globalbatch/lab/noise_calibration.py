@@ -6,7 +6,8 @@ task-dependent factor (their fig. 4 and 7 show B_simple within about an order of
 also depends on the learning rate and on the point of training. So a B_simple curve says something about B_crit
 only through a factor measured where both are known: a batch × LR sweep run with ``--noise`` gives, at each of its
 common targets, B_crit (``critical.seeds``) and the B_simple of the chosen-LR trials at their crossing
-(``SeedAnalysis.b_simple``, "local"). :func:`calibrate` takes the factor F = B_crit / B_simple per target, its
+(``SeedAnalysis.b_simple``, "local": interpolated between the trial's unflagged readings around the crossing,
+none where the crossing lies outside them). :func:`calibrate` takes the factor F = B_crit / B_simple per target, its
 median and its range over the targets; :func:`calibrated_curve` multiplies another run's B_simple curve (the
 ``globalbatch noise`` rows) by F, the range carried along, every row labelled with the sweep it was calibrated
 against. It is an estimate of B_crit only as far as F transfers: same task, comparable LR and loss range.
@@ -76,12 +77,14 @@ def calibrate(analysis: Any, *, source: str, kind: str = "local") -> Calibration
         b_simple = (analysis.b_simple.get(st.target) or {}).get(kind)
         if st.b_crit is None or not b_simple or not math.isfinite(b_simple) or b_simple <= 0:
             notes.append(f"target {st.target:.4g} left out: "
-                         + ("no B_crit point estimate" if st.b_crit is None else f"no {kind} B_simple"))
+                         + ("no B_crit point estimate" if st.b_crit is None
+                            else f"no {kind} B_simple within the unflagged readings around its crossings"))
             continue
         per[st.target] = float(st.b_crit) / float(b_simple)
     if not per:
-        raise NoAnswerError("analysis: no target with both a B_crit point estimate and a B_simple (was the sweep "
-                            "run with noise=True / --noise?)")
+        raise NoAnswerError("analysis: no target with both a B_crit point estimate and a B_simple between the "
+                            "unflagged B_simple readings around its crossings (was the sweep run with noise=True / "
+                            "--noise? are its late readings all flagged?)")
     values = list(per.values())
     return Calibration(factor=float(statistics.median(values)), low=min(values), high=max(values), per_target=per,
                        loss_range=(min(per), max(per)), source=source, kind=kind, notes=notes)
