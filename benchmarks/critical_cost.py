@@ -14,8 +14,13 @@ fit beyond the swept batches is a one-sided bound, non-monotone cells are not fi
 joint fit B_crit(L) = B_ref·(L/L_ref)^k over targets and seeds (Kaplan's form), which gives a point at every
 target.
 
+The numbers ``globalbatch sweep --budget`` states (and from which it decides which design holds) are these:
+``--record src/globalbatch/lab/sweep/measured.json`` merges them, per task and design, into that file with the
+command that measured them (read by :mod:`globalbatch.lab.sweep.measured`).
+
     python benchmarks/critical_cost.py --task tinygpt|mnist [--full-dir DIR] [--out DIR] [--reps 3]
-        [--designs seeds1,narrow1,narrow2] [--workers 2] [--threads 1] [--analyze-only]
+        [--designs seeds1,narrow1,narrow2,halving,branch] [--workers 2] [--threads 1] [--analyze-only]
+        [--record FILE]
 """
 
 from __future__ import annotations
@@ -96,6 +101,42 @@ def _b_crit_by_target(sa) -> tuple[dict[float, float | None], dict[float, float 
     return ({st.target: st.b_crit for st in sa.targets}, {st.target: st.joint_b_crit for st in sa.targets})
 
 
+def ratio_cells(rs: dict, targets) -> list:
+    """Per target: (median, worst = max of r and 1/r, n) over the repetitions with a ratio there; None where none."""
+    out = []
+    for t in targets:
+        ok = [x for x in rs[t] if x]
+        out.append(None if not ok else (round(statistics.median(ok), 3), round(max(max(x, 1 / x) for x in ok), 3),
+                                        len(ok)))
+    return out
+
+
+def record(path, task: str, reference: dict, designs: dict) -> None:
+    """Merge ``designs`` (name → compute per rep, per-target and joint ratio cells) for ``task`` into the JSON file
+    ``path`` (``src/globalbatch/lab/sweep/measured.json``: what ``sweep --budget`` states), with the command that
+    measured them and when, and print them."""
+    import json
+
+    doc = json.loads(Path(path).read_text()) if path and Path(path).is_file() else {}
+    doc.setdefault("provenance", {"about": "benchmarks/critical_cost.py --record: each design's repetitions against "
+                                           "one full 5-seed sweep per task", "commands": []})
+    entry = doc.setdefault("tasks", {}).setdefault(task, {"reference": reference, "designs": {}})
+    if entry["reference"] != reference:  # another reference: the old rows compared against something else
+        entry.update(reference=reference, designs={})
+    entry["designs"].update(designs)
+    cmd = " ".join(["python", *sys.argv])
+    old = [c for c in doc["provenance"]["commands"] if c["command"] == cmd]
+    doc["provenance"]["commands"] = [c for c in doc["provenance"]["commands"] if c["command"] != cmd] + [
+        {"command": cmd, "task": task, "designs": sorted(set(designs).union(*(c["designs"] for c in old))),
+         "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}]
+    if path:
+        tmp = Path(str(path) + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    print(f"\nmeasured ({task}, for {path or 'src/globalbatch/lab/sweep/measured.json'}):")
+    print(json.dumps({"reference": reference, "designs": designs}, sort_keys=True))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--task", choices=("tinygpt", "mnist"), default="tinygpt")
@@ -106,6 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--analyze-only", action="store_true")
+    ap.add_argument("--record", default=None, help="merge the measured rows into this JSON file (see the docstring)")
     ap.add_argument("--reps-only", action="store_true", help="run the designs' repetitions only (the full sweep may "
                     "still be running elsewhere); analyse later with --analyze-only")
     args = ap.parse_args(argv)
@@ -123,7 +165,8 @@ def main(argv=None) -> int:
         designs.remove("branch")
         branch_main(["--task", args.task, "--reps", str(args.reps), "--threads", str(args.threads)]
                     + [x for flag, v in (("--full-dir", args.full_dir), ("--out", args.out)) if v for x in (flag, v)]
-                    + (["--analyze-only"] if args.analyze_only else []))
+                    + (["--analyze-only"] if args.analyze_only else [])
+                    + (["--record", args.record] if args.record else []))
         if not designs:
             return 0
     t0 = time.time()
@@ -205,8 +248,19 @@ def main(argv=None) -> int:
         for n in notes:
             print(f"    {n}")
         print(f"    compute per rep: {', '.join(f'{f:.1%}' for f in fracs)}")
+    record(args.record, args.task, reference_record(full_dir, full, full_tokens),
+           {name: {"reps": len(fracs), "compute": [round(f, 4) for f in fracs], "per_target": ratio_cells(rs, targets),
+                   "joint": ratio_cells(js, targets)} for name, (fracs, rs, js, _) in rows.items()})
     print(f"\nwall {time.time() - t0:,.0f} s; goal: a design within 2× at every common target with ≤ 10% of the compute")
     return 0
+
+
+def reference_record(full_dir: Path, full, units: float) -> dict:
+    """The full sweep the ratios are taken against: where, its seeds and units, B_crit (median over seeds) per target
+    (None: no point estimate there)."""
+    return {"dir": str(full_dir), "seeds": len(full.seeds), "units": round(units),
+            "targets": [round(st.target, 4) for st in full.targets],
+            "b_crit": [None if st.b_crit is None else round(st.b_crit, 1) for st in full.targets]}
 
 
 if __name__ == "__main__":

@@ -40,10 +40,11 @@ from critical_stability import config_for  # noqa: E402
 REP_SEED0 = 100
 RULES = (("half_window", None), ("absolute", 0.01))
 DOC_REFERENCE = {
-    # docs/critical.md, "Measured: the cost of each design", tinygpt demo: the full 5-seed sweep (114 trials of
-    # 150K tokens), B_crit median over seeds at its common targets. Used only when its run directory is absent.
-    "tinygpt": {"tokens": 114 * 150_000, "b_crit": {2.826: 497.0, 2.767: 595.0, 2.709: 701.0, 2.651: 745.0,
-                                                     2.593: 825.0}},
+    # The full 5-seed demo tinygpt sweep (114 trials of 150K tokens; /tmp/gb23/demo on the machine that ran it)
+    # analysed with the read-out of docs/critical.md (the held-out curve smoothed before its isotonic fit): B_crit
+    # median over seeds at its common targets. Used only when its run directory is absent.
+    "tinygpt": {"tokens": 17_144_929, "b_crit": {2.8495: 506.0, 2.7852: 570.0, 2.7209: 651.0, 2.6566: 715.0,
+                                                  2.5923: 784.0}},
 }
 
 
@@ -74,7 +75,8 @@ def sweep_units(run: Path) -> float:
 
 
 def reference(task: str, full_dir: Path):
-    """(targets, B_crit per target, joint B_crit per target or None, full tokens, label)."""
+    """(targets, B_crit per target, joint B_crit per target or None, full tokens, label, the reference's record for
+    ``critical_cost.record``)."""
     short = ""
     if (full_dir / "manifest.json").is_file():
         from globalbatch.lab.sweep import analyze_sweep_seeds
@@ -84,14 +86,30 @@ def reference(task: str, full_dir: Path):
         if len(full.seeds) < 5 and task in DOC_REFERENCE:  # a full sweep still running: not the reference yet
             short = f"; {full_dir} holds {len(full.seeds)} seed(s) so far"
         else:
+            from critical_cost import reference_record
+
+            units = sweep_units(full_dir)
             return (targets, {st.target: st.b_crit for st in full.targets},
-                    {st.target: st.joint_b_crit for st in full.targets}, sweep_units(full_dir),
-                    f"the full sweep in {full_dir} ({len(full.seeds)} seeds)")
+                    {st.target: st.joint_b_crit for st in full.targets}, units,
+                    f"the full sweep in {full_dir} ({len(full.seeds)} seeds)", reference_record(full_dir, full, units))
     if task not in DOC_REFERENCE:
         raise SystemExit(f"no full sweep in {full_dir} and no quoted reference for {task}")
     doc = DOC_REFERENCE[task]
-    return (sorted(doc["b_crit"], reverse=True), dict(doc["b_crit"]), None, float(doc["tokens"]),
-            f"the full 5-seed sweep as quoted in docs/critical.md (its run directory is not on this machine, or not complete{short})")
+    targets = sorted(doc["b_crit"], reverse=True)
+    return (targets, dict(doc["b_crit"]), None, float(doc["tokens"]),
+            f"the full 5-seed sweep as quoted in DOC_REFERENCE (its run directory is not on this machine, or not "
+            f"complete{short})", {"dir": "DOC_REFERENCE", "seeds": 5, "units": doc["tokens"], "targets": targets,
+                                  "b_crit": [doc["b_crit"][t] for t in targets]})
+
+
+def design_name(rule: str, args) -> str:
+    """``branch`` for the design measured best (half-window rule, second moments divided by k, window = point,
+    the base grid's middle LR); any other setting named by what differs."""
+    return "branch" + ("" if rule == "half_window" else "_absolute") \
+        + ("" if args.second_moment == "scaled" else f"_{args.second_moment}") \
+        + ("" if args.window is None and args.window_fraction == 1 else
+           f"_window{args.window}" if args.window else f"_wf{args.window_fraction:g}") \
+        + ("" if args.lr is None else f"_lr{args.lr:g}")
 
 
 def used_units(res) -> float:
@@ -115,14 +133,18 @@ def main(argv=None) -> int:
                     help="scaled (the design measured best): a k-branch's Adam exp_avg_sq divided by k; keep: as is")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--analyze-only", action="store_true")
+    ap.add_argument("--record", default=None, help="merge the measured rows into this JSON file "
+                    "(critical_cost.py's --record)")
     args = ap.parse_args(argv)
+
+    from critical_cost import ratio_cells, record
 
     from globalbatch.lab.branch import load_branch_results, run_branch_test
 
     t0 = time.time()
     full_dir = Path(args.full_dir or f"runs/critical_stability_{args.task}")
     out = Path(args.out or f"runs/critical_cost_{args.task}")
-    targets, ref, ref_joint, full_tokens, label = reference(args.task, full_dir)
+    targets, ref, ref_joint, full_tokens, label, ref_record = reference(args.task, full_dir)
     print(f"task {args.task}: reference {label}: {full_tokens:,.0f} units; B_crit at its targets: "
           + ", ".join(f"{t:.4f}: {ref[t]:,.0f}" if ref.get(t) else f"{t:.4f}: –" for t in targets), flush=True)
     runs = []
@@ -152,6 +174,7 @@ def main(argv=None) -> int:
     print(f"\ncompute per rep: {', '.join(f'{f:.1%}' for f in fracs)} of the reference's units "
           f"(median {statistics.median(fracs):.1%}); windows (samples) by point {runs[0][1].window_samples_by_point}")
     print(f"{'rule':<12} {'vs':<15}  " + "  ".join(f"{t:>17.4f}" for t in targets) + "   worst")
+    recorded = {}
     for rule, tol in RULES:
         per_rep = [load_branch_results(run, tolerance_rule=rule, **({} if tol is None else {"tolerance": tol}))
                    for run, _ in runs]
@@ -167,6 +190,10 @@ def main(argv=None) -> int:
             for scope in ("spanned", "extrap."):
                 rs = {t: [c.fit.b_crit(t) / refs[t] if c is not None and c.fit is not None and refs.get(t)
                           and (scope == "extrap." or spans(c, t)) else None for c in curves] for t in targets}
+                if scope == "spanned":
+                    recorded.setdefault(design_name(rule, args), {"reps": len(runs), "compute": [round(f, 4) for f in fracs],
+                                                                  "per_target": None, "joint": None})[
+                        "per_target" if name == "median" else "joint"] = ratio_cells(rs, targets)
                 cells = [f"{med(rs[t]):.2f} / {worst(rs[t]):.2f} ({sum(1 for x in rs[t] if x)})" for t in targets]
                 w = max((worst(rs[t]) for t in targets if any(rs[t])), default=math.nan)
                 label = rule + ("" if tol is None else f" {tol:g}")
@@ -180,6 +207,7 @@ def main(argv=None) -> int:
                    else f"no fit ({c.note})")
             print(f"    rep {r}: points {pts}; {fit}; fitted losses "
                   + (f"{min(span):.3f}–{max(span):.3f}" if span else "none"))
+    record(args.record, args.task, ref_record, recorded)
     load_branch_results(runs[0][0])  # leave result.json at the default tolerance
     for run, _ in runs[1:]:
         load_branch_results(run)

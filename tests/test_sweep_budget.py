@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from globalbatch.lab.sweep.designs import DESIGNS, budget_fraction, plan_for_budget
+from globalbatch.lab.sweep.designs import DESIGNS, agreement_text, budget_fraction, plan_for_budget, shown_to_hold
+from globalbatch.lab.sweep.measured import MEASURED
 from test_sweep import TINY_ARGS, _cli
 
 
@@ -29,6 +30,35 @@ def test_the_plan_is_the_cheapest_holding_design_that_fits(fraction):
     else:
         assert "NOT shown to hold" in plan.statement
     assert plan.design.name in plan.statement and f"{plan.planned_fraction:.1%}" in plan.statement
+
+
+def _measured(tiny_worst: float, mnist_cells=((1.0, 1.5, 3), (1.1, 1.9, 3), None)) -> dict:
+    """Two tasks as benchmarks/critical_cost.py --record writes them; MNIST has a point at its first two targets."""
+    def task(b_crit, cells):
+        return {"reference": {"dir": "x", "seeds": 5, "units": 1000, "targets": [3.0, 2.9, 2.8][:len(b_crit)],
+                              "b_crit": b_crit},
+                "designs": {"d": {"reps": 3, "compute": [0.05, 0.06, 0.07], "per_target": list(cells),
+                                  "joint": [(0.9, 1.2, 3)] * len(cells)}}}
+    return {"tinygpt": task([500.0, 600.0], [(0.8, 1.3, 3), (0.7, tiny_worst, 3)]),
+            "mnist": task([200.0, 190.0, None], mnist_cells)}
+
+
+def test_holds_is_derived_from_the_recorded_measurements():
+    """Within 2× at every target where the reference has a point, every repetition with a point, both tasks."""
+    assert shown_to_hold("d", _measured(1.99))
+    assert not shown_to_hold("d", _measured(2.09))  # one target of one task beyond 2×
+    assert not shown_to_hold("d", _measured(1.5, ((1.0, 1.5, 3), (1.1, 1.9, 2), None)))  # a bound in one repetition
+    assert not shown_to_hold("d", _measured(1.5, ((1.0, 1.5, 3), None, None)))  # no point where the reference has one
+    one_task = _measured(1.5)
+    del one_task["mnist"]
+    assert not shown_to_hold("d", one_task) and "MNIST: not measured" in agreement_text("d", one_task)
+    text = agreement_text("d", _measured(2.09))
+    assert "demo tinygpt: 6.0%" in text and "worst 2.09× per target" in text and "1.20× joint fit" in text
+    assert "MNIST: 6.0%" in text and "at 2 target(s)" in text and "worst 1.90× per target" in text
+    assert agreement_text("nothing", _measured(1.0)) is None
+    for name, d in DESIGNS.items():  # the registry's flags and statements are these functions of the record
+        if name != "full":
+            assert d.holds == shown_to_hold(name, MEASURED) and d.measured == agreement_text(name, MEASURED)
 
 
 def test_planned_fractions_count_cells():
@@ -61,4 +91,9 @@ def test_budget_runs_the_planned_design_and_the_report_says_so(tmp_path, capsys)
     assert code == 0, err
     report = json.loads(stdout)
     assert report["design"]["name"] == plan.design.name and plan.design.summary in report["design"]["statement"]
-    assert html.escape(plan.design.summary) in (out / "report" / "report.html").read_text()
+    assert report["design"]["holds"] == plan.design.holds == doc["design"]["holds"]
+    assert report["design"]["measured"] == plan.design.measured and plan.design.measured in report["design"]["statement"]
+    if not plan.design.holds:
+        assert "NOT shown to hold" in report["design"]["statement"] and "NOT shown to hold" in plan.statement
+    page = (out / "report" / "report.html").read_text()
+    assert html.escape(plan.design.summary) in page and html.escape(plan.design.measured) in page

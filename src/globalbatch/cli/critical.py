@@ -90,7 +90,7 @@ def sweep_cmd(
     noise: bool = typer.Option(False, "--noise", help="Also log the gradient noise scale B_simple at every evaluation (the report plots it)."),
     device: DeviceOption = "cpu",
     precision: PrecisionOption = "fp32",
-    sweep_budget: Optional[str] = typer.Option(None, "--budget", help="Spend at most this share of the full design's tokens (0.1, 10%) or this many tokens in all (1.2M): runs the cheapest design measured to hold (benchmarks/critical_cost.py) and says which."),
+    sweep_budget: Optional[str] = typer.Option(None, "--budget", help="Spend at most this share of the full design's tokens (0.1, 10%) or this many tokens in all (1.2M): runs the cheapest design that fits, one measured to hold where one fits (benchmarks/critical_cost.py), and says which and what it measured."),
     as_json: JsonOption = False,
 ) -> None:
     """Train every batch × LR on the same data order and token budget, then fit the critical batch."""
@@ -100,7 +100,7 @@ def sweep_cmd(
 
     from .. import validate as V
     from .._util import flag_names
-    from ..lab.report import seed_analysis_or_note, seed_json
+    from ..lab.report import design_json, seed_analysis_or_note, seed_json
     from ..lab.sweep import SweepConfig, analyze_sweep, run_sweep
 
     with flag_names(flag_names_of("sweep")):
@@ -130,9 +130,9 @@ def sweep_cmd(
         analysis.warnings.append(note)
     if as_json:
         echo_json({"out_dir": result.out_dir, "ran": result.ran, "skipped": result.skipped,
-                    "design": None if plan is None else {"name": plan.design.name, "budget_fraction": plan.fraction,
-                                                         "planned_fraction": plan.planned_fraction,
-                                                         "statement": plan.statement},
+                    "design": None if plan is None else {**design_json(plan.design.name, plan.statement),
+                                                         "budget_fraction": plan.fraction,
+                                                         "planned_fraction": plan.planned_fraction},
                     "wall_time_s": result.wall_time_s, "workers": result.workers,
                     "threads_per_worker": result.threads_per_worker, "analysis": analysis.to_dict(),
                     "seeds": None if sa is None else seed_json(data, sa),

@@ -226,8 +226,17 @@ def seed_json(data: SweepData, sa: SeedAnalysis) -> dict:
     doc = seed_analysis_json(sa, lambda u: _samples(data, u))
     doc["grid"] = data.config.manifest()["grid"]
     doc["missing"] = data.missing
-    doc["design"] = {"name": data.config.design, "statement": _design_text(data)}
+    doc["design"] = design_json(data.config.design, _design_text(data))
     return doc
+
+
+def design_json(name: str, statement: str) -> dict:
+    """``design`` in ``report --json`` (and ``sweep --json``): the design, whether the benchmark shows it to hold, what
+    it measured (:mod:`globalbatch.lab.sweep.measured`) and the statement the page carries."""
+    from globalbatch.lab.sweep.designs import DESIGNS
+
+    d = DESIGNS[name]
+    return {"name": name, "holds": d.holds, "measured": d.measured, "statement": statement}
 
 
 def _design_text(data: SweepData) -> str:

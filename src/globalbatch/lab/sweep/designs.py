@@ -18,6 +18,10 @@ chooses which cells run.
   can no longer be the fastest LR of its batch to a target the rung shows stops there; the others resume from their
   checkpoints. Its compute is what actually trained, stopped cells' tokens included.
 
+What each design gave against the full sweep is kept in one place, :mod:`globalbatch.lab.sweep.measured` (the
+output of ``benchmarks/critical_cost.py --record``, with its provenance): a design's ``measured`` statement and its
+``holds`` flag are derived from those numbers (:func:`agreement_text`, :func:`shown_to_hold`), not written here.
+
 Fewer seeds, honestly: with one seed there is no seed-to-seed spread to state; the interval is that
 seed's fit (its profile-likelihood interval), which does not contain the spread the benchmark measured
 (B_crit max/min over 5 seeds 1.25–1.40 on the demo task), and the report says so.
@@ -29,7 +33,63 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["Design", "DESIGNS", "DESIGN_NAMES", "plan_for_budget", "BudgetPlan"]
+__all__ = ["Design", "DESIGNS", "DESIGN_NAMES", "plan_for_budget", "BudgetPlan", "agreement_text", "shown_to_hold"]
+
+TASK_LABELS = {"tinygpt": "demo tinygpt", "mnist": "MNIST"}
+"""The benchmark's tasks, each of which a design must hold on to be shown to hold."""
+MAX_RATIO = 2.0
+"""Within this factor of the full sweep's B_crit (either way) at every target: the benchmark's criterion."""
+
+
+def _cells(design: str, measured: dict) -> dict[str, tuple[dict, dict]]:
+    """Task → (the reference's record, the design's record) for the tasks where ``design`` was measured."""
+    return {task: (m["reference"], m["designs"][design]) for task, m in measured.items() if design in m["designs"]}
+
+
+def shown_to_hold(design: str, measured: Optional[dict] = None) -> bool:
+    """Measured on every benchmark task (:data:`TASK_LABELS`), and at every target where the full sweep has a point
+    estimate every repetition has one too, within :data:`MAX_RATIO` of the full sweep's (worst over repetitions). A
+    one-seed fit whose B_crit lies beyond the swept batches is a bound, not shown within anything."""
+    from globalbatch.lab.sweep.measured import MEASURED
+
+    cells = _cells(design, MEASURED if measured is None else measured)
+    if set(cells) != set(TASK_LABELS):
+        return False
+    for ref, row in cells.values():
+        for b_ref, cell in zip(ref["b_crit"], row["per_target"]):
+            if b_ref is not None and (cell is None or cell[2] < row["reps"] or cell[1] > MAX_RATIO):
+                return False
+    return True
+
+
+def agreement_text(design: str, measured: Optional[dict] = None) -> Optional[str]:
+    """What the benchmark measured for ``design``, per task: its compute as a share of the full 5-seed sweep's units
+    and its B_crit ÷ the full sweep's at the targets where the full sweep has a point estimate (median range, worst
+    over repetitions, per target and from the joint fit B_crit(L)); None when it was not measured."""
+    from globalbatch.lab.sweep.measured import MEASURED, SOURCE
+
+    cells = _cells(design, MEASURED if measured is None else measured)
+    if not cells:
+        return None
+    parts = []
+    for task, label in TASK_LABELS.items():
+        if task not in cells:
+            parts.append(f"{label}: not measured")
+            continue
+        ref, row = cells[task]
+        at = [i for i, b in enumerate(ref["b_crit"]) if b is not None]
+        pts = [row["per_target"][i] for i in at if row["per_target"][i] is not None]
+        short = [f"{ref['targets'][i]:g}" for i in at if (row["per_target"][i] or (0, 0, 0))[2] < row["reps"]]
+        joint = [row["joint"][i][1] for i in at if row["joint"] and row["joint"][i] is not None]
+        compute = sorted(row["compute"])
+        text = (f"{label}: {compute[len(compute) // 2]:.1%} of the full sweep's units; B_crit ÷ the full sweep's at "
+                f"{len(at)} target(s): " + (f"median {min(c[0] for c in pts):.2f}–{max(c[0] for c in pts):.2f}, worst "
+                                             f"{max(c[1] for c in pts):.2f}× per target" if pts else "no point estimate")
+                + (f" (a point in fewer than {row['reps']} repetitions at {', '.join(short)})" if short else "")
+                + (f", {max(joint):.2f}× joint fit" if joint else ""))
+        parts.append(text)
+    reps = max(row["reps"] for _, row in cells.values())
+    return "; ".join(parts) + f" (worst of {reps} repetitions; {SOURCE})"
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -44,10 +104,11 @@ class Design:
     summary: str
     """One line: what the design runs."""
     measured: Optional[str] = None
-    """Its agreement with the full 5-seed sweep, as measured by ``benchmarks/critical_cost.py`` (None: not measured)."""
+    """Its agreement with the full 5-seed sweep as ``benchmarks/critical_cost.py`` measured it (:func:`agreement_text`
+    of :mod:`globalbatch.lab.sweep.measured`; None: not measured)."""
     holds: bool = False
-    """The benchmark found its B_crit within 2× of the full sweep's at every common target, on every task and
-    repetition."""
+    """The benchmark found its B_crit within 2× of the full sweep's at every target where the full sweep has a point
+    estimate, on every task and repetition (:func:`shown_to_hold`)."""
     rungs: tuple[float, ...] = ()
     """Successive halving: the rungs as fractions of the budget (:mod:`globalbatch.lab.sweep.halving`); () none."""
 
@@ -62,35 +123,22 @@ class Design:
         return self.planned_cells(n_batches, n_lrs, n_seeds) / (n_batches * n_lrs * n_seeds)
 
 
-DESIGNS: dict[str, Design] = {d.name: d for d in (
-    Design(name="full", seeds=None, narrow=False, holds=True,
-           summary="every batch × its LR grid × every seed (the reference)",
-           measured="the reference of benchmarks/critical_cost.py"),
-    Design(name="seeds1", seeds=1, narrow=False,
-           summary="every batch × its LR grid, the first seed only",
-           measured="MNIST only: B_crit within 1.87× (per target) / 1.71× (joint fit) at the 3 targets where the full "
-                    "sweep has a point estimate, 17 % of its compute; not measured on tinygpt"),
-    Design(name="narrow2", seeds=2, narrow=True,
-           summary="the LR grid at the middle batch only, every other batch at its best LR moved by the optimizer's "
-                   "rule; the first two seeds",
-           measured="MNIST only: within 1.80× (per target) / 1.40× (joint fit) at the 3 targets with a point "
-                    "estimate, 11 % of the compute; not measured on tinygpt"),
-    Design(name="narrow1", seeds=1, narrow=True,
-           summary="the LR grid at the middle batch only, every other batch at its best LR moved by the optimizer's "
-                   "rule; the first seed only",
-           measured="demo tinygpt: B_crit within 2.21× (per target, worst of 3 repetitions) / 2.12× (joint fit "
-                    "B_crit(L)) of the full 5-seed sweep, reading it low (median ratios 0.53–1.01), for 6.1 % of its "
-                    "tokens; MNIST: within 1.51× / 1.43× at the 3 targets where the full sweep has a point estimate, "
-                    "for 5.7 %; one seed: no seed-to-seed spread is stated"),
-    Design(name="halving", seeds=1, narrow=False, rungs=(1 / 9, 1 / 3),
-           summary="every batch × its LR grid, the first seed, by successive halving: cells pause at 1/9 and 1/3 of "
-                   "the budget and stop where they can no longer be their batch's fastest LR to a target the rung "
-                   "shows",
-           measured="MNIST: B_crit within 1.33× (per target) / 2.02× (joint fit) of the full 5-seed sweep at the 4 "
-                    "targets where it has a point estimate, for 11.5 % (9.7–12.3 %) of its compute; demo tinygpt: "
-                    "within 1.97× per target (against the documented full sweep), reading it low (median ratios "
-                    "0.55–1.14), for 12.7 % (10.5–13.6 %); one seed: no seed-to-seed spread is stated"),
-)}
+_SUMMARIES = (
+    ("full", None, False, (), "every batch × its LR grid × every seed (the reference)"),
+    ("seeds1", 1, False, (), "every batch × its LR grid, the first seed only"),
+    ("narrow2", 2, True, (), "the LR grid at the middle batch only, every other batch at its best LR moved by the "
+                             "optimizer's rule; the first two seeds"),
+    ("narrow1", 1, True, (), "the LR grid at the middle batch only, every other batch at its best LR moved by the "
+                             "optimizer's rule; the first seed only"),
+    ("halving", 1, False, (1 / 9, 1 / 3), "every batch × its LR grid, the first seed, by successive halving: cells "
+                                          "pause at 1/9 and 1/3 of the budget and stop where they can no longer be "
+                                          "their batch's fastest LR to a target the rung shows"),
+)
+DESIGNS: dict[str, Design] = {
+    name: Design(name=name, seeds=seeds, narrow=narrow, rungs=rungs, summary=summary,
+                 measured="the reference of benchmarks/critical_cost.py" if name == "full" else agreement_text(name),
+                 holds=name == "full" or shown_to_hold(name))
+    for name, seeds, narrow, rungs, summary in _SUMMARIES}
 DESIGN_NAMES = tuple(DESIGNS)
 
 
@@ -122,7 +170,7 @@ def plan_for_budget(fraction: float, n_batches: int, n_lrs: int, n_seeds: int) -
     elif chosen.holds:
         how = f"measured agreement with a full 5-seed sweep: {chosen.measured}"
     else:
-        how = ("NOT shown to hold (no design that fits this budget is measured within 2× of the full sweep at every "
+        how = (f"NOT shown to hold (no design that fits this budget is measured within {MAX_RATIO:g}× of the full sweep at every "
                "target on both benchmark tasks)" + (f"; measured: {chosen.measured}" if chosen.measured else ""))
     statement = (f"design {chosen.name} for a budget of {fraction:.1%} of the full design's tokens: {chosen.summary}; "
                  f"planned {planned:.1%} of the full design's tokens; {how}")
@@ -175,8 +223,10 @@ def seeds_text(d: Design) -> str:
 
 
 def _agreement(d: Design) -> str:
-    return (f"Measured agreement with a full 5-seed sweep: {d.measured}." if d.measured
-            else "Its agreement with a full sweep is not measured.")
+    return ((f"Measured agreement with a full 5-seed sweep: {d.measured}." if d.measured
+             else "Its agreement with a full sweep is not measured.")
+            + ("" if d.holds else f" NOT shown to hold: the benchmark did not find it within {MAX_RATIO:g}× of the "
+                                  "full sweep's B_crit at every target, in every repetition, on both tasks."))
 
 
 def _statement(d: Design, frac: float) -> str:
