@@ -40,7 +40,8 @@ from critical_stability import config_for  # noqa: E402
 REP_SEED0 = 100
 RULES = (("half_window", None), ("absolute", 0.01))
 DOC_REFERENCE = {
-    # The full 5-seed demo tinygpt sweep (114 trials of 150K tokens; /tmp/gb23/demo on the machine that ran it)
+    # The full 5-seed demo tinygpt sweep (114 trials of 150K tokens; runs/critical_cost_full_tinygpt on the machine
+    # that ran it)
     # analysed with the read-out of docs/critical.md (the held-out curve smoothed before its isotonic fit): B_crit
     # median over seeds at its common targets. Used only when its run directory is absent.
     "tinygpt": {"tokens": 17_144_929, "b_crit": {2.8495: 506.0, 2.7852: 570.0, 2.7209: 651.0, 2.6566: 715.0,
