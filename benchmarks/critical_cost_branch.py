@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--window-fraction", type=float, default=1.0, help="each branch trains this × its point's units")
     ap.add_argument("--lr", type=float, default=None, help="the base run's LR (default: the middle of the base batch's "
                     "grid; the sweep's result is not used)")
-    ap.add_argument("--second-moment", choices=("keep", "scaled"), default="scaled",
+    ap.add_argument("--second-moment", choices=("keep", "scaled", "split"), default="scaled",
                     help="scaled (the design measured best): a k-branch's Adam exp_avg_sq divided by k; keep: as is")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--analyze-only", action="store_true")

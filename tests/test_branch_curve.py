@@ -149,6 +149,33 @@ def test_window_fraction_gives_each_point_its_own_window(tmp_path):
         BranchConfig(branch_at=[300], window=1, window_fraction=0.0)
 
 
+def test_split_second_moment_divides_only_the_noise_share():
+    """AdamW's own state after 400 steps on gradients g + σ·ε, three tensors of 2,000 coordinates: pure signal keeps
+    its second moment (= keep), pure noise is divided by k (= scaled), a mix with g² = σ²/4 keeps g² and divides σ²."""
+    import torch
+
+    from globalbatch.lab.branch import split_second_moment
+
+    torch.manual_seed(0)
+    n, k = 2000, 8
+    ws = [torch.nn.Parameter(torch.zeros(n)) for _ in range(3)]
+    opt = torch.optim.AdamW(ws, lr=1e-3, betas=(0.9, 0.95))
+    for _ in range(400):
+        for w, g, sigma in zip(ws, (1.0, 0.0, 0.5), (0.0, 1.0, 1.0)):
+            w.grad = g + sigma * torch.randn(n)
+        opt.step()
+    ratio = []
+    for w in ws:
+        before = float(opt.state[w]["exp_avg_sq"].sum())
+        split_second_moment(opt.state[w], k, opt.param_groups[0]["betas"])
+        ratio.append(float(opt.state[w]["exp_avg_sq"].sum()) / before)
+    assert ratio[0] == pytest.approx(1.0, abs=1e-3)  # signal only: kept
+    assert ratio[1] == pytest.approx(1 / k, rel=0.05)  # noise only: ÷ k
+    assert ratio[2] == pytest.approx((0.25 + 1 / k) / 1.25, rel=0.05)  # mixed: g² kept, σ² ÷ k
+    with pytest.raises(ValueError, match="split"):
+        split_second_moment({"exp_avg_sq": torch.ones(2)}, k, (0.9, 0.95))
+
+
 def test_second_moment_scaled_changes_only_the_k_above_1_branches(tmp_path):
     from globalbatch.lab.branch import BranchConfig, run_branch_test
 
@@ -162,6 +189,9 @@ def test_second_moment_scaled_changes_only_the_k_above_1_branches(tmp_path):
     b = {(r["k"], r["seed"]): r["val_loss"] for r in scaled.branches}
     assert all(a[(1, s)] == b[(1, s)] for s in (0, 1))  # k = 1 untouched, bit for bit
     assert all(a[(2, s)] != b[(2, s)] for s in (0, 1))  # k = 2 starts from exp_avg_sq / 2
+    split = run_branch_test(BranchConfig(**kw, second_moment="split"), tmp_path / "split", threads=1, progress=False)
+    c = {(r["k"], r["seed"]): r["val_loss"] for r in split.branches}
+    assert all(a[(1, s)] == c[(1, s)] for s in (0, 1)) and all(c[(2, s)] not in (a[(2, s)], b[(2, s)]) for s in (0, 1))
     assert "second_moment" not in json.loads((tmp_path / "keep" / "manifest.json").read_text())["branch"]
     with pytest.raises(ValueError, match="second_moment"):
         BranchConfig(**kw, second_moment="reset")

@@ -218,7 +218,7 @@ def branch_cmd(
     warmup_tokens: str = typer.Option("200K", "--warmup-tokens", help="Units the base run trains before branching; a comma list branches at several points."),
     points: Optional[int] = typer.Option(None, "--points", help="Branch at this many evenly spaced points up to --warmup-tokens (one value) and fit B_crit(L) over them."),
     window_tokens: str = typer.Option("100K", "--window-tokens", help="Units every branch trains."),
-    second_moment: str = typer.Option("keep", "--second-moment", help="keep the checkpoint's Adam second moments at a k-branch, or scaled: divided by k (a large-k branch otherwise starts with the small batch's larger exp_avg_sq)."),
+    second_moment: str = typer.Option("keep", "--second-moment", help="keep the checkpoint's Adam second moments at a k-branch, scaled: divided by k (a large-k branch otherwise starts with the small batch's larger exp_avg_sq), or split: only their noise part (from the first moment) divided by k."),
     window_fraction: Optional[float] = typer.Option(None, "--window-fraction", help="Instead of --window-tokens: each point's window is this fraction of its own units (short windows early, long late)."),
     seeds: int = typer.Option(3, "--seeds", help="Branches per k, each with its own data order (>= 2)."),
     tolerance: float = typer.Option(0.01, "--loss-tolerance", help="Loss increase over k=1 that still counts as equal (Merrill et al.: 0.01)."),

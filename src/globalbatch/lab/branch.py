@@ -56,7 +56,7 @@ __all__ = ["BranchConfig", "KVerdict", "Verdicts", "PointResult", "BranchResult"
 
 METRICS = ("val", "train")
 TOLERANCE_RULES = ("absolute", "half_window")
-SECOND_MOMENTS = ("keep", "scaled")
+SECOND_MOMENTS = ("keep", "scaled", "split")
 MANIFEST_VERSION = 3  # 2: the window in samples, rounded up to max(ks)·base_batch; 3: device, precision, registry optimizers
 
 
@@ -106,9 +106,10 @@ class BranchConfig:
     precision: str = "fp32"
     """``fp32``, ``bf16`` or ``fp16``; in the manifest."""
     second_moment: str = "keep"
-    """The base run's Adam second moments at a k-branch: ``keep`` them (the checkpoint as it is), or ``scaled``:
+    """The base run's Adam second moments at a k-branch: ``keep`` them (the checkpoint as it is), ``scaled``:
     divided by k, the noise-dominated limit E[g²] ≈ tr Σ / batch (a diagnostic: a large-k branch otherwise starts
-    with the small batch's larger ``exp_avg_sq``, which shrinks its first ≈ 1/(1 − β₂) steps)."""
+    with the small batch's larger ``exp_avg_sq``, which shrinks its first ≈ 1/(1 − β₂) steps), or ``split``: only
+    the noise part divided by k, per coordinate, from the first moment (:func:`split_second_moment`)."""
 
     def __post_init__(self) -> None:
         self.ks = sorted(int(k) for k in self.ks)
@@ -201,6 +202,28 @@ class BranchConfig:
 # ---------------------------------------------------------------------------
 # Running the base run and the branches
 # ---------------------------------------------------------------------------
+
+
+def split_second_moment(state: dict, k: int, betas: Optional[tuple[float, float]]) -> None:
+    """A k-branch's Adam ``exp_avg_sq`` with only its noise share divided by k (``second_moment="split"``).
+
+    Over one parameter tensor, after t steps at batch B, Adam's bias-corrected second moment v̂ ≈ g² + n per
+    coordinate (the squared mean gradient and the noise variance σ²/B) and its first moment's square m̂² ≈ g² + c·n,
+    c = (1 − β₁)/(1 + β₁) (the variance left in an EMA of independent noise). So the tensor's noise share is
+    f = Σ(v̂ − m̂²) / ((1 − c)·Σv̂), clipped to [0, 1] (summed over the tensor: one coordinate's EMAs are too noisy
+    to split it alone), and at batch kB its second moment is v̂·(1 − f + f/k): ``keep`` where the gradient is all
+    signal, ``scaled`` (÷ k) where it is all noise (McCandlish et al. 2018's noise-dominated regime). Edits
+    ``state`` in place."""
+    if betas is None or "exp_avg" not in state or "step" not in state:
+        raise ValueError("second_moment='split' needs an Adam-type optimizer state (exp_avg, exp_avg_sq, step, betas)")
+    beta1, beta2 = betas
+    t = float(state["step"])
+    v = state["exp_avg_sq"]
+    v_sum = float(v.sum()) / (1 - beta2 ** t)
+    m_sq = float((state["exp_avg"] * state["exp_avg"]).sum()) / (1 - beta1 ** t) ** 2
+    c = (1 - beta1) / (1 + beta1)
+    share = min(max((v_sum - m_sq) / ((1 - c) * v_sum), 0.0), 1.0) if v_sum > 0 else 0.0
+    v.mul_(1 - share + share / k)
 
 
 def _train(exp, order, batch: int, until_units: Optional[int] = None, n_steps: Optional[int] = None,
@@ -400,10 +423,13 @@ def _run_locked(config: BranchConfig, out: Path, task: Any, *, threads: Optional
                 state = torch.load(ckpt_dir / f"ckpt_{p}.pt", map_location=exp.device, weights_only=True)
                 model.load_state_dict(state["model"])
                 opt.load_state_dict(state["optimizer"])  # Adam moments continue; the LR is set next
-                if config.second_moment == "scaled" and k > 1:
-                    for st in opt.state.values():
-                        if "exp_avg_sq" in st:
-                            st["exp_avg_sq"].div_(k)
+                if config.second_moment != "keep" and k > 1:
+                    for g in opt.param_groups:
+                        for st in (opt.state[q] for q in g["params"] if "exp_avg_sq" in opt.state.get(q, {})):
+                            if config.second_moment == "scaled":
+                                st["exp_avg_sq"].div_(k)
+                            else:
+                                split_second_moment(st, k, g.get("betas"))
                 for g in opt.param_groups:
                     g["lr"] = lr_k
                 # Same order for every k at this seed: k-branches consume the 1-branch's samples k at a time,
