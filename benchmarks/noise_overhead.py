@@ -140,6 +140,7 @@ def ab_timing(loss_sum, make_model, windows, *, warmup: int, monitor_kwargs: dic
             "ratio_median": statistics.median(ratios), "ratio_of_means": sum(times[True]) / sum(times[False]),
             "cpu_ratio_median": statistics.median(cpu_ratios), "ratio_iqr": [q[0], q[2]],
             "steps": len(ratios), "b_simple": est.b_simple if est else None,
+            "b_simple_interval": [est.low, est.high] if est else None, "estimate_windows": est.windows if est else None,
             "estimate_flags": list(est.flags) if est else [],
             "trained_model": drivers[True][1]}
 
@@ -203,9 +204,22 @@ def _cost_text(cost: dict | None) -> str:
     if not cost:
         return ""
     changes = " → ".join(str(n) for _, n in cost["every_changes"]) or "none"
-    return (f"\n      monitor: {cost['windows_measured']:,} of {cost['windows']:,} windows measured, every "
-            f"{cost['every']} (changes: {changes}); its own cost {cost['fraction']:.2%} of the bare step"
-            + (f" over all windows, {cost['fraction_now']:.2%} at the last every" if cost.get("budget") else ""))
+    text = (f"\n      monitor: {cost['windows_measured']:,} of {cost['windows']:,} windows measured, every "
+            f"{cost['every']} (changes: {changes}); its own cost {cost['fraction']:.2%} of the bare step in its timed "
+            "regions" + (f" over all windows, {cost['fraction_now']:.2%} at the last every" if cost.get("budget") else ""))
+    if cost.get("budget") and not math.isnan(cost.get("fraction_all", math.nan)):
+        text += (f"\n      by the windows' spans: a measured window {cost['wall_extra_s'] * 1e6:,.0f} µs longer than one "
+                 f"left out ({cost['timed_window_s'] * 1e6:,.0f} µs timed); cost over all windows "
+                 f"{cost['fraction_all']:.2%}; {len(cost['left_out_at_every_1'])} window(s) left out at every 1")
+    return text
+
+
+def _estimate_text(res: dict) -> str:
+    """The estimate the monitored arm read: B_simple with its interval, over the windows it measured."""
+    lo, hi = res["b_simple_interval"]
+    flags = ", ".join(res["estimate_flags"]) or "none"
+    return (f"\n      B_simple {res['b_simple']:,.4g} [{lo:,.4g}, {hi:,.4g}] over {res['estimate_windows']} measured windows "
+            f"(flags: {flags})")
 
 
 def _threads_text(args) -> str:
@@ -433,7 +447,8 @@ def main() -> None:
         print(f"accumulation path, budget {args.budget:g}: base {bud['base_s'] * 1e3:.1f} ms/step, with monitor "
               f"{bud['monitored_s'] * 1e3:.1f} ms/step, ratio {bud['ratio_median']:.3f} (IQR {bud['ratio_iqr'][0]:.3f}–"
               f"{bud['ratio_iqr'][1]:.3f}; ratio of means {bud['ratio_of_means']:.3f}; CPU-time ratio "
-              f"{bud['cpu_ratio_median']:.3f}, {bud['steps']} steps)" + _cost_text(bud["monitor_cost"]), flush=True)
+              f"{bud['cpu_ratio_median']:.3f}, {bud['steps']} steps)" + _cost_text(bud["monitor_cost"]) + _estimate_text(bud)
+              + "\n      every window: " + _estimate_text(acc).strip(), flush=True)
 
     if "ddp" in parts:
         ddp = out["ddp"] = run_ddp(args)

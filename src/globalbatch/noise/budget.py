@@ -1,19 +1,31 @@
 """The noise monitor's cost budget: how often to measure (``every``) from the cost it measured.
 
-The monitor times its own work with a host clock (``time.perf_counter``): the parameter hooks,
-its callbacks and the folds. No device sync is added: on an accelerator this is the host time of
-its launches and Python, not the device time of its norm kernels. :class:`EveryController`
-turns those timings into ``every``: with c_m the monitor's seconds in a measured window, c_u in a
-window it leaves out and T the bare step (the window's wall time less the monitor's), one window
-in n costs (c_m + (n − 1)·c_u) / (n·T). The smallest n within the budget is
+The monitor's cost is read two ways, both with a host clock (``time.perf_counter``) and without a
+device sync. *Timed*: the seconds of its own regions (parameter hooks, callbacks, folds, the hooks'
+(un)registration). *By the windows' wall times*: each window's span (from its first micro-batch's
+end to the step's end, plus one micro-batch's mean duration for the first one; under the
+StepDriver the end is read in ``on_step_end``, after the driver's one host sync per step, so on an
+accelerator the span holds the device's work without a sync of its own). A measured window costs
+what its span exceeds the span of a window left out by, plus what a window left out costs: that
+sees what the timed regions leave out (the autograd engine's dispatch to the Python hooks, the
+calls around the regions, cache effects). :class:`EveryController` takes, per measured window,
+
+    c_m = max(timed c_m, IQM(W_m) − IQM(W_u) + c_u) + (un)hooking + folds per measured window,
+
+with W_m, W_u the spans of measured windows and of windows left out (interquartile means: a window in
+which the process was descheduled is an outlier in both; until 8 of each are known, timed c_m alone),
+c_u the timed seconds of a window left out and T the bare step (the mean span less the timed seconds,
+over the recent windows). At ``every = 1`` it leaves one window in 16 out (one in 4 until 8 are known) to
+keep W_u measured. One window in n costs (c_m + (n − 1)·c_u) / (n·T). The smallest n within the
+budget is
 
     n* = ⌈(c_m − c_u) / (budget·T − c_u)⌉           (every_max when budget·T ≤ c_u)
 
 ``every`` rises (at most doubling per measured window) when the cost at the current n is over the
 budget, and falls only when the cost at a smaller n is under budget / (1 + hysteresis): a cost
-that stays in that band leaves ``every`` where it is. c_m, c_u and T are means of recent
-readings. Which windows are measured depends on time only, never on a gradient, so the measured
-windows are a subsample of the windows and the estimate stays unbiased.
+that stays in that band leaves ``every`` where it is. Which windows are measured depends on time and
+counts only, never on a gradient, so the measured windows are a subsample of the windows and the
+estimate stays unbiased.
 """
 
 from __future__ import annotations
@@ -55,19 +67,38 @@ class MonitorCost:
     """With a budget: the cost at the current ``every`` from the recent readings (what the budget is held
     to); NaN without one."""
     measured_window_s: float
-    """The monitor's seconds in a measured window (smoothed; folds amortized in), NaN before one."""
+    """With a budget: what a measured window costs over the bare step, the larger of the timed seconds and
+    the windows' wall times (:attr:`wall_extra_s` + the seconds of a window left out), (un)hooking and folds
+    amortized in; NaN before one."""
     unmeasured_window_s: float
-    """The monitor's seconds in a window left out (smoothed), NaN before one."""
+    """With a budget: the monitor's seconds in a window left out (timed, smoothed), NaN before one."""
+    wall_extra_s: float = math.nan
+    """With a budget: how much longer a measured window's span is than a window left out's (interquartile
+    means of the recent spans, (un)hooking and folds taken out); NaN until 8 of each are known."""
+    timed_window_s: float = math.nan
+    """With a budget: the monitor's timed seconds in a measured window (its own regions only), NaN before one."""
+    fraction_all: float = math.nan
+    """With a budget, once the spans are known: :attr:`fraction` with, per measured window, what the spans show
+    beyond its timed seconds (at the current estimate) added — the cost its timed regions miss included."""
     every_changes: tuple[tuple[int, int], ...] = field(default=())
     """(window, every) at each change the budget made: ``every`` from that window on."""
+    left_out_at_every_1: tuple[int, ...] = field(default=())
+    """With a budget: windows (counted from 1) after which, at ``every = 1``, one window was left out to keep
+    the span of a window left out measured."""
 
     def text(self) -> str:
         frac = "–" if math.isnan(self.fraction) else f"{self.fraction:.2%}"
         budget = "no budget" if self.budget is None else f"budget {self.budget:.2%}"
         if self.budget is not None and not math.isnan(self.fraction_now):
             budget = f"{self.fraction_now:.2%} now at every {self.every}, {budget}"
+        if not math.isnan(self.fraction_all):
+            frac, budget = f"{self.fraction_all:.2%}", f"{frac} in its timed regions; {budget}"
+        walls = "" if math.isnan(self.wall_extra_s) else (
+            f"; a measured window {self.wall_extra_s * 1e6:,.0f} µs longer than one left out, "
+            f"{self.timed_window_s * 1e6:,.0f} µs timed")
         return (f"noise monitor cost {frac} of the bare step over its windows ({budget}); every {self.every}; "
-                f"{self.windows_measured:,} of {self.windows:,} windows measured, {self.windows_unmeasured:,} left out")
+                f"{self.windows_measured:,} of {self.windows:,} windows measured, {self.windows_unmeasured:,} left out"
+                + walls)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
@@ -92,40 +123,90 @@ def parse_budget(text: object, field: str = "budget") -> float:
     return value
 
 
+def _iqm(values: deque[float]) -> float:
+    """The interquartile mean: the mean of the middle half (a descheduled window is an outlier)."""
+    v = sorted(values)
+    q = len(v) // 4
+    return statistics.fmean(v[q:len(v) - q])
+
+
 class EveryController:
     """``every`` from the measured cost, within ``budget`` (see the module docstring).
 
-    c_m, c_u and T are the means of their last ``samples`` readings. On a shared machine a region of
-    a few microseconds sometimes reads milliseconds (the process was descheduled inside it); the
-    steps are descheduled as often per second, so the ratio of means prices that at its rate, where
-    medians would leave it out of the monitor's regions and keep it in the (long) steps. ``every``
-    at most doubles per decision, so one such reading moves it by a factor 2 at most.
+    The timed seconds c_m, c_u are the means of their last ``samples`` readings. On a shared machine a
+    region of a few microseconds sometimes reads milliseconds (the process was descheduled inside it);
+    the steps are descheduled as often per second, so the ratio of means prices that at its rate, where
+    medians would leave it out of the monitor's regions and keep it in the (long) steps. The spans W_m and
+    W_u are interquartile means of their last ``samples``: the same descheduling hits both kinds of window
+    and drops out of their difference. ``every`` at most doubles per decision, so one outlier moves it by
+    a factor 2 at most.
 
     Args:
         budget: the cost allowed, a fraction of the bare step time (0 < budget < 1).
         every: the starting value.
         hysteresis: ``every`` falls only when a smaller one costs ≤ budget / (1 + hysteresis).
-        samples: readings of c_m, c_u and T kept (the means are over these).
-        warmup: measured windows left out of c_m at the start (the first builds buffers).
+        samples: readings kept of each kind (the means are over these).
+        warmup: measured windows left out of c_m at the start (the first builds buffers); the first
+            ``warmup + 1`` windows give no span.
+        min_spans: spans of each kind needed before they price a measured window.
+        probe_every: at ``every = 1``, one window in this many is left out (one in 4 until ``min_spans``
+            spans of windows left out are known), so that W_u stays measured.
     """
 
     def __init__(self, budget: float, *, every: int = 1, hysteresis: float = 0.25, samples: int = 64,
-                 warmup: int = 1, every_max: int = EVERY_MAX) -> None:
+                 warmup: int = 1, every_max: int = EVERY_MAX, min_spans: int = 8, probe_every: int = 16) -> None:
         self.budget = budget
         self.every = every
         self.hysteresis = hysteresis
         self.warmup = warmup
         self.every_max = every_max
-        self._cm: deque[float] = deque(maxlen=samples)   # the monitor's seconds in measured windows (no folds)
+        self.min_spans = min_spans
+        self.probe_every = probe_every
+        self._cm: deque[float] = deque(maxlen=samples)   # the monitor's timed seconds in measured windows
         self._cu: deque[float] = deque(maxlen=samples)   # ... in windows left out
-        self._t: deque[float] = deque(maxlen=samples)    # bare step seconds
+        self._t: deque[float] = deque(maxlen=samples)    # spans less the timed seconds
+        self._wm: deque[float] = deque(maxlen=samples)   # spans of measured windows
+        self._wu: deque[float] = deque(maxlen=samples)   # ... of windows left out
+        self._arm: deque[float] = deque(maxlen=samples)  # (un)hooking seconds per measured window
         self._fold = 0.0
         self._seen_measured = 0
+        self._seen = 0
+        self._since_left_out = 0                         # measured windows in a row
+
+    @property
+    def timed_measured(self) -> float | None:
+        """The timed seconds of a measured window (its own regions, (un)hooking included; no folds)."""
+        if not self._cm:
+            return None
+        return statistics.fmean(self._cm) + (statistics.fmean(self._arm) if self._arm else 0.0)
+
+    @property
+    def wall_extra(self) -> float | None:
+        """IQM(W_m) − IQM(W_u): how much longer a measured window's span is (None before ``min_spans`` of each)."""
+        if len(self._wm) < self.min_spans or len(self._wu) < self.min_spans:
+            return None
+        return _iqm(self._wm) - _iqm(self._wu)
 
     @property
     def c_measured(self) -> float | None:
-        """c_m: the mean of the measured windows' seconds, plus the folds' seconds per measured window."""
-        return statistics.fmean(self._cm) + self._fold if self._cm else None
+        """c_m: a measured window's cost over the bare step (the larger of the timed seconds and the spans'
+        difference plus c_u), (un)hooking and the folds' seconds per measured window included."""
+        timed = self.timed_measured
+        if timed is None:
+            return None
+        extra = self.wall_extra
+        arm = statistics.fmean(self._arm) if self._arm else 0.0
+        by_walls = extra + (self.c_unmeasured or 0.0) + arm if extra is not None else -math.inf
+        return max(timed, by_walls) + self._fold
+
+    @property
+    def untimed(self) -> float | None:
+        """What the spans show a measured window to cost beyond its timed seconds (≥ 0; None before they are known)."""
+        extra, timed = self.wall_extra, self.timed_measured
+        if extra is None or timed is None:
+            return None
+        arm = statistics.fmean(self._arm) if self._arm else 0.0
+        return max(0.0, extra + (self.c_unmeasured or 0.0) + arm - timed)
 
     @property
     def c_unmeasured(self) -> float | None:
@@ -133,6 +214,7 @@ class EveryController:
 
     @property
     def step(self) -> float | None:
+        """T, the bare step: the mean span less the timed seconds, over the recent windows of both kinds."""
         return statistics.fmean(self._t) if self._t else None
 
     def cost_at(self, n: int) -> float:
@@ -154,19 +236,37 @@ class EveryController:
             return self.every_max
         return max(1, min(self.every_max, math.ceil((cm - cu) / room - 1e-12)))
 
-    def update(self, *, measured: bool, monitor_s: float, step_s: float | None, fold_s_per_window: float = 0.0) -> int:
-        """One window's timings: the monitor's seconds in it (folds excluded), its bare step seconds
-        (None for the first window), and the folds' seconds per measured window so far. Returns
-        ``every`` for the windows that follow; it changes only after a measured window."""
+    def leave_out_next(self) -> bool:
+        """After a measured window at ``every = 1``: leave the next window out (to keep W_u measured)."""
+        if self.every != 1:
+            return False
+        return self._since_left_out >= (self.probe_every if len(self._wu) >= self.min_spans else 4)
+
+    def update(self, *, measured: bool, monitor_s: float, step_s: float | None, fold_s_per_window: float = 0.0,
+               arm_s: float = 0.0) -> int:
+        """One window's readings: the monitor's timed seconds in it (folds and (un)hooking excluded), its
+        span less those seconds (None when unknown: the first window), the folds' seconds per measured
+        window so far and, for a measured window, the seconds of the hooks' (un)registration it caused.
+        Returns ``every`` for the windows that follow; it changes only after a measured window."""
+        self._seen += 1
+        span_ok = step_s is not None and step_s > 0 and self._seen > self.warmup + 1
+        span = (step_s or 0.0) + monitor_s  # the window's span: its bare step and the timed seconds
         if step_s is not None and step_s > 0:
             self._t.append(step_s)
         if not measured:
             self._cu.append(monitor_s)
+            if span_ok:
+                self._wu.append(span)
+            self._since_left_out = 0
             return self.every
+        self._since_left_out += 1
         self._seen_measured += 1
         if self._seen_measured <= self.warmup:
             return self.every
         self._cm.append(monitor_s)
+        self._arm.append(arm_s)
+        if span_ok:
+            self._wm.append(span)
         self._fold = fold_s_per_window
         if not self._t:
             return self.every

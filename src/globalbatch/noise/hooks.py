@@ -43,11 +43,17 @@ class _MicroHooks:
         self._n_windows = self._n_measured = 0
         self._cost_own = self._cost_step = 0.0         # over windows with a previous boundary
         self._every_changes: list[tuple[int, int]] = []
+        self._left_out: list[int] = []                 # windows after which one was left out at every 1
         self._arm_s = self._arm_mark = self._arm_carry = 0.0  # seconds spent adding and removing hooks
         self._micros_seen = 0                          # micro-batch calls in this window (measured or not)
         self._time_hooks = True                        # the hooks read the clock (the window's first micro-batch)
         self._hooks_timed = 0.0                        # ... and the seconds they read
         self._t_first = self._own_first = 0.0          # clock and own seconds at this window's first one
+        self._t_last = 0.0                             # clock at its latest micro-batch's callback
+        self._account_at_step_end = False              # on_window_end: the window's books close in on_step_end
+        self._to_account: bool | None = None           # ... with this (measured or not)
+        self._decide_carry = [0.0, 0.0]                # seconds of budget decisions after windows left out and
+        # measured, carried to the next window of that kind
         if unit not in (None, "token", "sample"):
             raise SettingError("unit", unit, "'token', 'sample' or None (follow the loss)")
         self._unit = unit
@@ -98,6 +104,7 @@ class _MicroHooks:
         self._slots = _NormSlots()                     # |Δ| per (micro, parameter), written by the hooks
         self._slots_adam = _NormSlots()
         self._hooks: list[Any] = []
+        self._hooked: list[torch.Tensor] = []          # the tensors they are registered on
         self._installed = False                        # the parameter hooks are in place
         self._attached = True
         self._countdown = 0                            # windows to leave out before the next measured one
@@ -183,6 +190,7 @@ class _MicroHooks:
         if targets is None:  # FSDP2 before its first forward: the unsharded parameters do not exist yet
             return
         self._hooks = [p.register_hook(make(i)) for i, p in enumerate(targets)]
+        self._hooked = list(targets)
         self._installed = True
 
     def _arm(self, on: bool) -> None:
@@ -196,7 +204,13 @@ class _MicroHooks:
             t0 = self._clock()
             for h in self._hooks:
                 h.remove()
-            self._hooks = []
+            for p in self._hooked:
+                # An empty hook dict still costs the autograd engine a call into Python per gradient (≈ 1 µs
+                # each): with no other hook left, clear it, as before the first register_hook (leaves only:
+                # a non-leaf's dict is also registered on its grad_fn).
+                if p.grad_fn is None and p._backward_hooks is not None and not p._backward_hooks:
+                    p._backward_hooks = None
+            self._hooks, self._hooked = [], []
             self._installed = False
             self._arm_s += self._clock() - t0
         self._slots.drop()
@@ -322,6 +336,7 @@ class _MicroHooks:
             self._t_first, self._own_first = t0, self._own
             self._time_hooks = False
         self._micros_seen += 1
+        self._t_last = t0
         try:
             self._micro_backward(count, samples, grad_multiplier)
         finally:

@@ -44,6 +44,10 @@ from globalbatch.noise.fold import _WindowFold
 __all__ = ["SOURCES", "NoiseConfig", "NoiseScaleMonitor"]
 
 
+def _nan_if_none(x: float | None) -> float:
+    return math.nan if x is None else x
+
+
 class NoiseScaleMonitor(_WindowFold):
     """Measure B_simple during training: a step-driver callback, or called from a plain loop.
 
@@ -122,22 +126,26 @@ class NoiseScaleMonitor(_WindowFold):
             self._in_window_end = False
         t1 = self._clock()
         self._own += t1 - t0
-        self._account(t1, measured)
+        if self._account_at_step_end:  # under the StepDriver: the window ends with its step (on_step_end)
+            self._account_at_step_end, self._to_account = False, measured
+        else:
+            self._account(t1, measured)
 
     def _account(self, now: float, measured: bool) -> None:
-        """Close a window's books: its own seconds and bare step seconds; under a budget, ``every`` for
-        the windows that follow (it changes only after a measured window)."""
+        """Close a window's books: its own seconds and its span; under a budget, ``every`` for the windows
+        that follow (it changes only after a measured window)."""
         k, self._micros_seen = self._micros_seen, 0
         if k > 1:  # the hooks of micro-batches 2..k: as long as the first's (timed) — no clock in them
             self._own += self._hooks_timed * (k - 1)
         self._hooks_timed, self._time_hooks = 0.0, True
         own, fold = self._own - self._own_mark, self._fold_s - self._fold_mark
         self._own_mark, self._fold_mark = self._own, self._fold_s
-        if k >= 2:  # the window's own compute: from its first micro-batch's end, scaled by k / (k − 1); what the
-            # loop does between steps (data, evaluation, another model) is no part of the step the budget is of
-            step: float | None = max(now - self._t_first - (self._own - self._own_first), 0.0) * k / (k - 1)
+        if k >= 2:  # the window's span: from its first micro-batch's end, plus one micro-batch's mean duration for
+            # the first; what the loop does between steps (data, evaluation, another model) is no part of it
+            span: float | None = now - self._t_first + (self._t_last - self._t_first) / (k - 1)
         else:       # one micro-batch per rank: from the previous window's end
-            step = None if self._boundary is None else max(now - self._boundary - own, 0.0)
+            span = None if self._boundary is None else now - self._boundary
+        step = None if span is None else max(span - own, 0.0)
         self._boundary = now
         self._n_windows += 1
         self._n_measured += measured
@@ -147,33 +155,52 @@ class NoiseScaleMonitor(_WindowFold):
         ctl = self._controller
         if ctl is None:
             return
+        t0 = self._clock()
         per_fold = self._fold_s / self._fold_windows if self._fold_windows else 0.0
-        # (un)hooking before and after a measured window is part of that window's cost, wherever it ran
+        # (un)hooking before and after a measured window is part of that window's cost, wherever it ran; so is
+        # the last decision (this method, untimed by the window it follows)
         arm, self._arm_mark = self._arm_s - self._arm_mark, self._arm_s
         self._arm_carry += arm
         sample = max(own - fold - arm, 0.0)  # (hooks added by ``monitor.every = n`` ran outside the window)
+        arm_s = 0.0
         if measured:
-            sample, self._arm_carry = sample + self._arm_carry, 0.0
-        n = ctl.update(measured=measured, monitor_s=sample, step_s=step, fold_s_per_window=per_fold)
+            arm_s, self._arm_carry = self._arm_carry, 0.0
+        carry = self._decide_carry
+        sample, carry[measured] = sample + carry[measured], 0.0
+        n = ctl.update(measured=measured, monitor_s=sample, step_s=step, fold_s_per_window=per_fold, arm_s=arm_s)
         if n != self._every:  # as ``monitor.every = n`` between windows
             self._every = n
             self._every_changes.append((self._n_windows, n))
             self._countdown = min(self._countdown, n - 1)
             self._arm(self._countdown <= 0)
+        if measured and self._countdown <= 0 and ctl.leave_out_next():  # at every 1: one window left out now and then
+            self._countdown = 1
+            self._arm(False)
+            self._left_out.append(self._n_windows)
+        dt = self._clock() - t0  # outside every span: in the books, and in the next window's sample of its kind
+        self._own += dt
+        self._own_mark += dt
+        self._cost_own += dt
+        self._decide_carry[measured] += dt
 
     def cost(self) -> MonitorCost:
         """What the monitor measured of its own cost: seconds in its hooks, callbacks and folds against
         the bare step, and the windows it measured and left out (no host sync)."""
         ctl = self._controller
         nan = math.nan
+        untimed = ctl.untimed if ctl is not None else None
+        fraction_all = ((self._cost_own + untimed * self._n_measured) / self._cost_step
+                        if untimed is not None and self._cost_step > 0 else nan)
         return MonitorCost(
             budget=self.config.budget, every=self._every, windows=self._n_windows, windows_measured=self._n_measured,
             windows_unmeasured=self._n_windows - self._n_measured, monitor_s=self._cost_own, step_s=self._cost_step,
             fraction=self._cost_own / self._cost_step if self._cost_step > 0 else nan,
             fraction_now=ctl.cost_at(self._every) if ctl is not None else nan,
-            measured_window_s=(ctl.c_measured if ctl is not None and ctl.c_measured is not None else nan),
-            unmeasured_window_s=(ctl.c_unmeasured if ctl is not None and ctl.c_unmeasured is not None else nan),
-            every_changes=tuple(self._every_changes))
+            measured_window_s=_nan_if_none(ctl.c_measured if ctl is not None else None),
+            unmeasured_window_s=_nan_if_none(ctl.c_unmeasured if ctl is not None else None),
+            every_changes=tuple(self._every_changes), left_out_at_every_1=tuple(self._left_out), fraction_all=fraction_all,
+            wall_extra_s=_nan_if_none(ctl.wall_extra if ctl is not None else None),
+            timed_window_s=_nan_if_none(ctl.timed_measured if ctl is not None else None))
 
     def _window_end(self, loss_scale: Any, lr: Any, big_grad_multiplier: Any, _big_from_driver: bool) -> bool:
         if not self._in_window:
@@ -210,6 +237,10 @@ class NoiseScaleMonitor(_WindowFold):
             self._t_first, self._own_first = t0, self._own
             self._time_hooks = False
         self._micros_seen += 1
+        self._t_last = t0
+        if not self._measuring and self._in_window and not self._installed and not self._armed:
+            self._own += clock() - t0  # a window left out, no hooks in place: nothing to record
+            return
         counts = self._counts
         seen = len(counts) + self._empty_micros  # micro-batches of this window so far
         if self._fast_micro and self._measuring and self._in_window and self._installed and micro_index == seen:
@@ -238,6 +269,7 @@ class NoiseScaleMonitor(_WindowFold):
 
     def on_window_end(self, driver: Any, global_count: Any, local_window_count: Any) -> None:
         """:class:`~globalbatch.step.StepDriver` callback: after sync, normalization, unscale."""
+        self._account_at_step_end = True  # its span ends after the step (and the driver's one host sync)
         if not self._measuring:
             if self._in_window:
                 self.window_end()
@@ -251,6 +283,7 @@ class NoiseScaleMonitor(_WindowFold):
         """:class:`~globalbatch.step.StepDriver` callback: a window whose step the driver skipped
         (non-finite loss or gradient on some rank) is left out of the estimate."""
         t0 = self._clock()
+        self._account_at_step_end = False
         if self._last_measured and self._pending:
             last = self._pending[-1]
             if result.skipped:
@@ -260,7 +293,11 @@ class NoiseScaleMonitor(_WindowFold):
             self._last_measured = False
         self._slots.drop()
         self._slots_adam.drop()  # nothing from between windows reaches the next one
-        self._own += self._clock() - t0
+        t1 = self._clock()
+        self._own += t1 - t0
+        measured, self._to_account = self._to_account, None
+        if measured is not None:
+            self._account(t1, measured)
 
     # -- read-out (host sync) -------------------------------------------------------------------
 
