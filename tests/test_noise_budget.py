@@ -219,6 +219,30 @@ def test_cost_outside_the_timed_regions_is_seen_in_the_windows_spans():
     assert (c.timed_window_s + hidden) / (ev[-1] * step) > 0.05 and ev[-1] <= 2
 
 
+def test_windows_left_out_leave_no_hook_dict_and_keep_the_users_hooks():
+    """Between measured windows the parameters carry no hook at all: the monitor's hooks are removed and
+    the emptied hook dicts cleared (an empty one still costs the autograd engine a call into Python per
+    gradient); a parameter with the user's own hook keeps it, and it keeps being called."""
+    model = nc.make_model(0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    calls = []
+    params[0].register_hook(lambda g: calls.append(1))
+    mon = NoiseScaleMonitor(model, unit="sample", config=NoiseConfig(every=3))
+    seen = []
+
+    def during(w, i):
+        if i == 0:
+            seen.append([None if p._backward_hooks is None else len(p._backward_hooks) for p in params])
+
+    _run(model, 6, callbacks=[mon], during=during)
+    for w, hooks in enumerate(seen):
+        if w % 3 == 0:   # measured: the monitor's hook on every parameter, beside the user's
+            assert hooks == [2] + [1] * (len(params) - 1)
+        else:            # left out: only the user's hook, and no dict elsewhere
+            assert hooks == [1] + [None] * (len(params) - 1)
+    assert len(calls) == 6 * len(SIZES) and mon.estimate().windows == 2
+
+
 def test_fixed_cost_gives_the_same_results_as_fixed_every():
     """A cost that needs every 3, started at 3: never changed, and the estimate is that of NoiseConfig(every=3)."""
     model = nc.make_model(0)

@@ -10,13 +10,14 @@ what its span exceeds the span of a window left out by, plus what a window left 
 sees what the timed regions leave out (the autograd engine's dispatch to the Python hooks, the
 calls around the regions, cache effects). :class:`EveryController` takes, per measured window,
 
-    c_m = max(timed c_m, IQM(W_m) − IQM(W_u) + c_u) + (un)hooking + folds per measured window,
+    c_m = max(timed c_m, IQM(W_m − W_u) + c_u) + (un)hooking + folds per measured window,
 
-with W_m, W_u the spans of measured windows and of windows left out (interquartile means: a window in
-which the process was descheduled is an outlier in both; until 8 of each are known, timed c_m alone),
-c_u the timed seconds of a window left out and T the bare step (the mean span less the timed seconds,
-over the recent windows). At ``every = 1`` it leaves one window in 16 out (one in 4 until 8 are known) to
-keep W_u measured. One window in n costs (c_m + (n − 1)·c_u) / (n·T). The smallest n within the
+with W_m − W_u the difference of the spans of a measured window and of a window left out beside it
+(each pair of neighbours once: a drift of the step time drops out; the interquartile mean of the last 64
+pairs: a window in which the process was descheduled is an outlier; until 8 pairs are known, timed c_m
+alone), c_u the timed seconds of a window left out and T the bare step (the mean span less the timed
+seconds, over the recent windows). At ``every = 1`` it leaves one window in 16 out (one in 4 until 8
+pairs are known) to keep the pairs coming. One window in n costs (c_m + (n − 1)·c_u) / (n·T). The smallest n within the
 budget is
 
     n* = ⌈(c_m − c_u) / (budget·T − c_u)⌉           (every_max when budget·T ≤ c_u)
@@ -73,8 +74,9 @@ class MonitorCost:
     unmeasured_window_s: float
     """With a budget: the monitor's seconds in a window left out (timed, smoothed), NaN before one."""
     wall_extra_s: float = math.nan
-    """With a budget: how much longer a measured window's span is than a window left out's (interquartile
-    means of the recent spans, (un)hooking and folds taken out); NaN until 8 of each are known."""
+    """With a budget: how much longer a measured window's span is than a neighbouring window left out's
+    (interquartile mean of the recent pairs' differences, (un)hooking and folds taken out); NaN until 8
+    pairs are known."""
     timed_window_s: float = math.nan
     """With a budget: the monitor's timed seconds in a measured window (its own regions only), NaN before one."""
     fraction_all: float = math.nan
@@ -136,9 +138,11 @@ class EveryController:
     The timed seconds c_m, c_u are the means of their last ``samples`` readings. On a shared machine a
     region of a few microseconds sometimes reads milliseconds (the process was descheduled inside it);
     the steps are descheduled as often per second, so the ratio of means prices that at its rate, where
-    medians would leave it out of the monitor's regions and keep it in the (long) steps. The spans W_m and
-    W_u are interquartile means of their last ``samples``: the same descheduling hits both kinds of window
-    and drops out of their difference. ``every`` at most doubles per decision, so one outlier moves it by
+    medians would leave it out of the monitor's regions and keep it in the (long) steps. The spans are
+    compared in neighbouring pairs (a measured window and the window left out just before or after it),
+    so that a drift of the step time (load, sequence length, a schedule) drops out, and the pairs'
+    differences are averaged over their middle half (interquartile mean of the last ``samples``): a window
+    in which the process was descheduled is an outlier. ``every`` at most doubles per decision, so one outlier moves it by
     a factor 2 at most.
 
     Args:
@@ -148,7 +152,8 @@ class EveryController:
         samples: readings kept of each kind (the means are over these).
         warmup: measured windows left out of c_m at the start (the first builds buffers); the first
             ``warmup + 1`` windows give no span.
-        min_spans: spans of each kind needed before they price a measured window.
+        min_spans: pairs of neighbouring spans (one measured, one left out) needed before they price a
+            measured window.
         probe_every: at ``every = 1``, one window in this many is left out (one in 4 until ``min_spans``
             spans of windows left out are known), so that W_u stays measured.
     """
@@ -165,8 +170,8 @@ class EveryController:
         self._cm: deque[float] = deque(maxlen=samples)   # the monitor's timed seconds in measured windows
         self._cu: deque[float] = deque(maxlen=samples)   # ... in windows left out
         self._t: deque[float] = deque(maxlen=samples)    # spans less the timed seconds
-        self._wm: deque[float] = deque(maxlen=samples)   # spans of measured windows
-        self._wu: deque[float] = deque(maxlen=samples)   # ... of windows left out
+        self._pairs: deque[float] = deque(maxlen=samples)  # span of a measured window − span of a neighbour left out
+        self._prev: tuple[bool, float] | None = None       # the previous window: measured?, its span
         self._arm: deque[float] = deque(maxlen=samples)  # (un)hooking seconds per measured window
         self._fold = 0.0
         self._seen_measured = 0
@@ -182,10 +187,11 @@ class EveryController:
 
     @property
     def wall_extra(self) -> float | None:
-        """IQM(W_m) − IQM(W_u): how much longer a measured window's span is (None before ``min_spans`` of each)."""
-        if len(self._wm) < self.min_spans or len(self._wu) < self.min_spans:
+        """How much longer a measured window's span is than a neighbouring window left out's: the IQM of
+        the differences of neighbouring pairs (None before ``min_spans`` pairs)."""
+        if len(self._pairs) < self.min_spans:
             return None
-        return _iqm(self._wm) - _iqm(self._wu)
+        return _iqm(self._pairs)
 
     @property
     def c_measured(self) -> float | None:
@@ -240,7 +246,7 @@ class EveryController:
         """After a measured window at ``every = 1``: leave the next window out (to keep W_u measured)."""
         if self.every != 1:
             return False
-        return self._since_left_out >= (self.probe_every if len(self._wu) >= self.min_spans else 4)
+        return self._since_left_out >= (self.probe_every if len(self._pairs) >= self.min_spans else 4)
 
     def update(self, *, measured: bool, monitor_s: float, step_s: float | None, fold_s_per_window: float = 0.0,
                arm_s: float = 0.0) -> int:
@@ -253,10 +259,11 @@ class EveryController:
         span = (step_s or 0.0) + monitor_s  # the window's span: its bare step and the timed seconds
         if step_s is not None and step_s > 0:
             self._t.append(step_s)
+        prev, self._prev = self._prev, ((measured, span) if span_ok else None)
+        if span_ok and prev is not None and prev[0] != measured:  # a measured window beside one left out
+            self._pairs.append(span - prev[1] if measured else prev[1] - span)
         if not measured:
             self._cu.append(monitor_s)
-            if span_ok:
-                self._wu.append(span)
             self._since_left_out = 0
             return self.every
         self._since_left_out += 1
@@ -265,8 +272,6 @@ class EveryController:
             return self.every
         self._cm.append(monitor_s)
         self._arm.append(arm_s)
-        if span_ok:
-            self._wm.append(span)
         self._fold = fold_s_per_window
         if not self._t:
             return self.every
