@@ -190,8 +190,13 @@ def test_json_has_the_documented_keys():
     a = analyze_seeds(curves, settings=AnalysisSettings(n_targets=3))
     doc = seed_analysis_json(a, lambda u: int(u // 62))
     t = doc["targets"][0]
-    for key in ("target_loss", "b_crit", "b_crit_per_seed", "steps_to_target", "monotone"):
+    for key in ("target_loss", "b_crit", "b_crit_per_seed", "steps_to_target", "monotone", "b_crit_own_per_seed",
+                "pooling", "pooling_text"):
         assert key in t
+    assert t["pooling"]["p_value"] >= 0 and isinstance(t["pooling"]["shared"], bool)  # 3 monotone seeds: tested
+    import json
+
+    json.dumps(doc, allow_nan=False)
     assert set(t["steps_to_target"]) == {str(int(b // 62)) for b in BATCHES}
     assert set(t["steps_to_target"]["4"]) == {"0", "1", "2"}
     for key in ("batch", "lr", "per_seed", "probability_fastest"):

@@ -19,6 +19,10 @@ seeds with a training-loss read-out, measured on the demo task). For a sweep run
    not rise with the batch; examples are not checked: flat in the perfect-scaling regime; 3 % slack), the
    hyperbola fit per seed, their median and range, and a fit of the median steps with a bootstrap over
    seeds. Non-monotone cells are flagged and left out of every fit.
+3. **One S_min shared by the seeds** where the F-test allows it (:mod:`globalbatch.critical.pooled`):
+   each seed keeps its own B_crit, fitted with an S_min common to the monotone seeds; where the
+   extra-sum-of-squares test rejects sharing (p < 0.2) the per-seed fits stand. Each target says which
+   (:attr:`SeedTarget.pooled`, with the test's p-value).
 
 The fit across targets is :mod:`globalbatch.critical.joint`; the whole analysis with its
 recommendation, :mod:`globalbatch.critical.seeds`. Pure numpy/scipy; no torch.
@@ -35,6 +39,7 @@ import numpy as np
 from globalbatch.critical.curves import Curve, ema_smooth, steps_to_target
 from globalbatch.critical.errors import NoAnswerError
 from globalbatch.critical.fit import HyperbolaFit, fit_hyperbola
+from globalbatch.critical.pooled import POOL_ALPHA, PooledFit, pooled_for_target
 from globalbatch.critical.readout import heldout_fit
 from globalbatch.critical.recommend import TargetResult, points_for_target
 from globalbatch.errors import SettingError
@@ -173,6 +178,16 @@ class SeedTarget:
     the primary target) or ``"per_target"`` (re-chosen at this target, :data:`LR_SELECTIONS`)."""
     lr_selection_reason: str = ""
     """Why, in one sentence (stated in the report and the JSON)."""
+    pooled: Optional[PooledFit] = None
+    """The shared-S_min fit of the monotone seeds and its F-test (None: fewer than 2 such seeds, or pooling off);
+    its B_crit are the per-seed values where :attr:`PooledFit.shared`."""
+    b_crit_own_per_seed: dict[int, Optional[float]] = field(default_factory=dict)
+    """Per-seed B_crit from each seed's own two-parameter fit (what :attr:`b_crit_per_seed` holds without pooling)."""
+
+    @property
+    def pooling_text(self) -> str:
+        """One line: whether this target's per-seed B_crit share S_min, and the test that decided it."""
+        return self.pooled.text() if self.pooled is not None else "per-seed fits (fewer than 2 seeds to pool)"
 
     @property
     def all_monotone(self) -> bool:
@@ -183,6 +198,8 @@ class SeedTarget:
         fitted seed, that seed's own 95 % interval (which does not contain the seed-to-seed spread)."""
         fitted = [s for s, v in self.b_crit_per_seed.items() if v is not None]
         if len(fitted) == 1:
+            if self.pooled is not None and self.pooled.shared:
+                return self.pooled.interval(fitted[0])
             return self.per_seed[fitted[0]].b_crit_ci95
         parts = [x for x in (self.b_crit_range, self.b_crit_boot) if x is not None]
         if not parts:
@@ -223,10 +240,33 @@ def common_lr(curves: Sequence[Curve], target: float, *, readout: str = "heldout
     return {b: k[2] for b, k in best.items()}
 
 
+def _use_pooled(st: SeedTarget, pooled: Optional[PooledFit]) -> None:
+    """Record the shared-S_min fit; where its F-test does not reject sharing, its B_crit become the per-seed values
+    (a seed whose B_crit lies beyond the swept batches gets no point, as with its own fit)."""
+    st.pooled = pooled
+    st.b_crit_own_per_seed = dict(st.b_crit_per_seed)
+    if pooled is None or not pooled.shared:
+        return
+    for s in pooled.seeds:
+        v = pooled.b_crit[s]
+        if pooled.inside(s):
+            lo, hi = pooled.interval(s)
+            st.b_crit_per_seed[s] = v
+            st.b_crit_text_per_seed[s] = f"{v:,.0f} (95% CI {lo:,.0f}–{hi:,.0f}; shared S_min)"
+        else:
+            side = ">" if v > max(pooled.batches) else "<"
+            edge = max(pooled.batches) if side == ">" else min(pooled.batches)
+            st.b_crit_per_seed[s] = None
+            st.b_crit_text_per_seed[s] = (f"B_crit {side} {edge:,.0f} (shared-S_min fit {v:,.0f}, beyond the swept "
+                                          f"batches; own fit: {st.b_crit_text_per_seed.get(s, '–')})")
+
+
 def target_over_seeds(curves: Sequence[Curve], target: float, *, readout: str = "heldout",
-                      min_window_examples: Optional[float] = None, rng_seed: int = 0) -> SeedTarget:
+                      min_window_examples: Optional[float] = None, rng_seed: int = 0,
+                      pool_alpha: Optional[float] = POOL_ALPHA) -> SeedTarget:
     """Steps per batch and seed (at each batch's :func:`common_lr`), monotonicity, per-seed fits and
-    their spread at one ``target``."""
+    their spread at one ``target``; with ``pool_alpha`` (None: off) the per-seed B_crit share one S_min where
+    the F-test at that level does not reject it (:mod:`globalbatch.critical.pooled`)."""
     seeds = sorted({c.seed for c in curves})
     if len({(c.batch_size, c.lr) for c in curves}) > len({c.batch_size for c in curves}):  # not yet one LR per batch
         lr_of = common_lr(curves, target, readout=readout, min_window_examples=min_window_examples)
@@ -262,11 +302,12 @@ def target_over_seeds(curves: Sequence[Curve], target: float, *, readout: str = 
         else:
             st.b_crit_per_seed[s] = tr.fit.b_crit if _usable(tr.fit) else None
             st.b_crit_text_per_seed[s] = tr.fit.b_crit_text()
+    good = [s for s in seeds if monotone[s]]
+    _use_pooled(st, pooled_for_target(batches, steps, good, alpha=pool_alpha) if pool_alpha is not None else None)
     vals = [v for v in st.b_crit_per_seed.values() if v is not None]
     if vals:
         st.b_crit = float(np.median(vals))
         st.b_crit_range = (float(min(vals)), float(max(vals)))
-    good = [s for s in seeds if monotone[s]]
     st.median_fit = _median_steps_fit(st, good)
     if len(good) >= 2:
         gen = bootstrap_rng(rng_seed)

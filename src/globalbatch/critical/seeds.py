@@ -279,6 +279,9 @@ def seed_analysis_json(a: SeedAnalysis, batch_key: Callable[[float], int]) -> di
             "reached_in_warmup": st.reached_in_warmup,
             "lr_selection": st.lr_selection,
             "lr_selection_reason": st.lr_selection_reason,
+            "b_crit_own_per_seed": {str(s): num(v) for s, v in st.b_crit_own_per_seed.items()},
+            "pooling": st.pooled.as_json() if st.pooled is not None else None,
+            "pooling_text": st.pooling_text,
             "b_simple": a.b_simple.get(st.target),
         })
     rec = a.recommendation
