@@ -5,7 +5,9 @@ One run measures, on the same batches:
 0. Small models (one process, 1 thread): MLPs 64-64-32-10 (6.6k parameters), 64-256-256-10 (85k)
    and 64-512-512-10 (301k) at micro 32 × accum 8, the last also with ``every=4``, with the cost
    budget (``NoiseConfig(budget=0.02)``: the monitor picks ``every`` from the cost it measures) and at
-   micro 128 × accum 4 — where a fixed cost per micro-batch shows most. The "floor" row runs,
+   micro 128 × accum 4 — where a fixed cost per micro-batch shows most. With ``--budget-rows`` tinygpt runs
+   with every window and with the budget, both reading the plain mean of their measured windows
+   (``half_life=math.inf``), and prints each arm's B_simple with its interval and windows. The "floor" row runs,
    instead of the monitor, bare hooks that only read each incoming gradient's norm once: what any
    per-micro-batch estimator must pay, without its bookkeeping. Budget rows print the windows the
    monitor measured, the ``every`` it chose and the cost it measured of itself.
@@ -431,8 +433,11 @@ def main() -> None:
     model = None
     if parts & {"tinygpt", "accuracy"}:
         windows = _windows(task, args.steps + args.warmup, MICRO, args.seed)
+        # --budget-rows: both tinygpt arms read the plain mean over their measured windows (half_life inf), so
+        # that the estimate's interval says what the windows the budget left out cost in precision
+        plain = {"half_life": math.inf} if args.budget_rows else {}
         acc = ab_timing(task.loss_sum, lambda: task.build_model(args.seed), windows, warmup=args.warmup,
-                        monitor_kwargs={}, unit=task.unit)
+                        monitor_kwargs={"config": NoiseConfig(**plain)}, unit=task.unit)
         model = acc.pop("trained_model")
         out["accumulation"] = acc
         print(f"accumulation path: base {acc['base_s'] * 1e3:.1f} ms/step, with monitor {acc['monitored_s'] * 1e3:.1f} "
@@ -441,7 +446,7 @@ def main() -> None:
               f"{acc['cpu_ratio_median']:.3f}, {acc['steps']} steps)" + _cost_text(acc["monitor_cost"]), flush=True)
     if "tinygpt" in parts and args.budget_rows:
         bud = ab_timing(task.loss_sum, lambda: task.build_model(args.seed), windows, warmup=args.warmup,
-                        monitor_kwargs={"config": NoiseConfig(budget=args.budget)}, unit=task.unit)
+                        monitor_kwargs={"config": NoiseConfig(budget=args.budget, **plain)}, unit=task.unit)
         bud.pop("trained_model")
         out["accumulation_budget"] = bud
         print(f"accumulation path, budget {args.budget:g}: base {bud['base_s'] * 1e3:.1f} ms/step, with monitor "
