@@ -15,13 +15,14 @@ joint fits B_crit(L) = B_ref·(L/L_ref)^k (a sweep design's own joint fit, or a 
 reference's). ``branch``: the branch test at several points of one base run (``benchmarks/critical_cost_branch.py``;
 ``n``: repetitions whose fitted points span the target); ``branch_*``: the same with one setting changed
 (``absolute``: Merrill's fixed tolerance 0.01 instead of the half-window rule; ``keep``: the Adam second moments as
-in the checkpoint instead of divided by k; ``wf``: each window that fraction of its point; ``lr``: the base run's
-LR).
+in the checkpoint instead of divided by k; ``split``: only their noise share divided by k; ``wf``: each window that
+fraction of its point; ``lr``: the base run's LR).
 
-The run directories the recorded commands name are copies (read, never written into) of: ``/tmp/h6b/demo_ref`` the
-full 5-seed demo tinygpt sweep (114 trials; kept outside the repository), ``/tmp/h6b/mnist_ref``
-``runs/critical_stability_mnist``, and the repetitions ``runs/critical_cost_{task}*`` (the narrow and seeds designs'
-from the runs that first measured them).
+The run directories the recorded commands name: ``runs/critical_cost_full_tinygpt``, the full 5-seed demo tinygpt
+sweep (114 trials; ignored by git, kept on the machine that measured it); ``/tmp/h6b/mnist_ref``, a copy of
+``runs/critical_stability_mnist`` (160 trials); the repetitions, copies of ``runs/critical_cost_{task}*`` (the
+narrow and seeds designs' from the runs that first measured them) and ``runs/critical_cost_{task}_wf1_split``. The
+commands ran from a ``git archive`` of commit c7ff8df (the committed code, without uncommitted work in the tree).
 """
 
 from __future__ import annotations
