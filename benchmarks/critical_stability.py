@@ -5,7 +5,8 @@ read-out with a minimum window in tokens:
 
 * the share of seed × target cells whose steps-to-target are monotone in the batch
   (goal ≥ 90 %);
-* for each common target, B_crit per seed and max/min across seeds (goal ≤ 1.6);
+* for each common target, B_crit per seed and max/min across seeds (goal ≤ 1.6), with one S_min shared by the
+  seeds where the F-test allows it (the test's p-value; the per-seed fits' own max/min beside it);
 * the joint fit B_crit(L) over targets and seeds;
 * the recommendation per seed, the probability each batch is fastest, LR-edge flags.
 
@@ -114,6 +115,10 @@ def main(argv=None) -> int:
         return (s.get(key) if isinstance(s, dict) else getattr(s, key, None)) or 0
 
     done_seeds = sorted({get(s, "seed") for s in data.summaries.values()})
+    edge = sorted({get(s, "batch") for s in data.summaries.values()} - set(data.config.batches))
+    print(f"batch-edge extension (B_crit beyond the largest batch at the primary target; cap "
+          f"{data.config.batch_edge_extend} doubling(s)): " + (f"batch {', '.join(map(str, edge))} added, "
+          f"{sum(get(s, 'batch') in edge for s in data.summaries.values())} trials" if edge else "none"))
     cpu = sum(get(s, "train_time_s") + get(s, "eval_time_s") for s in data.summaries.values())
     print(f"finished trials: {len(data.summaries)} (missing base cells: {len(data.missing)}), seeds with trials "
           f"{done_seeds}; trial time summed {cpu:,.0f} s (1 thread each; eval share "
@@ -137,7 +142,10 @@ def main(argv=None) -> int:
             print(f"  target {st.target:.4f}: B_crit per seed [{per}] {data.unit}s; median "
                   f"{st.b_crit:,.0f}" if st.b_crit else f"  target {st.target:.4f}: B_crit per seed [{per}]; median –",
                   end="")
-            print(f"; max/min {ratio:.2f} (goal ≤ 1.6); joint {j}; {len(vals)}/{len(st.b_crit_per_seed)} seeds fitted")
+            own = [v for v in st.b_crit_own_per_seed.values() if v is not None]
+            own_ratio = f"{max(own) / min(own):.2f} ({len(own)} seeds)" if len(own) >= 2 else "–"
+            print(f"; max/min {ratio:.2f} (goal ≤ 1.6); joint {j}; {len(vals)}/{len(st.b_crit_per_seed)} seeds fitted"
+                  f"\n    {st.pooling_text}; per-seed fits' own max/min {own_ratio}")
         good = [r for r in ratios if math.isfinite(r)]
         if good:
             print(f"max/min across seeds: worst {max(good):.2f}, median {sorted(good)[len(good) // 2]:.2f} over "

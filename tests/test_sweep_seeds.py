@@ -9,7 +9,7 @@ import pytest
 from globalbatch._util import SettingError
 from globalbatch.lab.sweep import SweepConfig, load_sweep, run_sweep
 from globalbatch.lab.sweep.config import TrialSpec, demo_config
-from globalbatch.lab.sweep.lr_edges import best_lr_at_edge, edge_cells
+from globalbatch.lab.sweep.lr_edges import BatchEdge, batch_edge_cells, best_lr_at_edge, edge_cells
 from globalbatch.lab.tasks import load_task
 from globalbatch.lab.tasks.base import val_order
 
@@ -112,9 +112,35 @@ def test_edge_cells_extend_the_side_the_best_lr_sits_on():
     assert all(c.batch != 4 for c in edge_cells(cfg, s2))
     # A batch with a seed still missing is not decided.
     assert all(c.batch != 4 for c in edge_cells(cfg, s[1:]))
+    # An extension stopped after one seed (a killed sweep) is completed on resume, and nothing else is decided there.
+    assert [c for c in edge_cells(cfg, s + [_summary(4, 4e-3, 0, 2.0)]) if c.batch == 4] == [
+        TrialSpec(batch=4, lr=4e-3, seed=1)]
     # A diverged trial (NaN loss) counts as the worst.
     s3 = [dict(x, final_val_loss=float("nan")) if x["lr"] == 2e-3 and x["batch"] == 4 else x for x in s]
     assert best_lr_at_edge(s3, 4) == "low"
+
+
+def test_batch_edge_cells_add_the_next_batch_where_b_crit_lies_beyond_the_largest():
+    cfg = SweepConfig(batches=[4, 8, 16], lrs=[1e-3, 2e-3, 4e-3], budget=10_000, seeds=[0, 1])
+    assert cfg.edge_batches() == [32] and cfg.all_batches() == [4, 8, 16, 32]
+    assert "batch_edge_extend" not in cfg.manifest()["grid"]  # the default: older manifests still match
+    s = [_summary(b, lr, seed, 2.0) for b in (4, 8, 16) for lr in cfg.lrs_for(b) for seed in (0, 1)]
+    # 1 of 3 seeds beyond the largest batch: no extension; 2 of 3: batch 32 at its rule grid, every seed
+    assert batch_edge_cells(cfg, s, BatchEdge(beyond=1, seeds=3, lr=8e-3)) == []
+    assert batch_edge_cells(cfg, s, None) == []
+    cells = batch_edge_cells(cfg, s, BatchEdge(beyond=2, seeds=3, lr=8e-3))  # 8e-3 × √2 = 0.01131: on the grid
+    assert set(cells) == {TrialSpec(batch=32, lr=lr, seed=seed) for lr in cfg.lrs_for(32) for seed in (0, 1)}
+    # the largest batch's chosen LR off its grid (an LR-edge extension won): its move by the rule joins
+    moved = batch_edge_cells(cfg, s, BatchEdge(beyond=2, seeds=2, lr=0.032))
+    assert {c.lr for c in moved} == set(cfg.lrs_for(32)) | {0.04525}
+    # a started edge batch completes its grid whatever the analysis says now (a resume); then the cap holds
+    half = s + [_summary(32, c.lr, c.seed, 2.0) for c in cells[:3]]
+    assert set(batch_edge_cells(cfg, half, None)) == set(cells[3:])
+    full = s + [_summary(32, c.lr, c.seed, 2.0) for c in cells]
+    assert batch_edge_cells(cfg, full, BatchEdge(beyond=2, seeds=2, lr=0.01131)) == []
+    assert SweepConfig(batches=[4, 8, 16], lrs=[1e-3], budget=10_000, batch_edge_extend=0).edge_batches() == []
+    with pytest.raises(SettingError, match="batch_edge_extend"):
+        SweepConfig(batches=[4], lrs=[1e-3], budget=10, batch_edge_extend=-1)
 
 
 def test_two_seed_sweep_with_edge_extension_resumes_and_reports(tmp_path):

@@ -53,6 +53,11 @@ class SweepConfig:
     """When the analysis' chosen LR falls as the batch grows (against the optimizer's rule), run the LR the
     rule predicts from the neighbouring batch (for every seed), up to this many extra LRs per batch
     (:func:`globalbatch.lab.sweep.lr_edges.refine_cells`); 0: flag only."""
+    batch_edge_extend: int = 1
+    """When B_crit at the primary target lies beyond the largest batch for at least half the seeds (a one-sided
+    bound: every batch in the perfect-scaling regime), run the next batch (×2) at the LR grid the rule gives it,
+    for every seed, up to this many doublings (:func:`globalbatch.lab.sweep.lr_edges.batch_edge_cells`;
+    full-grid designs only); 0: state the bound only."""
     design: str = "full"
     """Which cells run (:mod:`globalbatch.lab.sweep.designs`): ``full`` (every batch × its LR grid × every
     seed), ``seeds1``, ``narrow1``, ``narrow2``, ``halving`` (cheaper designs, measured against ``full``)."""
@@ -113,6 +118,7 @@ class SweepConfig:
         if self.design not in DESIGN_NAMES:
             raise E("design", self.design, ", ".join(DESIGN_NAMES))
         whole(self.lr_refine, "lr_refine", minimum=0)
+        whole(self.batch_edge_extend, "batch_edge_extend", minimum=0)
         if self.warmup is not None:
             self.warmup = count(self.warmup, "warmup", minimum=0, maximum=self.budget - 1,  # below the budget
                                 what="a whole number of units")
@@ -154,6 +160,15 @@ class SweepConfig:
         seeds = list(self.seeds) if self.seeds is not None else [self.seed]
         n = DESIGNS[self.design].seeds
         return seeds if n is None else seeds[:n]
+
+    def edge_batches(self) -> list[int]:
+        """The batches a batch-edge extension may add: the largest swept batch × 2, × 4, … (``batch_edge_extend``)."""
+        top = max(self.batches)
+        return [top * 2 ** k for k in range(1, self.batch_edge_extend + 1)]
+
+    def all_batches(self) -> list[int]:
+        """The swept batches and those a batch-edge extension may add, ascending."""
+        return sorted(set(self.batches) | set(self.edge_batches()))
 
     def narrow_base(self) -> int:
         """The batch whose LR grid a narrow design runs: the middle of the swept batches (the rule moves its LR
@@ -231,7 +246,7 @@ class SweepConfig:
         d["lrs"] = sorted(d["lrs"])
         if not d["warmup_min_steps"]:  # the default: absent, as in manifests written before the field
             del d["warmup_min_steps"]
-        for name, default in (("lr_refine", 2), ("design", "full")):  # defaults absent: older manifests still match
+        for name, default in (("lr_refine", 2), ("design", "full"), ("batch_edge_extend", 1)):  # defaults absent: older manifests still match
             if d[name] == default:
                 del d[name]
         return {"version": MANIFEST_VERSION, "grid": d}

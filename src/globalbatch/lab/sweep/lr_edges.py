@@ -16,7 +16,12 @@ gets the half-step between its LR and the one the rule predicts from the other b
 up to ``lr_refine`` such LRs per batch. A narrow design (:mod:`~globalbatch.lab.sweep.designs`) runs the grid at
 one base batch and moves its best LR to the other batches by the rule (:func:`transfer_cells`).
 
-Pure functions of the finished summaries, so a resumed sweep derives the same cells.
+Where B_crit at the primary target lies beyond the largest batch (a one-sided bound for most seeds), the grid
+is extended at the batch end the same way (:func:`batch_edge_cells`): the next batch (×2) at the LR grid the rule
+gives it — and the rule's move of the largest batch's chosen LR where that lies outside it — for every seed, up to
+``batch_edge_extend`` doublings; its LR edges then widen like any batch's.
+
+Pure functions of the finished summaries (and the analysis of them), so a resumed sweep derives the same cells.
 """
 
 from __future__ import annotations
@@ -24,19 +29,21 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from globalbatch.lab.sweep.config import SweepConfig, TrialSpec
 
-__all__ = ["finished_summaries", "lr_losses", "edge_cells", "best_lr_at_edge", "refine_cells", "transfer_cells"]
+__all__ = ["finished_summaries", "lr_losses", "edge_cells", "best_lr_at_edge", "refine_cells", "transfer_cells",
+           "BatchEdge", "batch_edge_cells"]
 
 
 def finished_summaries(out: Path, config: SweepConfig) -> list[dict[str, Any]]:
     """Every finished trial under ``out/trials`` of this grid's batches and seeds (base cells and extensions)."""
     from globalbatch.lab.sweep.trial import trial_done
 
-    seeds, batches = set(config.seed_list()), set(config.batches)
+    seeds, batches = set(config.seed_list()), set(config.all_batches())
     found = []
     for path in sorted((out / "trials").glob("*/summary.json")):
         try:
@@ -86,19 +93,24 @@ def edge_cells(config: SweepConfig, summaries: list[dict[str, Any]],
     final held-out loss decides (:func:`best_lr_at_edge`).
 
     A batch is considered only once all its cells for every seed are finished, so the decision
-    never rests on a partial set of seeds.
+    never rests on a partial set of seeds. An extension cell (an LR outside the batch's grid) that some seeds
+    finished and others did not — a sweep stopped while it ran — is completed first, for the seeds it lacks.
     """
     if config.lr_edge_extend <= 0:
         return []
     seeds = config.seed_list()
     ratio = config.lr_ratio()
     out: list[TrialSpec] = []
-    for b in sorted(config.batches):
+    for b in config.all_batches():  # a batch-edge extension's batch once it ran
         mine = [s for s in summaries if int(s["batch"]) == b]
         lrs = sorted({float(s["lr"]) for s in mine})
-        if not lrs or any(len([s for s in mine if float(s["lr"]) == lr]) < len(seeds) for lr in lrs):
-            continue  # some seed of some LR still running
         base = config.lrs_for(b)
+        started = {lr: {int(s.get("seed", 0)) for s in mine if float(s["lr"]) == lr} for lr in lrs}
+        if lrs and all(len(started.get(lr, ())) == len(seeds) for lr in base):
+            out += [TrialSpec(batch=b, lr=lr, seed=s) for lr in lrs if lr not in base for s in seeds
+                    if s not in started[lr]]  # an interrupted extension: its missing seeds
+        if not lrs or any(len(started[lr]) < len(seeds) for lr in lrs):
+            continue  # some seed of some LR still running
         if any(lr not in lrs for lr in base):
             continue
         edge = edges.get(b) if edges is not None else best_lr_at_edge(mine, b)
@@ -110,6 +122,49 @@ def edge_cells(config: SweepConfig, summaries: list[dict[str, Any]],
             continue
         out += [TrialSpec(batch=b, lr=new, seed=s) for s in seeds]
     return out
+
+
+@dataclass(frozen=True)
+class BatchEdge:
+    """What the analysis says at the primary target about the largest batch (for :func:`batch_edge_cells`)."""
+
+    beyond: int
+    """Seeds whose B_crit (point estimate of their fit, pooled where pooling holds) lies beyond the largest batch."""
+    seeds: int
+    """Seeds with a monotone fit there."""
+    lr: Optional[float]
+    """The largest batch's chosen LR (the one for every seed)."""
+
+    @property
+    def extend(self) -> bool:
+        """At least half the seeds put B_crit beyond the largest batch."""
+        return self.seeds > 0 and 2 * self.beyond >= self.seeds
+
+
+def batch_edge_cells(config: SweepConfig, summaries: list[dict[str, Any]], edge: Optional[BatchEdge]) -> list[TrialSpec]:
+    """The batch-edge extension's cells: an edge batch that started completes its grid (every seed); else, when
+    ``edge.extend`` and fewer than ``batch_edge_extend`` doublings ran, the next one — batch 2·largest, at
+    :meth:`SweepConfig.lrs_for` plus the rule's move of ``edge.lr`` where that lies outside, for every seed."""
+    seeds = config.seed_list()
+    ran = {int(s["batch"]) for s in summaries}
+    done = {(int(s["batch"]), float(s["lr"]), int(s.get("seed", 0))) for s in summaries}
+    for b in config.edge_batches():
+        if b in ran:
+            todo = [TrialSpec(batch=b, lr=lr, seed=s) for lr in config.lrs_for(b) for s in seeds
+                    if (b, lr, s) not in done]
+            if todo:
+                return todo
+    if edge is None or not edge.extend:
+        return []
+    new = 2 * max(ran | set(config.batches))
+    if new not in config.edge_batches():
+        return []  # the cap
+    lrs = list(config.lrs_for(new))
+    if edge.lr is not None:
+        moved = float(f"{edge.lr * 2 ** config.rule_power():.4g}")
+        if not _near(moved, lrs) and not (min(lrs) <= moved <= max(lrs)):
+            lrs.append(moved)
+    return [TrialSpec(batch=new, lr=lr, seed=s) for lr in lrs for s in seeds]
 
 
 def _edge_values(config: SweepConfig, batch: int) -> set[float]:

@@ -29,7 +29,8 @@ from globalbatch.validate import out_dir as out_dir_checked
 from globalbatch.lab.sweep.config import BACKENDS, RAY_HINT, SweepConfig, TrialSpec
 from globalbatch.lab.sweep.designs import DESIGNS
 from globalbatch.lab.sweep.halving import middle_first, probe_cells, ray_scheduler, rung_positions, run_rungs
-from globalbatch.lab.sweep.lr_edges import edge_cells, finished_summaries, refine_cells, transfer_cells
+from globalbatch.lab.sweep.lr_edges import (BatchEdge, batch_edge_cells, edge_cells, finished_summaries, refine_cells,
+                                            transfer_cells)
 from globalbatch.lab.sweep.store import analyze_sweep_seeds
 from globalbatch.lab.sweep.timing import run_timing_pass
 from globalbatch.lab.sweep.trial import exit_if_orphaned, run_trial, trial_done
@@ -62,10 +63,36 @@ def analysis_edges(out: Path) -> Optional[dict[int, str]]:
 def analysis_flags(out: Path) -> tuple[Optional[dict[int, str]], Optional[list[tuple[int, int, float, float]]]]:
     """The analysis' LR-edge flags (batch → "low"/"high") and falling-LR pairs ``(batch_low, batch_high, lr_low,
     lr_high)``, batches in samples; ``(None, None)`` when the sweep cannot be analysed yet."""
+    return _analysis_flags(out)[:2]  # type: ignore[return-value]
+
+
+def _beyond_largest(sa: Any) -> BatchEdge:
+    """At the primary target: how many monotone seeds put B_crit beyond the largest batch, and its chosen LR."""
+    from collections import Counter
+
+    st = sa.primary
+    top = max(st.steps)
+    beyond = fitted = 0
+    for s, ok in st.monotone.items():
+        if not ok:
+            continue
+        pooled = st.pooled if st.pooled is not None and st.pooled.shared and s in st.pooled.b_crit else None
+        fit = st.per_seed[s].fit
+        v = pooled.b_crit[s] if pooled is not None else (fit.b_crit if fit is not None and fit.degenerate is None else None)
+        if v is not None:
+            fitted += 1
+            beyond += v > top
+    lrs = [x for x in st.best_lr.get(top, {}).values() if x is not None]
+    return BatchEdge(beyond=beyond, seeds=fitted, lr=Counter(lrs).most_common(1)[0][0] if lrs else None)
+
+
+def _analysis_flags(out: Path) -> tuple[Optional[dict[int, str]], Optional[list[tuple[int, int, float, float]]],
+                                        Optional[BatchEdge]]:
+    """:func:`analysis_flags` and the batch-edge verdict (:func:`_beyond_largest`); all None when not analysable."""
     try:
         data, sa = analyze_sweep_seeds(out, settings=AnalysisSettings(objective="cost"))
     except SettingError:  # not analysable yet (too few finished cells, no common target): the final loss decides
-        return None, None
+        return None, None, None
     units = data.batch_units()
 
     def samples(u: float) -> int:
@@ -73,7 +100,7 @@ def analysis_flags(out: Path) -> tuple[Optional[dict[int, str]], Optional[list[t
 
     edges = {samples(u): e for u, e in sa.lr_edges.items()}
     falls = [(samples(f.batch_low), samples(f.batch_high), f.lr_low, f.lr_high) for f in sa.lr_falls]
-    return edges, falls
+    return edges, falls, _beyond_largest(sa)
 
 
 def _cpu_count() -> int:
@@ -258,10 +285,12 @@ def _run_locked(config: SweepConfig, out: Path, unit: str, *, workers: Optional[
         if narrow:
             extra = edge_cells(config, done_now, None) + transfer_cells(config, done_now)
         else:
-            edges, falls = analysis_flags(out) if complete else (None, None)  # the analysis' own LR per batch
+            edges, falls, beyond = _analysis_flags(out) if complete else (None, None, None)  # its own LR per batch
             extra = edge_cells(config, done_now, edges)
             if complete and not extra:
                 extra = refine_cells(config, done_now, falls)
+            if complete and not extra:  # B_crit beyond the largest batch: the next batch (×2), capped
+                extra = batch_edge_cells(config, done_now, beyond)
         extra = [t for t in {t.name: t for t in extra}.values() if not trial_done(out / "trials" / t.name, t)]
         if not extra:
             break

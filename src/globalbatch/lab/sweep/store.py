@@ -126,8 +126,8 @@ def load_sweep(out_dir: str | os.PathLike) -> SweepData:
         raise SettingError("run_dir", str(out), allowed, why=f"{manifest} holds an invalid grid: {exc}") from None
     trials: dict[str, list[dict]] = {}
     summaries: dict[str, TrialSummary] = {}
-    batches, seeds = set(config.batches), set(config.seed_list())
-    for path in sorted((out / "trials").glob("*/summary.json")):  # base cells and LR-edge extensions
+    batches, seeds = set(config.all_batches()), set(config.seed_list())
+    for path in sorted((out / "trials").glob("*/summary.json")):  # base cells, LR- and batch-edge extensions
         s = read_summary(TrialSummary, path, run_dir=out)  # written last and atomically: any flaw is damage
         spec = TrialSpec(batch=s.batch, lr=s.lr, seed=s.seed)
         if s.batch not in batches or s.seed not in seeds:
@@ -143,7 +143,7 @@ def load_sweep(out_dir: str | os.PathLike) -> SweepData:
         trials[name] = read_records(out / "trials" / name / "metrics.jsonl", run_dir=out)
     missing = [t.name for t in config.trials() if t.name not in summaries]
     timing = {}
-    for b in config.batches:
+    for b in config.all_batches():
         path = timing_path(out, b)
         if path.is_file():
             timing[b] = read_record(path, *TIMING_FIELDS, run_dir=out)

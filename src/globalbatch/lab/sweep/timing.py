@@ -47,7 +47,7 @@ def run_timing_pass(config: SweepConfig, out_dir: str | os.PathLike, summaries: 
     out = Path(out_dir)
     result: dict[int, dict] = {}
     todo = []
-    for b in sorted(config.batches):
+    for b in config.all_batches():  # batch-edge extensions too, once they have trials
         path = timing_path(out, b)
         if path.is_file():
             result[b] = read_json_checked(path)
