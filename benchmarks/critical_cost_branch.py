@@ -105,12 +105,13 @@ def reference(task: str, full_dir: Path):
 
 def design_name(rule: str, args) -> str:
     """``branch`` for the design measured best (half-window rule, second moments divided by k, window = point,
-    the base grid's middle LR); any other setting named by what differs."""
+    the base grid's middle LR, 5 points, 3 data orders); any other setting named by what differs."""
     return "branch" + ("" if rule == "half_window" else "_absolute") \
         + ("" if args.second_moment == "scaled" else f"_{args.second_moment}") \
         + ("" if args.window is None and args.window_fraction == 1 else
            f"_window{args.window}" if args.window else f"_wf{args.window_fraction:g}") \
-        + ("" if args.lr is None else f"_lr{args.lr:g}")
+        + ("" if args.lr is None else f"_lr{args.lr:g}") \
+        + ("" if args.points == 5 else f"_points{args.points}") + ("" if args.seeds == 3 else f"_seeds{args.seeds}")
 
 
 def used_units(res) -> float:
