@@ -71,11 +71,62 @@ SLOW_TESTS = {
 """Tests marked ``slow`` here (node id without parameters, relative to tests/), beside ``@pytest.mark.slow``."""
 
 
+FIRST = ("test_types.py::test_mypy_is_clean_on_src",)
+"""Started before everything else under xdist: mypy alone takes ~35 s on a clean clone (no cache)."""
+
+
+def _shares_a_module_fixture(item) -> bool:
+    """Whether ``item`` uses (directly or through another fixture) a module- or session-scoped fixture that its own
+    module defines and does not autouse: an expensive run (a sweep, a report, a torchrun launch) shared by the
+    module's tests, built once per worker that runs one of them."""
+    info = getattr(item, "_fixtureinfo", None)
+    module = getattr(getattr(item, "module", None), "__name__", None)
+    if info is None or module is None:
+        return False
+    for defs in info.name2fixturedefs.values():
+        d = defs[-1]
+        if d.scope in ("module", "session") and not d._autouse and getattr(d.func, "__module__", None) == module:
+            return True
+    return False
+
+
 def pytest_collection_modifyitems(config, items):
+    """Mark the slow tests; under xdist start the longest ones first (mypy, then every slow test that shares no
+    module fixture), so that no long test is left to run alone at the end.
+
+    xdist deals the first tests out one by one in turn: the users of a shared module fixture stay where they are
+    (together, later in the order, where xdist sends runs of neighbouring tests), or both workers would build it.
+    """
     for item in items:
         rel = item.nodeid.split("tests/", 1)[-1].split("[", 1)[0]
         if rel in SLOW_TESTS or item.get_closest_marker("dist") is not None:
             item.add_marker(pytest.mark.slow)
+    if getattr(config.option, "numprocesses", None):
+        def first(item):
+            if item.nodeid.split("tests/", 1)[-1].startswith(FIRST):
+                return 0
+            return 1 if item.get_closest_marker("slow") is not None and not _shares_a_module_fixture(item) else 2
+
+        items.sort(key=first)  # stable: the order within each module is kept
+
+
+_CPU_LOG = os.environ.get("GB_TEST_CPU_LOG")
+"""``GB_TEST_CPU_LOG=path``: append each test's CPU seconds (this process and the children it waited for: torchrun,
+subprocesses, pool workers) and wall seconds to ``path``, one tab-separated line per test. On a shared machine wall
+times swing with the load; CPU seconds show where the suite's time goes."""
+
+if _CPU_LOG:
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        import time
+
+        t0, w0 = os.times(), time.perf_counter()
+        yield
+        t1 = os.times()
+        cpu = sum(t1[i] - t0[i] for i in range(4))
+        with open(_CPU_LOG, "a") as f:
+            f.write(f"{cpu:.2f}\t{time.perf_counter() - w0:.2f}\t{item.nodeid}\n")
 
 
 @pytest.fixture(autouse=True)
