@@ -143,6 +143,29 @@ def test_batch_edge_cells_add_the_next_batch_where_b_crit_lies_beyond_the_larges
         SweepConfig(batches=[4], lrs=[1e-3], budget=10, batch_edge_extend=-1)
 
 
+def test_the_analysis_verdict_counts_seeds_whose_b_crit_lies_beyond_the_largest_batch():
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from globalbatch.critical.fit import fit_hyperbola
+    from globalbatch.critical.pooled import fit_shared_s_min
+    from globalbatch.lab.sweep.runner import _beyond_largest
+
+    b = [100.0, 200.0, 400.0, 800.0]
+    steps = {0: [1000 * (1 + 3000 / x) for x in b], 1: [1000 * (1 + 300 / x) * (1.01, 0.99)[i % 2] for i, x in enumerate(b)],
+             2: [1000 * (1 + 2000 / x) for x in b]}
+    per_seed = {s: SimpleNamespace(fit=fit_hyperbola(b, v)) for s, v in steps.items()}
+    st = SimpleNamespace(steps={x: {} for x in b}, monotone={0: True, 1: True, 2: False}, pooled=None,
+                         per_seed=per_seed, best_lr={800.0: {0: 4e-3, 1: 4e-3, 2: None}})
+    edge = _beyond_largest(SimpleNamespace(primary=st))
+    assert (edge.beyond, edge.seeds, edge.lr) == (1, 2, 4e-3) and edge.extend  # seed 2 is non-monotone: not counted
+    pooled = fit_shared_s_min(b, {0: steps[0], 1: steps[1]})
+    st.pooled = replace(pooled, b_crit={0: 500.0, 1: 300.0}, p_value=0.9)  # where sharing holds its values count
+    assert _beyond_largest(SimpleNamespace(primary=st)).beyond == 0
+    st.pooled = replace(pooled, b_crit={0: 500.0, 1: 300.0}, p_value=0.01)  # rejected: the own fits count
+    assert _beyond_largest(SimpleNamespace(primary=st)).beyond == 1
+
+
 def test_two_seed_sweep_with_edge_extension_resumes_and_reports(tmp_path):
     """A real (tiny) sweep: two seeds, the LR grid per batch, edge cells; a rerun runs nothing new."""
     cfg = SweepConfig(task="tinygpt", task_overrides=TINY, batches=[4, 8], lrs=[1e-4, 2e-4], budget=2000,
