@@ -1,4 +1,4 @@
-"""2-rank gloo checks of the HF Trainer and Lightning integrations (launched by tests/integrations/test_hf.py).
+"""2-rank gloo checks of the HF Trainer and Lightning integrations (launched by tests/dist/integrations_all.py for tests/integrations/test_two_ranks.py).
 
 Each check prints ``PASS <name>`` (and measured numbers) on rank 0 or raises. The reference is one
 process taking each whole global batch in one forward, computed on every rank. Argument 1: a scratch dir.

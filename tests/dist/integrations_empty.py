@@ -1,6 +1,6 @@
 """2-rank gloo checks: micro-batches and whole rank windows without a target (count 0), every integration.
 
-Launched by tests/integrations/test_empty_targets.py. Data and model: tests/integrations/masked_common.py
+Launched by tests/dist/integrations_all.py (tests/integrations/test_two_ranks.py). Data and model: tests/integrations/masked_common.py
 (prompt-masked instruction rows on a tiny GPT-NeoX, float64; micro 2 × accumulation 2 × 2 ranks). Three
 windows: rank 1 has a count-0 micro-batch (window 0), rank 1's whole window is count 0 (window 1), one
 small batch with targets over all ranks (window 2), then a window with no target anywhere (window 3: the

@@ -1,6 +1,6 @@
 """2-rank gloo checks of GlobalBatchTrainer under FSDP2 (Accelerate's FSDP plugin through TrainingArguments).
 
-Launched by tests/integrations/test_fsdp.py (2 gloo ranks) and, on a GPU machine, by benchmarks/gpu_check.py
+Launched by tests/dist/integrations_all.py (tests/integrations/test_two_ranks.py, 2 gloo ranks) and, on a GPU machine, by benchmarks/gpu_check.py
 (``--only fsdp``: the ranks it has GPUs for, NCCL, Accelerate unpatched). On CPU, Accelerate 1.15 drops the FSDP plugin without a word:
 ``AcceleratorState.__init__`` turns ``distributed_type`` into FSDP only when it is one of MULTI_GPU, MULTI_MLU,
 MULTI_SDAA, MULTI_MUSA, MULTI_NPU, MULTI_XPU, MULTI_HPU or MULTI_NEURON, so a ``use_cpu=True`` run is MULTI_CPU
