@@ -385,7 +385,7 @@ def dist_step_run(tmp_path_factory):
 @pytest.mark.dist
 @pytest.mark.parametrize("check", ["ddp-float64", "ddp-float32", "ddp-short-window", "ddp-uneven-ranks",
                                    "ddp-no-sync-deferred", "ddp-flops", "ddp-nan-skip", "ddp-k-skips-raise",
-                                   "ddp-resume", "fsdp2-float64"])
+                                   "ddp-resume", "fsdp2-float64", "ddp-inf-after-sync-skips-on-every-rank"])
 def test_distributed_equivalence_skip_resume_fsdp2(dist_step_run, check):
     assert f"PASS {check}" in dist_step_run.stdout, dist_step_run.stdout[-3000:]
 

@@ -118,6 +118,9 @@ def main(scratch: Path) -> None:
     check_nan_skip()
     check_resume(scratch)
     check_fsdp2()
+    from step_skip_agree import check_inf_after_sync  # one launch for every 2-rank step check
+
+    check_inf_after_sync()
     dist.destroy_process_group()
 
 

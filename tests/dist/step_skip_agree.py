@@ -1,6 +1,7 @@
 """2-rank gloo: a gradient made non-finite on ONE rank after the sync skips the step on EVERY rank.
 
-Launched by tests/test_step_skip_agree.py under torchrun. Prints ``PASS <name>`` on rank 0 or raises.
+Run inside tests/dist/step_equivalence_script.py's launch (tests/test_step.py), or alone under torchrun. Prints
+``PASS <name>`` on rank 0 or raises.
 """
 
 from __future__ import annotations
@@ -38,10 +39,9 @@ def params_agree(model) -> bool:
     return torch.equal(flat, other)
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
+def check_inf_after_sync() -> None:
+    """The check, in a running 2-rank gloo group (step_equivalence_script.py runs it in its launch)."""
     rank = dist.get_rank()
-    logging.basicConfig(level=logging.WARNING)
     model, opt = sc.clone_model_opt(sc.build_model())
     ddp = DDP(model)
     drv = StepDriver(ddp, opt, StepConfig(micro_batch=2, global_batch=16, max_grad_norm=1.0),
@@ -59,6 +59,12 @@ def main() -> None:
     assert params_agree(model), f"rank {rank}: parameters differ across ranks after a clean step"
     if rank == 0:
         print("PASS ddp-inf-after-sync-skips-on-every-rank", flush=True)
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    logging.basicConfig(level=logging.WARNING)
+    check_inf_after_sync()
     dist.destroy_process_group()
 
 
