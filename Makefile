@@ -29,11 +29,12 @@ browser:
 	    echo "could not install chromium; tests/test_report.py will say how to get it"; }
 
 # The suite runs on every core through pytest-xdist (the longest tests first: tests/conftest.py); TEST_WORKERS=0
-# runs it in one process.
+# runs it in one process. One intra-op thread per worker unless OMP_NUM_THREADS says otherwise: the tests' tensors
+# are tiny, and two workers of two threads each on two cores spin against each other.
 TEST_WORKERS ?= auto
 
 test: $(STAMP) browser
-	$(PY) -m pytest -q -n $(TEST_WORKERS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS)
 
 clean:
 	rm -rf $(VENV) demo_out
