@@ -120,7 +120,8 @@ TINY_ARGS = [a for k, v in TINY.items() for a in ("--task-arg", f"{k}={v}")]
 def test_cli_sweep_in_bf16_on_cpu_records_device_and_precision(tmp_path, capsys):
     out = tmp_path / "sweep"
     code, stdout, err = _cli(capsys, "sweep", "--out", str(out), "--batches", "2,4", "--lrs", "3e-3", "--tokens", "1200",
-                             "--workers", "1", "--device", "cpu", "--precision", "bf16", "--lr-rule", "none", *TINY_ARGS)
+                             "--workers", "1", "--threads", "1", "--device", "cpu", "--precision", "bf16", "--lr-rule",
+                             "none", *TINY_ARGS)
     assert code in (0, None), err
     grid = json.loads((out / "manifest.json").read_text())["grid"]
     assert (grid["device"], grid["precision"]) == ("cpu", "bf16")
@@ -128,7 +129,7 @@ def test_cli_sweep_in_bf16_on_cpu_records_device_and_precision(tmp_path, capsys)
     assert summary["precision"] == "bf16" and summary["device"] == "cpu" and summary["completed"]
     # resuming with another precision is refused, naming the difference
     code, _, err = _cli(capsys, "sweep", "--out", str(out), "--batches", "2,4", "--lrs", "3e-3", "--tokens", "1200",
-                        "--workers", "1", "--precision", "fp32", "--lr-rule", "none", *TINY_ARGS)
+                        "--workers", "1", "--threads", "1", "--precision", "fp32", "--lr-rule", "none", *TINY_ARGS)
     assert code == 2 and "precision: 'bf16' -> 'fp32'" in err and err.count("\n") == 1
 
 
