@@ -199,6 +199,9 @@ def test_demo_command_runs_seeds_and_prints_the_recommendation(tmp_path, monkeyp
     tiny = SweepConfig(task="tinygpt", task_overrides=TINY, batches=[2, 4, 8], lrs=[3e-3], budget=3000, seeds=[0, 1],
                        warmup=200, eval_points=12, max_val_samples=32, lr_rule="none", lr_edge_extend=0)
     monkeypatch.setattr(sweep_pkg, "demo_config", lambda: tiny)
+    # One torch thread per trial (demo has no --threads; cores ÷ workers = 2 here): beside the other xdist worker on
+    # the 2-core machine two threads of tiny tensors spin (44 s of CPU in a suite run; alone 5.8 s, one thread 4.8 s).
+    monkeypatch.setattr("globalbatch.lab.sweep.runner._cpu_count", lambda: 1)
     with pytest.raises(SystemExit) as exc:
         main(["demo", "--out", str(tmp_path), "--workers", "1"])
     out = capsys.readouterr()
