@@ -146,6 +146,9 @@ def main(argv=None) -> int:
             own_ratio = f"{max(own) / min(own):.2f} ({len(own)} seeds)" if len(own) >= 2 else "–"
             print(f"; max/min {ratio:.2f} (goal ≤ 1.6); joint {j}; {len(vals)}/{len(st.b_crit_per_seed)} seeds fitted"
                   f"\n    {st.pooling_text}; per-seed fits' own max/min {own_ratio}")
+        from globalbatch.critical.seed_targets import pooling_summary
+
+        print(pooling_summary(sa.targets))
         good = [r for r in ratios if math.isfinite(r)]
         if good:
             print(f"max/min across seeds: worst {max(good):.2f}, median {sorted(good)[len(good) // 2]:.2f} over "

@@ -194,6 +194,7 @@ def test_json_has_the_documented_keys():
                 "pooling", "pooling_text"):
         assert key in t
     assert t["pooling"]["p_value"] >= 0 and isinstance(t["pooling"]["shared"], bool)  # 3 monotone seeds: tested
+    assert doc["pooling_text"].startswith("shared S_min (F-test, alpha 0.2): ")
     import json
 
     json.dumps(doc, allow_nan=False)

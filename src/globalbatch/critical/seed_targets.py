@@ -44,7 +44,8 @@ from globalbatch.critical.readout import heldout_fit
 from globalbatch.critical.recommend import TargetResult, points_for_target
 from globalbatch.errors import SettingError
 
-__all__ = ["MONOTONE_SLACK", "N_BOOT", "SeedTarget", "common_targets", "is_monotone", "common_lr", "target_over_seeds"]
+__all__ = ["MONOTONE_SLACK", "N_BOOT", "SeedTarget", "common_targets", "is_monotone", "common_lr", "target_over_seeds",
+           "pooling_summary"]
 
 
 MONOTONE_SLACK = 0.03
@@ -238,6 +239,21 @@ def common_lr(curves: Sequence[Curve], target: float, *, readout: str = "heldout
         if b not in best or key < best[b]:
             best[b] = key
     return {b: k[2] for b, k in best.items()}
+
+
+def pooling_summary(targets: Sequence[SeedTarget]) -> str:
+    """One line for an analysis: at which targets the per-seed B_crit share one S_min, and the F-test's p-values."""
+    tested = [(st.target, st.pooled) for st in targets if st.pooled is not None]
+    if not tested:
+        return "per-seed fits at every target (fewer than 2 monotone seeds to test a shared S_min)"
+
+    def part(shared: bool) -> str:
+        return ", ".join(f"{t:.4f} (p {p.p_value:.3f})" for t, p in tested if p.shared == shared)
+
+    n_shared = sum(p.shared for _, p in tested)
+    return (f"shared S_min (F-test, alpha {tested[0][1].alpha:g}): not rejected at {n_shared} of {len(targets)} "
+            f"target(s)" + (f" — {part(True)}" if n_shared else "")
+            + (f"; rejected, per-seed fits, at {part(False)}" if n_shared < len(tested) else ""))
 
 
 def _use_pooled(st: SeedTarget, pooled: Optional[PooledFit]) -> None:

@@ -29,7 +29,7 @@ from globalbatch.critical.joint import JointFit, fit_joint
 from globalbatch.critical.lr_choice import LrFall, choose_lr_per_target, lr_edges, lr_falls, one_lr_per_batch
 from globalbatch.critical.recommend import AnalysisResult, BatchChoice, recommend
 from globalbatch.critical.seed_targets import (MONOTONE_SLACK, N_BOOT, SeedTarget, bootstrap_rng, common_lr,
-                                               common_targets, is_monotone, target_over_seeds)
+                                               common_targets, is_monotone, pooling_summary, target_over_seeds)
 from globalbatch.critical.settings import LR_SELECTIONS, AnalysisSettings, settings_from
 from globalbatch.errors import SettingError
 
@@ -297,6 +297,7 @@ def seed_analysis_json(a: SeedAnalysis, batch_key: Callable[[float], int]) -> di
         "lr_edges": {k(b): v for b, v in a.lr_edges.items()},
         "lr_selection": a.lr_selection,
         "lr_selection_text": lr_selection_text(a),
+        "pooling_text": pooling_summary(a.targets),
         "lr_falls": [{"batch_low": batch_key(f.batch_low), "batch_high": batch_key(f.batch_high), "lr_low": f.lr_low,
                       "lr_high": f.lr_high, "targets": list(f.targets)} for f in a.lr_falls],
         "recommendation": None if rec is None else {
