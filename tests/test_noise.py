@@ -926,9 +926,20 @@ def test_fsdp2_with_adam_variant_is_refused_naming_the_field():
 # ---------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def noise_two_ranks():
+    """One torchrun launch of noise_ddp.py, noise_fsdp2.py and noise_wrappers.py (tests/dist/noise_all.py)."""
+    import subprocess
+
+    try:
+        return run_torchrun(Path(__file__).parent / "dist" / "noise_all.py")
+    except pytest.fail.Exception as exc:  # a failed script: its line and the later ones are missing
+        return subprocess.CompletedProcess([], 1, stdout=str(exc), stderr="")
+
+
 @pytest.mark.dist
-def test_ddp_and_accumulation_exact_plumbing_and_agreement():
-    proc = run_torchrun(Path(__file__).parent / "dist" / "noise_ddp.py", "300")
+def test_ddp_and_accumulation_exact_plumbing_and_agreement(noise_two_ranks):
+    proc = noise_two_ranks
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("NOISE_DDP "))
     out = json.loads(line[len("NOISE_DDP "):])
     assert out["world"] == 2
@@ -945,8 +956,8 @@ def test_ddp_and_accumulation_exact_plumbing_and_agreement():
 
 
 @pytest.mark.dist
-def test_compiled_ddp_and_comm_hooks_give_the_monitor_the_same_estimates():
-    proc = run_torchrun(Path(__file__).parent / "dist" / "noise_wrappers.py", "60")
+def test_compiled_ddp_and_comm_hooks_give_the_monitor_the_same_estimates(noise_two_ranks):
+    proc = noise_two_ranks
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("NOISE_WRAPPERS "))
     out = json.loads(line[len("NOISE_WRAPPERS "):])
     ddp = out["ddp"]
@@ -968,8 +979,8 @@ def test_compiled_ddp_and_comm_hooks_give_the_monitor_the_same_estimates():
 
 
 @pytest.mark.dist
-def test_fsdp2_micro_source_equals_ddp_and_the_truth():
-    proc = run_torchrun(Path(__file__).parent / "dist" / "noise_fsdp2.py", "150")
+def test_fsdp2_micro_source_equals_ddp_and_the_truth(noise_two_ranks):
+    proc = noise_two_ranks
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("NOISE_FSDP2 "))
     out = json.loads(line[len("NOISE_FSDP2 "):])
     assert out["world"] == 2
