@@ -21,8 +21,10 @@ fraction of its point; ``lr``: the base run's LR).
 The run directories the recorded commands name: ``runs/critical_cost_full_tinygpt``, the full 5-seed demo tinygpt
 sweep (114 trials; ignored by git, kept on the machine that measured it); ``/tmp/h6b/mnist_ref``, a copy of
 ``runs/critical_stability_mnist`` (160 trials); the repetitions, copies of ``runs/critical_cost_{task}*`` (the
-narrow and seeds designs' from the runs that first measured them) and ``runs/critical_cost_{task}_wf1_split``. The
-commands ran from a ``git archive`` of commit c7ff8df (the committed code, without uncommitted work in the tree).
+narrow and seeds designs' from the runs that first measured them), ``runs/critical_cost_{task}_wf1_split`` and ``_p7``. The
+commands ran from a ``git archive`` of commit c7ff8df (the committed code, without uncommitted work in the tree;
+the ``points7`` rows with the benchmarks of 16c97de, which only name such a row). Later read-outs (the shared-S_min
+fit, the batch-edge extension) read the references differently: re-record before relying on a ``holds``.
 """
 
 from __future__ import annotations
