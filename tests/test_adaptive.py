@@ -1,9 +1,8 @@
 """globalbatch.adaptive: feasibility (hypothesis), the LR rules, hysteresis, bitwise resume across a change,
-and (torchrun, 2 gloo ranks) identical decisions on every rank."""
+and (torchrun, 2 gloo ranks, in tests/test_core_two_ranks.py) identical decisions on every rank."""
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -18,7 +17,6 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 sys.path.insert(0, str(Path(__file__).parent))
 import adaptive_common as ac  # noqa: E402
-from conftest import run_torchrun  # noqa: E402
 
 from globalbatch.adaptive import (  # noqa: E402
     AdaptiveBatchSchedule,
@@ -285,17 +283,3 @@ def test_noise_tracking_grows_with_the_measured_noise_scale():
         dec = next(d for d in sched.decisions if d["step"] == ch.step)
         assert c * dec["b_simple_low"] >= ch.new_batch > ch.old_batch
 
-
-# --------------------------------------------------------------------------- distributed
-
-@pytest.mark.dist
-def test_all_ranks_make_the_same_decisions(tmp_path):
-    proc = run_torchrun(Path(__file__).parent / "dist" / "adaptive_agree.py", str(tmp_path))
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    a, b = ranks
-    assert a["history"] == b["history"] and len(a["history"]) >= 1, proc.stdout[-2000:]
-    assert a["decisions"] == b["decisions"] and len(a["decisions"]) >= 5
-    assert a["batches"] == b["batches"] and a["params"] == b["params"]
-    # each rank saw different data and measured a different local rate: the shared value is what agrees
-    assert a["first_micro_sum"] != b["first_micro_sum"]
-    assert a["local_rates"] != b["local_rates"]

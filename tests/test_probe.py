@@ -656,20 +656,8 @@ def test_summary_texts():
     assert limit_text(result, global_batch=16, dp_world_size=2) == "global batch ÷ dp (= 8)"
 
 
-# ---------------------------------------------------------------------------
-# Distributed: 2 gloo ranks agree on every trial
-# ---------------------------------------------------------------------------
-
-
-@pytest.mark.dist
-def test_dist_probe_ranks_agree():
-    from pathlib import Path
-
-    from conftest import run_torchrun
-
-    proc = run_torchrun(Path(__file__).parent / "dist" / "probe_agree.py")
-    for name in ("oom_min", "oom_min_timing", "budget_min", "fatal", "real", "real_min_rank", "real_geometry"):
-        assert f"CHECK {name} ok" in proc.stdout, proc.stdout + proc.stderr
+# Distributed (2 gloo ranks agree on every trial): tests/test_core_two_ranks.py, one launch with the step and
+# adaptive checks.
 
 
 # ---------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Run under torchrun (2 gloo ranks): all ranks agree on every trial of the probe.
 
-Checks, printed as ``CHECK <name> ok`` by rank 0 (tests/test_probe.py::test_dist_probe_ranks_agree):
+Checks, printed as ``CHECK <name> ok`` by rank 0 (tests/test_core_two_ranks.py::test_dist_probe_ranks_agree):
 
 1. oom_min: rank 0 runs out of memory above 100, rank 1 above 37 → both return 37,
    with identical trial lists (sizes and outcomes).

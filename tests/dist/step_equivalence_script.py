@@ -1,4 +1,4 @@
-"""2-rank gloo checks of the step driver (launched by tests/test_step.py under torchrun).
+"""2-rank gloo checks of the step driver (launched by tests/dist/core_all.py for tests/test_core_two_ranks.py).
 
 Each check prints ``PASS <name>`` on rank 0 or raises (non-zero exit fails the test).
 The reference is one process taking the whole global batch in one forward, computed

@@ -1,6 +1,6 @@
 """2-rank gloo: a gradient made non-finite on ONE rank after the sync skips the step on EVERY rank.
 
-Run inside tests/dist/step_equivalence_script.py's launch (tests/test_step.py), or alone under torchrun. Prints
+Run inside tests/dist/step_equivalence_script.py (tests/test_core_two_ranks.py's launch), or alone under torchrun. Prints
 ``PASS <name>`` on rank 0 or raises.
 """
 
