@@ -267,7 +267,30 @@ def test_dp_bookkeeping_is_once_per_step_plus_per_micro_batch_with_dp():
             step_time(model, C, flat, micro_batch=4, grad_accum_steps=accum, dp=1).overhead_s
     assert dp_bookkeeping_time(c, dp=2, grad_accum_steps=np.array([1.0, 8.0])) == pytest.approx([2.3e-3, 4.4e-3])
     assert dp_bookkeeping_time(c, dp=1, grad_accum_steps=8) == 0.0
-    assert all(p.dp_step_overhead_s == 0.0 and p.dp_micro_overhead_s == 0.0 for p in PRESETS.values())
+    assert all(p.dp_step_overhead_s == p.dp_micro_overhead_s == p.dp_call_overhead_s == 0.0 for p in PRESETS.values())
+
+
+def test_dp_call_overhead_is_charged_to_every_collective_of_a_dp_step():
+    from dataclasses import replace
+
+    from globalbatch.scale.cluster import DRIVER_STEP_COLLECTIVES, step_overhead_time
+
+    x = 4e-4
+    c = replace(C, dp_call_overhead_s=x)
+    flat = ThroughputCurve(tokens=(1.0,), mfu=(0.5,), source="flat")
+    ddp = ModelSpec(params=1e9, seq_len=1000)  # 2 GB of bf16 gradients: 77 buckets of 25 MB
+    buckets = math.ceil(2e9 / (25 * 2 ** 20))
+    assert dp_comm_time(ddp, c, dp=16, tp=1, pp=1)[0] == pytest.approx(
+        dp_comm_time(ddp, C, dp=16, tp=1, pp=1)[0] + buckets * x, rel=1e-12)
+    for sharding, calls in (("zero1", 2), ("zero3", 3)):  # reduce-scatter + 1 or 2 all-gathers
+        z = ModelSpec(params=1e9, seq_len=1000, sharding=sharding)
+        assert dp_comm_time(z, c, dp=16, tp=1, pp=1)[0] == pytest.approx(
+            dp_comm_time(z, C, dp=16, tp=1, pp=1)[0] + calls * x, rel=1e-12)
+    assert step_overhead_time(ddp, c, flat, dp=16, tp=1, pp=1) == pytest.approx(
+        step_overhead_time(ddp, C, flat, dp=16, tp=1, pp=1) + DRIVER_STEP_COLLECTIVES * x, rel=1e-12)
+    # one replica issues no collective
+    assert dp_comm_time(ddp, c, dp=1, tp=1, pp=1)[0] == 0.0
+    assert step_overhead_time(ddp, c, flat, dp=1, tp=1, pp=1) == step_overhead_time(ddp, C, flat, dp=1, tp=1, pp=1)
 
 
 def test_probe_file_optimizer_step_is_removed_from_the_curve(tmp_path):
@@ -395,6 +418,7 @@ def test_yaml_cluster_keys_are_checked_one_by_one(tmp_path):
                        ("base_latency_s: -1e-6\n", "base_latency_s"), ("bogus: 1\n", "bogus"),
                        ("dp_step_overhead_s: -1e-3\n", "dp_step_overhead_s"),
                        ("dp_micro_overhead_s: .inf\n", "dp_micro_overhead_s"),
+                       ("dp_call_overhead_s: -0.1\n", "dp_call_overhead_s"),
                        ("peak_flops_per_s: fast\n", "peak_flops_per_s"), ("gpu_hour_price: .nan\n", "gpu_hour_price")):
         lines = [ln for ln in base.splitlines() if not ln.startswith(extra.split(":")[0] + ":")]
         p.write_text("\n".join(lines) + "\n" + extra)

@@ -22,9 +22,10 @@
   bandwidth (AdamW is memory-bound); with DP > 1 also StepDriver's two small all-reduces per step.
   DDP's gradient buckets (25 MB) are one all-reduce each: each pays the collective's latency.
 * Data-parallel bookkeeping (DP > 1): what a data-parallel step costs beyond its collectives' α–β — the cluster's
-  ``dp_step_overhead_s`` once per step and ``dp_micro_overhead_s`` per micro-batch (DDP's reducer, its hooks, the
-  wake-ups of ranks that wait for each other inside a step); measured for a cluster (zero-loss windows of a
-  one-parameter module, DDP against no DP, ``benchmarks/scale_validation.py --measure-cluster``), 0 in the presets.
+  ``dp_call_overhead_s`` per collective of the step (each DDP bucket, each ZeRO/FSDP collective, StepDriver's small
+  all-reduces: the wake-up of a rank that waits at a collective), ``dp_step_overhead_s`` once per step and
+  ``dp_micro_overhead_s`` per micro-batch (DDP's reducer and hooks); measured for a cluster (zero-loss windows of
+  modules without compute, DDP against no DP, ``benchmarks/scale_validation.py --measure-cluster``), 0 in the presets.
 * TP is given: its communication is inside the MFU the curve states (not modelled separately).
 * Memory bounds the micro-batch with the project's memory model (:mod:`globalbatch.plan.memory`).
 
@@ -101,6 +102,12 @@ class Cluster:
     dp_micro_overhead_s: float = 0.0
     """The same per micro-batch (DDP's forward hooks, ``no_sync``): measured from the windows with 4 and 1
     micro-batches; 0 in the presets."""
+    dp_call_overhead_s: float = 0.0
+    """Seconds each collective of a data-parallel step costs beyond its α–β: a rank that reaches a collective first
+    waits, and its wake-up is not in an all-reduce timed right after a barrier (α). Charged to every DDP gradient
+    bucket, every ZeRO/FSDP collective and StepDriver's small all-reduces. Measured from zero-loss DDP windows of
+    eight one-element parameters in eight buckets against one bucket; 0 in the presets (NCCL's α is its in-step
+    latency)."""
     source: str = ""
     """Where the numbers come from."""
 
@@ -123,6 +130,7 @@ _CLUSTER_ALLOWED = {
     "memory_bandwidth_bytes_per_s": "bytes/s > 0 or null, e.g. 3.35e12",
     "dp_step_overhead_s": "seconds ≥ 0",
     "dp_micro_overhead_s": "seconds ≥ 0",
+    "dp_call_overhead_s": "seconds ≥ 0",
 }
 
 
@@ -141,7 +149,8 @@ def check_cluster(c: Cluster) -> None:
         if not (_num_ok(v) and v > 0):
             raise SettingError(key, v, _CLUSTER_ALLOWED[key])
     for key in ("base_latency_s", "intra_hop_latency_s", "inter_hop_latency_s", "tree_intra_latency_s",
-                "tree_inter_latency_s", "dp_step_overhead_s", "dp_micro_overhead_s"):
+                "tree_inter_latency_s", "dp_step_overhead_s", "dp_micro_overhead_s",
+                "dp_call_overhead_s"):
         v = getattr(c, key)
         if not (_num_ok(v) and v >= 0):
             raise SettingError(key, v, _CLUSTER_ALLOWED[key])
@@ -434,11 +443,11 @@ def dp_comm_time(model: ModelSpec, c: Cluster, *, dp: int, tp: int, pp: int) -> 
     if model.sharding == "none":  # DDP: one all-reduce per 25 MB bucket, each paying the collective's latency
         buckets = max(math.ceil(shard / DDP_BUCKET_BYTES), 1)
         t, how = allreduce_time(shard / buckets, dp, nodes, c)
-        return buckets * t, f"all-reduce ({how}, {buckets} bucket{'s' if buckets > 1 else ''})"
+        return buckets * (t + c.dp_call_overhead_s), f"all-reduce ({how}, {buckets} bucket{'s' if buckets > 1 else ''})"
     rs = ring_collective_time(shard, dp, nodes, c, kind="reducescatter")
     ag = ring_collective_time(shard, dp, nodes, c, kind="allgather")
     n_ag = 2 if model.sharding in ("zero3", "fsdp") and model.reshard_after_forward else 1
-    return rs + n_ag * ag, f"reduce-scatter + {n_ag} all-gather (ring)"
+    return rs + n_ag * ag + (1 + n_ag) * c.dp_call_overhead_s, f"reduce-scatter + {n_ag} all-gather (ring)"
 
 
 def dp_bookkeeping_time(c: Cluster, *, dp: int, grad_accum_steps: Any = 1) -> Any:
@@ -454,8 +463,8 @@ def step_overhead_time(model: ModelSpec, c: Cluster, curve: ThroughputCurve, *, 
     its bookkeeping on the parameters this rank updates (``N/(tp·pp)``; ``/dp`` more with ZeRO / FSDP, whose ranks
     update their shard), measured (``curve.step_overhead_s`` scaled from ``curve.overhead_params``) or the labelled
     default ``OPTIMIZER_BYTES_PER_PARAM`` / memory bandwidth (0 when the cluster states none); with DP > 1 plus
-    StepDriver's ``DRIVER_STEP_COLLECTIVES`` small all-reduces (the collective's latency). The data-parallel
-    bookkeeping, which depends on the micro-batches, is :func:`dp_bookkeeping_time`."""
+    StepDriver's ``DRIVER_STEP_COLLECTIVES`` small all-reduces (the collective's latency and the cluster's
+    ``dp_call_overhead_s``). The data-parallel bookkeeping per step and micro-batch is :func:`dp_bookkeeping_time`."""
     updated = model.params / (tp * pp) / (dp if model.sharding != "none" else 1)
     if curve.step_overhead_s is not None and curve.overhead_params:
         t = curve.step_overhead_s * updated / curve.overhead_params
@@ -465,7 +474,7 @@ def step_overhead_time(model: ModelSpec, c: Cluster, curve: ThroughputCurve, *, 
         t = 0.0
     if dp > 1:
         nodes = math.ceil(dp / max(c.gpus_per_node // tp, 1))
-        t += DRIVER_STEP_COLLECTIVES * allreduce_time(8.0 * 5, dp, nodes, c)[0]  # 5 float64 numbers
+        t += DRIVER_STEP_COLLECTIVES * (allreduce_time(8.0 * 5, dp, nodes, c)[0] + c.dp_call_overhead_s)  # 5 float64
     return t
 
 

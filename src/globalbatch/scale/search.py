@@ -194,6 +194,7 @@ class ScaleResult:
                         "memory_bytes": c.memory_bytes, "intra_busbw_bytes_per_s": c.intra_busbw_bytes_per_s,
                         "inter_busbw_bytes_per_s": c.inter_busbw_bytes_per_s, "base_latency_s": c.base_latency_s,
                         "dp_step_overhead_s": c.dp_step_overhead_s, "dp_micro_overhead_s": c.dp_micro_overhead_s,
+                        "dp_call_overhead_s": c.dp_call_overhead_s,
                         "gpu_hour_price": c.gpu_hour_price, "source": c.source},
             "model": {"params": self.model.params, "seq_len": self.model.seq_len,
                       "tokens_per_sequence": self.model.tokens_per_seq,
