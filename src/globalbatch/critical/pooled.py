@@ -31,9 +31,10 @@ __all__ = ["POOL_ALPHA", "PooledFit", "fit_shared_s_min", "pooled_for_target"]
 
 POOL_ALPHA = 0.2
 """Significance level of the F-test: sharing S_min is rejected where p < this. 0.2 rather than 0.05: on synthetic
-tables with the real runs' noise (docs/critical.md §1b) a seed whose S_min lags the others by 1.5×, or a spread of
-0.2 in ln S_min, slips through a 5 % test often enough to cost up to 19 % more RMS error in ln B_crit than the
-per-seed fits; at 0.2 that cost is ≤ 7 % while the gain where the seeds do share S_min stays 14–26 %."""
+tables with the real runs' noise (docs/critical.md §1b, ``benchmarks/critical_pooled.py``) a seed whose S_min lags
+the others by 1.3–2×, or a spread of 0.2 in ln S_min, slips through a 5 % test often enough to cost up to 26 % more
+RMS error in ln B_crit than the per-seed fits; at 0.2 that cost is ≤ 10 % while the gain where the seeds share S_min
+(or nearly: a spread ≤ 0.05) stays 14–26 %."""
 
 
 @dataclass(kw_only=True)
