@@ -85,7 +85,7 @@ def _shares_a_module_fixture(item) -> bool:
         return False
     for defs in info.name2fixturedefs.values():
         d = defs[-1]
-        if d.scope in ("module", "session") and not d._autouse and getattr(d.func, "__module__", None) == module:
+        if d.scope in ("module", "session") and not getattr(d, "_autouse", False) and getattr(d.func, "__module__", None) == module:
             return True
     return False
 
