@@ -315,7 +315,8 @@ def _tinygpt_params() -> int:
 ALLREDUCE_BYTES = (8, 1_024, 16_384, 262_144, 1_048_576, 4_194_304)
 CLUSTER_WINDOWS = (  # (name, parameter shapes, micro-batches per step, DDP bucket_cap_mb)
     ("one_1", "one", 1, 25.0), ("one_4", "one", 4, 25.0), ("eight_1bucket", "eight", 1, 25.0),
-    ("eight_8buckets", "eight", 1, 1e-9), ("tinygpt_1", "tinygpt", 1, 25.0))
+    ("eight_8buckets", "eight", 1, 1e-9), ("big_1", "big", 1, 25.0), ("tinygpt_1", "tinygpt", 1, 25.0))
+BIG_PARAM_ELEMENTS = 1 << 20  # one 4 MB fp32 parameter: the gradient bytes of a DDP step (its bus bandwidth)
 
 
 def cluster_worker(out: str, reps: int = 40) -> None:
@@ -326,8 +327,8 @@ def cluster_worker(out: str, reps: int = 40) -> None:
     * **what a data-parallel step costs beyond its collectives**: ``StepDriver`` windows whose loss is 0·Σθ on a
       module with no compute (its forward is that sum), under DDP and as a plain module (no DP) in the same two
       processes, step for step in turn: a one-parameter module with 1 and 4 micro-batches per step, eight
-      one-element parameters in one DDP bucket and in eight, and the tinygpt demo model's parameter shapes (a check
-      of the decomposition: no forward or backward of the model).
+      one-element parameters in one DDP bucket and in eight, one 4 MB parameter, and the tinygpt demo model's
+      parameter shapes (a check of the decomposition: no forward or backward of the model).
 
     Each timed step starts after a barrier; per step the slower rank. Raw seconds to ``out`` (JSON)."""
     import torch
@@ -351,7 +352,8 @@ def cluster_worker(out: str, reps: int = 40) -> None:
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    shapes = {"one": [(1,)], "eight": [(1,)] * 8, "tinygpt": [tuple(p.shape) for p in load_task("tinygpt", **DEMO_TASK).build_model(0).parameters()]}
+    tiny_shapes = [tuple(p.shape) for p in load_task("tinygpt", **DEMO_TASK).build_model(0).parameters()]
+    shapes = {"one": [(1,)], "eight": [(1,)] * 8, "big": [(BIG_PARAM_ELEMENTS,)], "tinygpt": tiny_shapes}
     res: dict = {"world": world, "allreduce": {}, "windows": {}}
     for n in ALLREDUCE_BYTES:
         t = torch.zeros(max(n // 4, 1))
@@ -423,8 +425,12 @@ def measure_cluster(path: Path, work: Path) -> dict:
     sizes = [s for s in ar if s > min(ar)]
     # t = α + 2(n−1)/n · S/busbw with n = 2: least squares of t − α on S through the origin
     slope = sum(s * (ar[s] - alpha) for s in sizes) / sum(s * s for s in sizes)
-    busbw = 1.0 / slope
+    busbw_barrier = 1.0 / slope
     win = {k: _least_contended(v) for k, v in raw["windows"].items()}
+    # the bus bandwidth inside a DDP step: one 4 MB parameter against one 4-byte parameter (DDP − no DP each)
+    extra_big = (win["ddp_big_1"] - win["plain_big_1"]) - (win["ddp_one_1"] - win["plain_one_1"])
+    big_bytes = 4.0 * (BIG_PARAM_ELEMENTS - 1)
+    busbw = big_bytes / extra_big if extra_big > 0 else busbw_barrier
     base: Cluster = Cluster(name="cpu-gloo-2proc", gpus_per_node=2, peak_flops_per_s=1.0, memory_bytes=1.0,
                    intra_busbw_bytes_per_s=busbw, inter_busbw_bytes_per_s=busbw, base_latency_s=alpha,
                    intra_hop_latency_s=0.0, inter_hop_latency_s=0.0, tree_intra_latency_s=1.0, tree_inter_latency_s=1.0)
@@ -460,7 +466,10 @@ name: cpu-gloo-2proc
 gpus_per_node: 2                     # the 2 processes are one "node"
 peak_flops_per_s: {peak.flops_per_s:.6g}         # measured on this machine: {peak.source}, 1 thread
 memory_bytes: {memory:.6g}              # this machine's RAM (os.sysconf), one half per process
-intra_busbw_bytes_per_s: {busbw:.6g}    # {how}: all-reduce 16 KB – 4 MB, (t − α) = S/busbw by least squares
+# {how}: inside a DDP step, zero-loss windows with one 4 MB parameter against one 4-byte parameter
+# (DDP − no DP: {extra_big * 1e3:.3f} ms more for 4 MB); all-reduces 16 KB – 4 MB timed after a barrier read
+# {busbw_barrier / 1e9:.3f} GB/s ((t − α) = S/busbw by least squares)
+intra_busbw_bytes_per_s: {busbw:.6g}
 inter_busbw_bytes_per_s: {busbw:.6g}    # one node: not used
 base_latency_s: {alpha:.6g}             # {how}: the 8-byte all-reduce (α, the latency of one call)
 intra_hop_latency_s: 0.0             # α is one all-reduce's whole latency on 2 processes
@@ -481,7 +490,8 @@ source: "{how} ({when})"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
-    return {"alpha_s": alpha, "busbw_bytes_per_s": busbw, "dp_call_overhead_s": dp_call, "dp_step_overhead_s": dp_step,
+    return {"alpha_s": alpha, "busbw_bytes_per_s": busbw, "busbw_after_barrier_bytes_per_s": busbw_barrier,
+            "dp_call_overhead_s": dp_call, "dp_step_overhead_s": dp_step,
             "dp_micro_overhead_s": dp_micro, "buckets": raw["buckets"],
             "allreduce_s": {str(k): v for k, v in ar.items()}, "windows_s": win,
             "tinygpt_shaped_ddp_window": {"measured_s": win["ddp_tinygpt_1"], "predicted_s": shaped_pred,
@@ -538,7 +548,7 @@ def check_step_time(work: Path, steps: int = 10, cluster_file: str | None = None
           "process)")
     print(f"    load average {load_before:.1f} before, {load_after:.1f} after ({os.cpu_count()} cores)")
     print(f"    cluster {cluster_file} ({'measured in this run' if measured else 'given'}): all-reduce α = "
-          f"{c.base_latency_s * 1e6:.0f} µs, bus bandwidth {c.intra_busbw_bytes_per_s / 1e9:.2f} GB/s; data-parallel "
+          f"{c.base_latency_s * 1e6:.0f} µs, bus bandwidth in a DDP step {c.intra_busbw_bytes_per_s / 1e9:.2f} GB/s; data-parallel "
           f"bookkeeping {c.dp_call_overhead_s * 1e3:.2f} ms per collective + {c.dp_step_overhead_s * 1e3:.2f} ms per "
           f"step + {c.dp_micro_overhead_s * 1e3:.3f} ms per micro-batch; probe peak {peak / 1e9:.1f} GFLOP/s")
     if measured:
