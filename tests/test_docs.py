@@ -401,13 +401,19 @@ def test_every_module_and_name_the_docs_cite_exists():
 
 
 def _deprecated_names() -> set[str]:
-    """Public classes and functions of the package whose docstring starts with "Deprecated"."""
+    """Public classes, functions and methods (as ``Class.method``) of the package whose docstring starts
+    with "Deprecated" (a method by its bare name would match every other use of a common word)."""
+    def deprecated(node) -> bool:
+        return not node.name.startswith("_") and (ast.get_docstring(node) or "").lower().startswith("deprecated")
+
     out = set()
     for f in (REPO / "src" / "globalbatch").rglob("*.py"):
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and not node.name.startswith("_"):
-                if (ast.get_docstring(node) or "").lower().startswith("deprecated"):
-                    out.add(node.name)
+        for node in ast.parse(f.read_text()).body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and deprecated(node):
+                out.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                out |= {rf"{node.name}\.{m.name}" for m in node.body
+                        if isinstance(m, ast.FunctionDef) and deprecated(m)}
     return out
 
 
