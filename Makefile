@@ -7,13 +7,15 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: demo test install browser clean
 
+# Bytecode is written when a module is first imported, for the modules that are imported, instead of pip
+# compiling every file it installs on one core (half the install's time). Some machines set
+# PYTHONDONTWRITEBYTECODE; without bytecode every process would recompile torch on import.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[dev]'
-	@# The bytecode on every core (pip compiles file by file on one): about half the install's time on 2 cores.
-	@# A file that does not compile under this Python (torch ships a 3.12-only one) is skipped, as pip skips it.
-	$(PY) -m compileall -qq -j 0 $(VENV)/lib || true
 	touch $(STAMP)
 
 install: $(STAMP)

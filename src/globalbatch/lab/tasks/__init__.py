@@ -79,12 +79,16 @@ def _import_user_function(spec: str):
                            why=f"cannot import {str(path)!r}")
         module = importlib.util.module_from_spec(file_spec)
         sys.modules[module_name] = module  # dataclasses look their module up here
+        dont_write = sys.dont_write_bytecode
+        sys.dont_write_bytecode = True  # no __pycache__ beside the user's file (nothing written on a refusal)
         try:
             file_spec.loader.exec_module(module)  # runs the file: --task is code the user chose to run
         except Exception as exc:  # SyntaxError, ImportError, anything the file raises: one line
             sys.modules.pop(module_name, None)
             raise SettingError("task", spec, _TASK_ALLOWED,
                            why=f"{str(path)!r} cannot be imported: {_one_line(exc)}") from None
+        finally:
+            sys.dont_write_bytecode = dont_write
     else:
         try:
             module = importlib.import_module(module_part)
