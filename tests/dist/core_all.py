@@ -17,33 +17,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 import adaptive_agree  # noqa: E402
 import probe_agree  # noqa: E402
 import step_equivalence_script  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from one_group import run_in_one_group  # noqa: E402
 
 
 def main() -> None:
     out = Path(sys.argv[1])
     for name in ("step", "adaptive"):
         (out / name).mkdir(parents=True, exist_ok=True)
-    dtype, seed, threads = torch.get_default_dtype(), torch.initial_seed(), torch.get_num_threads()
 
     def adaptive() -> None:
         sys.argv[1:] = [str(out / "adaptive")]
         adaptive_agree.main()
 
-    runs = (lambda: step_equivalence_script.main(out / "step"), adaptive, probe_agree.main)
-    dist.init_process_group("gloo")
-    init, destroy = dist.init_process_group, dist.destroy_process_group
-    dist.init_process_group = dist.destroy_process_group = lambda *args, **kwargs: None  # type: ignore[assignment]
-    try:
-        for run in runs:
-            torch.set_default_dtype(dtype)
-            torch.manual_seed(seed)
-            torch.set_num_threads(threads)
-            run()
-    finally:
-        dist.init_process_group, dist.destroy_process_group = init, destroy
-    dist.destroy_process_group()
+    run_in_one_group((lambda: step_equivalence_script.main(out / "step"), adaptive, probe_agree.main))
 
 
 if __name__ == "__main__":

@@ -17,25 +17,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 import noise_ddp  # noqa: E402
 import noise_fsdp2  # noqa: E402
 import noise_wrappers  # noqa: E402
-import torch  # noqa: E402
+from one_group import run_in_one_group  # noqa: E402
 
 
 def main() -> None:
-    import torch.distributed as dist
-
-    dtype, seed = torch.get_default_dtype(), torch.initial_seed()
-    dist.init_process_group("gloo")
-    init, destroy = dist.init_process_group, dist.destroy_process_group
-    dist.init_process_group = dist.destroy_process_group = lambda *args, **kwargs: None  # type: ignore[assignment]
-    try:
-        for script, windows in ((noise_ddp, "300"), (noise_fsdp2, "150"), (noise_wrappers, "60")):
+    def run(script, windows: str):
+        def go() -> None:
             sys.argv[1:] = [windows]
-            torch.set_default_dtype(dtype)
-            torch.manual_seed(seed)
             script.main()
-    finally:
-        dist.init_process_group, dist.destroy_process_group = init, destroy
-    dist.destroy_process_group()
+        return go
+
+    run_in_one_group([run(noise_ddp, "300"), run(noise_fsdp2, "150"), run(noise_wrappers, "60")])
 
 
 if __name__ == "__main__":
