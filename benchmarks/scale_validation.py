@@ -158,7 +158,8 @@ def overhead_worker(out: str, reps: int = 60) -> None:
     """The per-step overhead, measured without data (one process, one thread), as two numbers:
 
     * ``optimizer_step_s``: ``optimizer.step(); optimizer.zero_grad(set_to_none=True)`` of the probe's AdamW on the
-      model with gradients present — the part of each probe trial's timed step that is not forward/backward;
+      model with gradients cloned just before it — printed beside the probe's in-place reading of the same call
+      (each probe step is split after its backward; the curve uses that split, not this number);
     * ``step_overhead_s``: ``StepDriver.step()`` alone (counts, gradient scaling, the clipping norm, the optimizer
       step, the one host sync) after a micro-batch whose loss is 0·Σθ (no data: every gradient present, zero).
 
@@ -558,10 +559,14 @@ def check_step_time(work: Path, steps: int = 10, cluster_file: str | None = None
               f"(without DP {sh['without_dp_s'] * 1e3:.2f} ms + its all-reduces + the bookkeeping; "
               f"{sh['predicted_s'] / sh['measured_s'] - 1:+.1%})")
     ov2 = inputs[2][2]
-    print(f"    per-step overhead measured without data: optimizer step {ov['optimizer_step_s'] * 1e3:.2f} ms (removed from "
-          f"each probe trial), StepDriver.step() {ov['step_overhead_s'] * 1e3:.2f} ms at {ov['overhead_params']:,} "
-          f"parameters (added per step); as 2 processes at once: "
-          f"{ov2['optimizer_step_s'] * 1e3:.2f} and {ov2['step_overhead_s'] * 1e3:.2f} ms")
+    in_place = {t["micro_batch"]: t["step_time_s"] - t["forward_backward_s"] for t in timed if t.get("forward_backward_s")}
+    print("    compute: each probe step's forward + backward, timed in place (the step split after its backward); the "
+          "rest of a probe step, the optimizer's step() + zero_grad(), reads "
+          + ", ".join(f"{v * 1e3:.2f}" for v in in_place.values()) + f" ms at micro-batches {', '.join(map(str, in_place))}"
+          f" — the same call timed alone on gradients cloned just before it: {ov['optimizer_step_s'] * 1e3:.2f} ms")
+    print(f"    per-step overhead measured without data: StepDriver.step() {ov['step_overhead_s'] * 1e3:.2f} ms at "
+          f"{ov['overhead_params']:,} parameters (added per step); as 2 processes at once: "
+          f"{ov2['step_overhead_s'] * 1e3:.2f} ms")
     print("    1-process rows: probe and overhead measured alone; 2-process rows: both measured as 2 processes at once "
           "(each rank's core shares the machine with the other rank); 'alone' = the 2-process row predicted from the "
           "1-process inputs")

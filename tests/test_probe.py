@@ -470,6 +470,25 @@ def test_real_probe_tensor_peak_counts_weights_grads_and_adam_state(one_thread):
     assert small.step_time_s > 0 and small.tokens_per_step is None
 
 
+def test_real_probe_splits_each_step_after_its_backward(one_thread):
+    """``forward_backward_s`` is the part of each timed step before the optimizer: an optimizer that sleeps 30 ms
+    per step lands entirely in the rest (bounds, not a timing: the sleep is a floor on one side only)."""
+    import time as _time
+
+    class SlowSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            _time.sleep(0.03)
+            return super().step(closure)
+
+    runner = TrainStepRunner(TinyMLP(width=16), lambda s: torch.randn(s, 32), lambda m, x: m(x).square().mean(),
+                             optimizer_factory=lambda ps: SlowSGD(ps, lr=1e-3),
+                             config=TrialConfig(steps_per_trial=3, warmup_steps=1))
+    r = runner(4)
+    assert 0 < r.forward_backward_s < r.step_time_s
+    assert r.step_time_s - r.forward_backward_s >= 0.03
+    assert r.to_dict()["forward_backward_s"] == r.forward_backward_s
+
+
 def test_real_probe_with_memory_limit_brackets_and_keeps_global_batch(one_thread):
     model = TinyMLP(width=128)
     runner_probe = TrainStepRunner(model, lambda s: torch.randn(s, 32), lambda m, x: m(x).square().mean(),

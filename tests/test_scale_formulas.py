@@ -293,7 +293,7 @@ def test_dp_call_overhead_is_charged_to_every_collective_of_a_dp_step():
     assert step_overhead_time(ddp, c, flat, dp=1, tp=1, pp=1) == step_overhead_time(ddp, C, flat, dp=1, tp=1, pp=1)
 
 
-def test_probe_file_optimizer_step_is_removed_from_the_curve(tmp_path):
+def test_probe_file_curve_is_forward_and_backward_alone(tmp_path):
     import json
 
     from globalbatch.scale import mfu_curve_from_probe
@@ -312,6 +312,14 @@ def test_probe_file_optimizer_step_is_removed_from_the_curve(tmp_path):
     path.write_text(json.dumps({"trials": trials, "optimizer_step_s": 5e-3}))
     with pytest.raises(SettingError):
         mfu_curve_from_probe(str(path))
+    # the probe's own in-place split wins over a separately measured optimizer step
+    split = [dict(t, forward_backward_s=f) for t, f in zip(trials, (2.5e-3, 5e-3))]
+    path.write_text(json.dumps({"trials": split, "peak_flops_per_s": 1e11, "optimizer_step_s": 1e-3}))
+    assert mfu_curve_from_probe(str(path)).mfu == pytest.approx((0.2 * 4 / 2.5, 0.3 * 6 / 5), rel=1e-12)
+    for bad in (0.0, 7e-3, "x"):
+        path.write_text(json.dumps({"trials": [dict(trials[1], forward_backward_s=bad)]}))
+        with pytest.raises(SettingError, match="forward_backward_s"):
+            mfu_curve_from_probe(str(path))
 
 
 def test_memory_bounds_the_micro_batch_and_a_huge_model_fits_nowhere():

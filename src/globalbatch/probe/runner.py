@@ -94,11 +94,15 @@ class TrainStepRunner:
     def __call__(self, micro_batch: int) -> TrialResult:
         return memory.run_or_oom(self._trial, micro_batch, cleanup=lambda: self.model.zero_grad(set_to_none=True))
 
-    def _step(self, batch: Any, optimizer: torch.optim.Optimizer) -> None:
+    def _step(self, batch: Any, optimizer: torch.optim.Optimizer, mark: Callable[[], Any] = lambda: None) -> Any:
+        """One training step; ``mark()`` is called between the backward and the optimizer step (what it returns
+        is returned: the timed steps split the step there)."""
         loss = self.loss_fn(self.model, batch)
         loss.backward()
+        middle = mark()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return middle
 
     def _trial(self, micro_batch: int) -> TrialResult:
         cfg = self.config
@@ -141,26 +145,36 @@ class TrainStepRunner:
                                    tokens_per_step=tokens, capacity_bytes=capacity,
                                    note=_over_budget(peak, cfg.memory_limit_bytes))
             # -- timed steps: the median step, robust to a stall of a shared CPU ----------
-            step_times_s = []
+            # Each step is also split after its backward (an event on CUDA: no extra host sync), so the forward +
+            # backward time is measured in place, with the caches as a real step leaves them.
+            step_times_s, fb_times_s = [], []
             if cuda:
-                events = [torch.cuda.Event(enable_timing=True) for _ in range(cfg.steps_per_trial + 1)]
-                events[0].record()
-                for i in range(cfg.steps_per_trial):
-                    self._step(batch, optimizer)
-                    events[i + 1].record()
+                def event() -> torch.cuda.Event:
+                    e = torch.cuda.Event(enable_timing=True)
+                    e.record()
+                    return e
+
+                ends = [event()]
+                middles = []
+                for _ in range(cfg.steps_per_trial):
+                    middles.append(self._step(batch, optimizer, event))
+                    ends.append(event())
                 torch.cuda.synchronize(self.device)  # host sync: once, after the timed steps
-                step_times_s = [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(cfg.steps_per_trial)]
+                step_times_s = [ends[i].elapsed_time(ends[i + 1]) / 1e3 for i in range(cfg.steps_per_trial)]
+                fb_times_s = [ends[i].elapsed_time(middles[i]) / 1e3 for i in range(cfg.steps_per_trial)]
                 peak = max(peak, int(torch.cuda.max_memory_allocated(self.device)))
             else:
                 for _ in range(cfg.steps_per_trial):
                     start = time.perf_counter()
-                    self._step(batch, optimizer)
+                    middle = self._step(batch, optimizer, time.perf_counter)
                     step_times_s.append(time.perf_counter() - start)
+                    fb_times_s.append(middle - start)
             flops, valid = (None, None)
             if self.count_step is not None:  # after the peak and the timing: it runs one more forward + backward
                 flops, valid = self.count_step(batch)
             return TrialResult(micro_batch=micro_batch, peak_memory_bytes=peak,
-                               step_time_s=float(np.median(step_times_s)), tokens_per_step=tokens,
+                               step_time_s=float(np.median(step_times_s)),
+                               forward_backward_s=float(np.median(fb_times_s)), tokens_per_step=tokens,
                                capacity_bytes=capacity, model_flops_per_step=flops, valid_tokens_per_step=valid)
         finally:
             optimizer.state.clear()

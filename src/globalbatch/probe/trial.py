@@ -86,6 +86,9 @@ class TrialResult:
     """Peak bytes during the trial (:mod:`globalbatch.probe` says what is counted); None if not measured."""
     step_time_s: Optional[float] = _measured("max")
     """Median seconds per timed training step (warm-up excluded); None for a failed trial."""
+    forward_backward_s: Optional[float] = _measured("max")
+    """Median seconds of the forward + backward part of those steps (each step split after its backward, in
+    place: the rest is the optimizer's ``step(); zero_grad()``); None for a failed trial."""
     tokens_per_step: Optional[int] = _measured("max")
     """Tokens (padding included) per micro-batch on this rank; None when the batch has no token count."""
     capacity_bytes: Optional[int] = _measured("min")

@@ -281,11 +281,13 @@ def default_mfu_curve(mfu_max: float = 0.45, half_tokens: float = 1024.0) -> Thr
 def mfu_curve_from_probe(path: str) -> ThroughputCurve:
     """The MFU per micro-batch of a ``globalbatch probe --json`` output (its trials with a timing and an MFU).
 
-    Optional top-level keys (measured separately; ``benchmarks/scale_validation.py`` writes them):
-    ``optimizer_step_s``, the optimizer step (``step(); zero_grad()``) each probe trial's timed step contains,
-    removed from every trial's time before its MFU (``mfu × t/(t − optimizer_step_s)``), so the curve is forward
-    and backward alone; ``step_overhead_s`` with ``overhead_params``, the per-step overhead (see
-    :class:`ThroughputCurve`)."""
+    The curve is of forward and backward alone (the per-step overhead is its own term): a trial's
+    ``forward_backward_s`` (the probe's timed steps split after the backward, in place) gives
+    ``mfu × step_time_s / forward_backward_s``. For a probe file without it, the optional top-level
+    ``optimizer_step_s`` (the optimizer's ``step(); zero_grad()``, measured separately) is removed from every
+    trial's time instead (``mfu × t/(t − optimizer_step_s)``); without either, the whole step is the compute.
+    ``step_overhead_s`` with ``overhead_params``: the per-step overhead (see :class:`ThroughputCurve`);
+    ``benchmarks/scale_validation.py`` writes these top-level keys."""
     p = Path(path)
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
@@ -314,8 +316,14 @@ def mfu_curve_from_probe(path: str) -> ThroughputCurve:
             continue
         tok: Any = t.get("tokens_per_step")
         mfu: Any = t.get("mfu")
-        if opt_s and mfu is not None:
-            step_s: Any = t.get("step_time_s")
+        fb_s: Any = t.get("forward_backward_s")
+        step_s: Any = t.get("step_time_s")
+        if fb_s is not None and mfu is not None:
+            if not (_num_ok(fb_s) and _num_ok(step_s) and 0 < fb_s <= step_s):
+                raise SettingError("throughput", path, "a probe --json file",
+                                   why=f"trials[{i}].forward_backward_s is {fb_s!r}, not in (0, step_time_s {step_s!r}]")
+            mfu = mfu * step_s / fb_s
+        elif opt_s and mfu is not None:
             if not (_num_ok(step_s) and step_s > opt_s):
                 raise SettingError("throughput", path, "trials timed longer than optimizer_step_s",
                                    why=f"trials[{i}].step_time_s is {step_s!r}, optimizer_step_s {opt_s!r}")
