@@ -22,6 +22,10 @@ budget is
 
     n* = ⌈(c_m − c_u) / (budget·T − c_u)⌉           (every_max when budget·T ≤ c_u)
 
+The budget is a ceiling, so the decisions price a measured window at the upper end of its interval: the
+wall-time difference at its interquartile mean plus two standard errors (Tukey & McLaughlin 1963: the
+25 %-winsorized SD over (1 − 2·0.25)·√k for k pairs), which on a step of a few milliseconds is as large as
+the difference itself; the reported cost (``fraction_now``, ``measured_window_s``) is the point estimate.
 ``every`` rises (at most doubling per measured window) when the cost at the current n is over the
 budget, and falls only when the cost at a smaller n is under budget / (1 + hysteresis): a cost
 that stays in that band leaves ``every`` where it is. Which windows are measured depends on time and
@@ -132,6 +136,17 @@ def _iqm(values: deque[float]) -> float:
     return statistics.fmean(v[q:len(v) - q])
 
 
+def _iqm_se(values: deque[float]) -> float:
+    """The standard error of :func:`_iqm` (Tukey–McLaughlin): the SD of the values winsorized at the same
+    quartiles over (1 − 2·0.25)·√k."""
+    v = sorted(values)
+    k, q = len(v), len(v) // 4
+    if k < 2:
+        return 0.0
+    w = [min(max(x, v[q]), v[k - 1 - q]) for x in v]
+    return statistics.stdev(w) / (0.5 * math.sqrt(k))
+
+
 class EveryController:
     """``every`` from the measured cost, within ``budget`` (see the module docstring).
 
@@ -197,10 +212,20 @@ class EveryController:
     def c_measured(self) -> float | None:
         """c_m: a measured window's cost over the bare step (the larger of the timed seconds and the spans'
         difference plus c_u), (un)hooking and the folds' seconds per measured window included."""
+        return self._c_measured(upper=False)
+
+    @property
+    def c_measured_upper(self) -> float | None:
+        """c_m with the spans' difference at its IQM + 2 standard errors: what the decisions price."""
+        return self._c_measured(upper=True)
+
+    def _c_measured(self, *, upper: bool) -> float | None:
         timed = self.timed_measured
         if timed is None:
             return None
         extra = self.wall_extra
+        if extra is not None and upper:
+            extra += 2.0 * _iqm_se(self._pairs)
         arm = statistics.fmean(self._arm) if self._arm else 0.0
         by_walls = extra + (self.c_unmeasured or 0.0) + arm if extra is not None else -math.inf
         return max(timed, by_walls) + self._fold
@@ -223,16 +248,17 @@ class EveryController:
         """T, the bare step: the mean span less the timed seconds, over the recent windows of both kinds."""
         return statistics.fmean(self._t) if self._t else None
 
-    def cost_at(self, n: int) -> float:
-        """The fraction of the bare step that one window in ``n`` costs, from the current estimates."""
-        cm, cu, t = self.c_measured, self.c_unmeasured or 0.0, self.step
+    def cost_at(self, n: int, *, upper: bool = False) -> float:
+        """The fraction of the bare step that one window in ``n`` costs, from the current estimates (``upper``:
+        at :attr:`c_measured_upper`)."""
+        cm, cu, t = self._c_measured(upper=upper), self.c_unmeasured or 0.0, self.step
         if cm is None or not t:
             return math.nan
         return (cm + (n - 1) * cu) / (n * t)
 
     def needed(self, budget: float) -> int:
-        """The smallest ``every`` whose cost is within ``budget``."""
-        cm, cu, t = self.c_measured, self.c_unmeasured or 0.0, self.step
+        """The smallest ``every`` whose cost (at :attr:`c_measured_upper`) is within ``budget``."""
+        cm, cu, t = self.c_measured_upper, self.c_unmeasured or 0.0, self.step
         if cm is None or not t:
             return self.every
         if cm <= budget * t:
@@ -275,7 +301,7 @@ class EveryController:
         self._fold = fold_s_per_window
         if not self._t:
             return self.every
-        if self.cost_at(self.every) > self.budget:
+        if self.cost_at(self.every, upper=True) > self.budget:
             self.every = min(max(self.every, self.needed(self.budget)), 2 * self.every)
         else:
             lower = self.needed(self.budget / (1.0 + self.hysteresis))
