@@ -115,6 +115,27 @@ def test_hf_training_arguments(tmp_path):
     assert r.lr == 5e-5 and r.warmup_steps == 100 and r.warmup_tokens == 100 * 256 * 512
 
 
+def test_a_file_value_the_geometry_refuses_names_the_file_and_its_key(tmp_path):
+    # DeepSpeed solves GAS from train_batch_size / micro: 64 / 3 does not divide; the line names the file's key
+    ds = write(tmp_path, "ds.json", json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 3,
+                                                "gradient_accumulation_steps": "auto"}))
+    with pytest.raises(SettingError, match=r"^.*ds\.json: train_batch_size 64 is not allowed \(global batch 64 is "
+                                           r"not divisible by micro_batch 3 × dp 1 = 3") as info:
+        make_plan(ds, {})
+    assert info.value.field == f"{ds}: train_batch_size"
+    ours = write(tmp_path, "ours.yaml", "global_batch: 100\nmicro_batch: 3\ndp_world_size: 4\n")
+    with pytest.raises(SettingError, match=r"ours\.yaml: global_batch 100 is not allowed"):
+        make_plan(ours, {})
+
+
+def test_a_given_global_batch_is_checked_against_a_per_device_file_never_dropped(tmp_path):
+    hf = write(tmp_path, "args.json", json.dumps({"per_device_train_batch_size": 3, "gradient_accumulation_steps": 2}))
+    with pytest.raises(SettingError, match=r"global batch 100 != micro_batch 3 × grad_accum 2 × dp 4 = 24") as info:
+        make_plan(hf, {"global_batch": 100}, dp_world_size=4)
+    assert info.value.field == "global_batch"  # the given value: the CLI names --global-batch
+    assert make_plan(hf, {"global_batch": 24}, dp_world_size=4).global_batch_sequences == 24
+
+
 def test_valid_tokens_and_padding_fraction():
     r = build_plan(PlanConfig(micro_batch=2, grad_accum_steps=8, dp_world_size=64, seq_len=2048, valid_tokens_per_seq=1500))
     assert r.global_batch_valid_tokens == 1_536_000

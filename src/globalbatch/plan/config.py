@@ -278,6 +278,8 @@ def _hf(data: dict, flags: dict, dp: Optional[int], path: str, warnings: list[st
         "dp_world_size": dp,
         "source": "hf",
     }
+    if flags.get("global_batch") is not None:  # checked against the file's per-device geometry, never dropped
+        out["global_batch"] = flags["global_batch"]
     if data.get("learning_rate") is not None:
         out["lr"] = _file_lr(data["learning_rate"], f"{path}: learning_rate")
     ws = data.get("warmup_steps")
@@ -323,19 +325,44 @@ def resolve_plan_config(
     try:
         cfg = _resolve(path, flags, dp_world_size, round_down, warnings)
     except ValueError as exc:
-        raise config_error(exc, flags, dp_world_size) from None
+        raise config_error(exc, flags, dp_world_size, path) from None
     return cfg, [_spelled(w, names) for w in warnings]
 
 
-def config_error(exc: ValueError, flags: dict, dp_world_size: Optional[int]) -> ValueError:
-    """An error about a value read from the file keeps the file's key; one about a given value its field.
+# Our fields as DeepSpeed and Transformers files spell them
+_FILE_KEYS = {
+    "deepspeed": {"global_batch": "train_batch_size", "micro_batch": "train_micro_batch_size_per_gpu",
+                  "grad_accum_steps": "gradient_accumulation_steps"},
+    "hf": {"micro_batch": "per_device_train_batch_size", "grad_accum_steps": "gradient_accumulation_steps"},
+}
+
+
+def _file_key(path: str | Path, field: str) -> Optional[str]:
+    """The key of the (already read) config file that holds ``field``, or None when the file does not set it."""
+    try:
+        kind, data = read_config_file(path)
+    except ValueError:
+        return None
+    key = _FILE_KEYS.get(kind, {}).get(field, field)
+    if kind == "hf" and key not in data and field == "micro_batch" and "per_gpu_train_batch_size" in data:
+        key = "per_gpu_train_batch_size"
+    return key if _auto(data.get(key)) is not None else None
+
+
+def config_error(exc: ValueError, flags: dict, dp_world_size: Optional[int],
+                 path: Optional[str | Path] = None) -> ValueError:
+    """An error about a value read from the file names the file and its key; one about a given value its field.
 
     A :class:`SettingError` of a given field (or of a file-qualified one, ``<path>: key``) passes through
-    unchanged (the CLI names its flag from its typer definitions); one about a bare field read from a
-    file becomes a plain ``ValueError``, so that no flag's name is put on a value the file holds.
+    unchanged (the CLI names its flag from its typer definitions); one about a field the file ``path`` holds is
+    re-raised as ``<path>: <the file's key>`` (``ds.json: train_batch_size``); any other bare field becomes a plain
+    ``ValueError``, so that no flag's name is put on a value the file holds.
     """
     given = set(flags) | ({"dp_world_size", "new_dp_world_size"} if dp_world_size is not None else set())
     if isinstance(exc, SettingError) and not (exc.field in given | {"config"} or ": " in exc.field):
+        key = _file_key(path, exc.field) if path is not None else None
+        if key is not None:
+            return SettingError(f"{path}: {key}", exc.value, exc.allowed, why=exc.why)
         return ValueError(str(exc))
     return exc
 

@@ -375,5 +375,5 @@ def make_plan(
     try:
         report = build_plan(cfg, names=names)
     except ValueError as exc:
-        raise config_error(exc, {k: v for k, v in flags.items() if v is not None}, dp_world_size) from None
+        raise config_error(exc, {k: v for k, v in flags.items() if v is not None}, dp_world_size, path) from None
     return dataclasses.replace(report, warnings=tuple(notes) + report.warnings)
