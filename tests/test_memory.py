@@ -145,6 +145,27 @@ def test_plan_memory_table_and_geometry_warning(capsys):
     assert "micro_batch 16 needs" in res.stderr and "the largest that fits is 8" in res.stderr
 
 
+def test_plan_memory_uses_the_plans_dp_and_one_pipeline_stage(capsys, tmp_path):
+    # a --config file's dp_world_size is the world ZeRO shards over (it was dp 1: 7B fp32 AdamW zero1 did not fit)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("micro_batch: 2\ngrad_accum_steps: 8\ndp_world_size: 64\n")
+    mem_flags = ["--memory", "80GiB", "--params", "7B", "--activation-bytes-per-sample", "1GiB", "--json"]
+    res = _run(capsys, ["plan", "--config", str(cfg), *mem_flags, "--sharding", "zero1"])
+    assert res.exit_code == 0, res.output
+    mem = json.loads(res.stdout)["memory"]
+    assert mem["dp_world_size"] == 64 and mem["breakdown"]["static_bytes"] == pytest.approx(8 * 7e9 + 8 * 7e9 / 64)
+    assert mem["largest_micro_batch"] == math.floor((80 * 2**30 - 8 * 7e9 - 8 * 7e9 / 64) / 2**30)
+    # with --pp-stages a device holds one stage's parameters: ceil(N / p)
+    for geometry in (["--global-batch", "64", "--micro-batch", "1", "--dp", "4"], []):
+        res = _run(capsys, ["plan", *geometry, *mem_flags, "--pp-stages", "8", "--params", "70B"])
+        assert res.exit_code == 0, res.output
+        mem = json.loads(res.stdout)["memory"]
+        assert mem["pp_stages"] == 8 and mem["params"] == 8_750_000_000
+        assert mem["breakdown"]["static_bytes"] == pytest.approx(16 * 70e9 / 8)
+    res = _run(capsys, ["plan", *mem_flags, "--pp-stages", "0"])
+    assert res.exit_code == 2 and res.stderr.strip() == "error: --pp-stages 0 is not allowed; allowed: a whole number ≥ 1"
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--memory", "lots", "--params", "1B", "--activation-bytes-per-sample", "1MiB"], "--memory 'lots'"),
     (["--memory", "0", "--params", "1B", "--activation-bytes-per-sample", "1MiB"], "--memory 0"),

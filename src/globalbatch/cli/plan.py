@@ -142,7 +142,12 @@ def plan_cmd(
         memory_inputs = _memory_inputs(memory, params=settings["params"], dp=dp, optimizer=optimizer, **memory_given)
     geometry_given = config is not None or any(v is not None for v in (global_batch, micro_batch, grad_accum))
     if memory_inputs is not None and not geometry_given:
-        _print_memory(memory_inputs, None, as_json)
+        pp_stages = settings["pp_stages"]
+        if pp_stages is not None:
+            from ..validate import whole
+
+            whole(pp_stages, "--pp-stages")
+        _print_memory(memory_inputs, pp_stages, as_json)
         return
     if config is None and batch_schedule is None:  # (a schedule's first stage is the global batch; it needs --micro-batch)
         _check_geometry_given(global_batch, micro_batch, grad_accum)
@@ -183,7 +188,8 @@ def plan_cmd(
     warnings = list(report.warnings)
     memory_section = None
     if memory_inputs is not None:
-        memory_section = _memory_section(memory_inputs, report.micro_batch)
+        memory_section = _memory_section(memory_inputs, report.micro_batch, dp_world_size=report.dp_world_size,
+                                         pp_stages=report.pp_stages)
         if not memory_section["fits"]:
             warnings.append(
                 f"micro_batch {memory_section['breakdown']['micro_batch']} needs "
@@ -295,16 +301,22 @@ def _memory_inputs(memory: str, *, params: Optional[str], dp: Optional[int], opt
     return device_bytes, MemoryConfig(params=n, param_shapes=shapes, **common), acts
 
 
-def _memory_section(inputs: tuple, micro_batch: Optional[int]) -> dict:
+def _memory_section(inputs: tuple, micro_batch: Optional[int], *, dp_world_size: Optional[int] = None,
+                    pp_stages: Optional[int] = None) -> dict:
+    """The memory section on ``dp_world_size`` ranks (the plan's: a ``--config`` file's included) and per pipeline
+    stage (``ceil(params / pp_stages)``; the activations stay the whole model's per sample: under 1F1B the first
+    stage holds p micro-batches of 1/p of the layers)."""
     from ..plan.memory import memory_report
 
     device_bytes, cfg, acts = inputs
-    return memory_report(cfg, acts, device_bytes, micro_batch=micro_batch)
+    pp = pp_stages or 1
+    cfg = dataclasses.replace(cfg, dp_world_size=dp_world_size or cfg.dp_world_size, params=-(-cfg.params // pp))
+    return memory_report(cfg, acts, device_bytes, micro_batch=micro_batch, pp_stages=pp)
 
 
-def _print_memory(inputs: tuple, micro_batch: Optional[int], as_json: bool) -> None:
+def _print_memory(inputs: tuple, pp_stages: Optional[int], as_json: bool) -> None:
 
-    report = _memory_section(inputs, micro_batch)
+    report = _memory_section(inputs, None, pp_stages=pp_stages)
     if as_json:
         typer.echo(json.dumps({"memory": report}, indent=2, sort_keys=True))
         return

@@ -239,14 +239,17 @@ def largest_micro_batch(cfg: MemoryConfig, activations: Activations, device_byte
 
 
 def memory_report(cfg: MemoryConfig, activations: Activations, device_bytes: float,
-                  micro_batch: Optional[int] = None) -> dict[str, Any]:
-    """The ``plan --memory`` section: the largest micro-batch and the breakdown at it (or at ``micro_batch``)."""
+                  micro_batch: Optional[int] = None, *, pp_stages: int = 1) -> dict[str, Any]:
+    """The ``plan --memory`` section: the largest micro-batch and the breakdown at it (or at ``micro_batch``).
+
+    ``pp_stages`` only labels the section: ``cfg.params`` is then one pipeline stage's share."""
     largest = largest_micro_batch(cfg, activations, device_bytes)
     shown = largest if micro_batch is None else micro_batch
     parts = breakdown(cfg, activations, shown)
     return {
         "device_bytes": device_bytes,
         "params": cfg.params,
+        "pp_stages": pp_stages,
         "optimizer": cfg.optimizer,
         "precision": cfg.precision,
         "sharding": cfg.sharding,
@@ -282,9 +285,11 @@ def memory_table(report: dict[str, Any]) -> Any:
     table.add_column("bytes", justify="right")
     table.add_column("how", justify="left")
     divisor = report["checkpoint_divisor"]
+    pp = report.get("pp_stages", 1)
+    params = f"params ({report['params']:,} per stage of {pp})" if pp > 1 else "params"
     rows = [
-        ("weights", b["weights_bytes"], "params × bytes per weight"),
-        ("gradients", b["gradients_bytes"], "params × bytes per gradient"),
+        ("weights", b["weights_bytes"], f"{params} × bytes per weight"),
+        ("gradients", b["gradients_bytes"], f"{params} × bytes per gradient"),
         ("master weights", b["master_weights_bytes"], "fp32 copy (bf16-mixed only)"),
         ("optimizer states", b["optimizer_states_bytes"], b["note"] or "fp32 states per param"),
         ("workspace", b["workspace_bytes"], "measured constant beyond the formula"),
