@@ -90,6 +90,10 @@ def test_budget_runs_the_planned_design_and_the_report_says_so(tmp_path, capsys)
     code, stdout, err = _cli(["report", str(out), "--json"], capsys)
     assert code == 0, err
     report = json.loads(stdout)
+    # one answer: sweep --json's recommendation is the report's (the seeds' held-out analysis), the first seed's
+    # training-loss pick is the comparison beside it
+    assert doc["recommendation"] is not None and doc["recommendation"] == report["recommendation"]
+    assert doc["first_seed_recommendation"] == report["first_seed_recommendation"]
     assert report["design"]["name"] == plan.design.name and plan.design.summary in report["design"]["statement"]
     assert report["design"]["holds"] == plan.design.holds == doc["design"]["holds"]
     assert report["design"]["measured"] == plan.design.measured and plan.design.measured in report["design"]["statement"]

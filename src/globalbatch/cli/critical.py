@@ -129,14 +129,18 @@ def sweep_cmd(
     if note is not None:
         analysis.warnings.append(note)
     if as_json:
+        over_seeds = None if sa is None else seed_json(data, sa)
         echo_json({"out_dir": result.out_dir, "ran": result.ran, "skipped": result.skipped,
                     "design": None if plan is None else {**design_json(plan.design.name, plan.statement),
                                                          "budget_fraction": plan.fraction,
                                                          "planned_fraction": plan.planned_fraction},
                     "wall_time_s": result.wall_time_s, "workers": result.workers,
                     "threads_per_worker": result.threads_per_worker, "analysis": analysis.to_dict(),
-                    "seeds": None if sa is None else seed_json(data, sa),
-                    "recommendation": None if analysis.recommendation is None else analysis.recommendation.text(),
+                    "seeds": over_seeds,
+                    # the one answer, as the tables and `report --json` give it: the seeds' held-out analysis
+                    "recommendation": None if over_seeds is None else over_seeds["recommendation"],
+                    "first_seed_recommendation": None if analysis.recommendation is None
+                    else analysis.recommendation.text(),
                     "warnings": list(analysis.warnings)})
         return
     console.print(f"sweep {out}: {len(result.ran)} trial(s) run, {len(result.skipped)} already finished, "
