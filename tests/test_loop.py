@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
+import globalbatch.lab.loop as loop
 from globalbatch.lab.device import Precision, check_device, resolve_device
-from globalbatch.lab.loop import Experiment, default_micro_batch
+from globalbatch.lab.loop import EVAL_CPU_TOKENS, Experiment, default_micro_batch, eval_micro_batch
+from globalbatch.lab.tasks.base import val_order
 from globalbatch.lab.tasks import load_task
 from globalbatch.optim import OPTIMIZERS, build_optimizer
 
@@ -80,6 +86,58 @@ def test_evaluate_reads_exactly_max_samples_and_restores_train_mode(task):
     b = exp.evaluate(5, eval_batch=64)  # the batch size of the evaluation does not change the answer
     assert a == pytest.approx(b, rel=1e-6) and exp.model.training
     assert exp.evaluate(6) != pytest.approx(a, rel=1e-9)
+
+
+def _reference_val_loss(task, model, n):
+    """The plain definition: each of the first ``n`` held-out documents alone, unpadded, its summed cross-entropy
+    in float64; divided once by the number of labels."""
+    total, count = 0.0, 0
+    model.eval()
+    with torch.inference_mode():
+        for i in val_order(task.num_val_samples)[:n].tolist():
+            o, n_bytes = int(task.val_offsets[i]), int(task.val_lengths[i])
+            doc = torch.from_numpy(task.corpus_u8[o:o + n_bytes].astype(np.int64))
+            logits = model(doc[None, :-1])[0]
+            total += float(F.cross_entropy(logits.double(), doc[1:], reduction="sum"))
+            count += n_bytes - 1
+    model.train()
+    return total / count
+
+
+def test_evaluate_equals_documents_one_by_one_on_ragged_padded_batches(monkeypatch):
+    task = load_task("tinygpt", **{**TINY, "seq_len": 64})  # 1 in 5 documents is shorter than a window
+    exp, _ = _train(task, "fp32", steps=30)  # trained: documents' losses differ, so a mean of means is wrong
+    n = 99
+    assert task.num_val_samples > n
+    ref = _reference_val_loss(task, exp.model, n)
+    lengths = task.val_lengths[val_order(task.num_val_samples)[:n]]
+    assert (lengths < task.seq_len + 1).mean() > 0.1  # ragged: the batches carry padding
+    # A CPU's forwards take at most EVAL_CPU_TOKENS token slots (64 documents of this task): eval_batch 16 as it is,
+    # 256 cut to 64; with a budget of 192 token slots, forwards of 3 documents.
+    assert [eval_micro_batch(task, b, "cpu") for b in (16, 256)] == [16, EVAL_CPU_TOKENS // 64] == [16, 64]
+    values = [exp.evaluate(n, eval_batch=b) for b in (16, 256)]
+    monkeypatch.setattr(loop, "EVAL_CPU_TOKENS", 192)
+    assert eval_micro_batch(task, 256, "cpu") == 3
+    values.append(exp.evaluate(n, eval_batch=256))
+    # float32 forwards, float64 sums: equal to the reference to float32 rounding
+    assert values == pytest.approx([ref] * len(values), rel=1e-6, abs=0)
+    # the naive mean of those forwards' means is wrong by far more than the tolerance (4e-4 of the loss)
+    exp.model.eval()
+    with torch.inference_mode():
+        means = [float(loss / count) for loss, count in (task.loss_sum(exp.model, b)
+                                                         for b in itertools.islice(task.val_batches(3), n // 3))]
+    exp.model.train()
+    assert abs(sum(means) / len(means) - ref) > 1e-4 * ref
+    assert exp.evaluate(n) == exp.evaluate(n)  # the kept batches: the same value at every evaluation
+
+
+def test_eval_micro_batch_cuts_only_token_tasks_on_a_cpu(task):
+    sample_task = SimpleNamespace(unit="sample", seq_len=None)
+    assert eval_micro_batch(task, 256, torch.device("cpu")) == EVAL_CPU_TOKENS // task.seq_len
+    assert eval_micro_batch(task, 256, None) == EVAL_CPU_TOKENS // task.seq_len  # None: the batches stay on the CPU
+    assert eval_micro_batch(task, 256, "cuda:0") == 256
+    assert eval_micro_batch(sample_task, 256, "cpu") == 256
+    assert eval_micro_batch(SimpleNamespace(unit="token", seq_len=10 * EVAL_CPU_TOKENS), 8, "cpu") == 1
 
 
 def test_default_micro_batch():

@@ -18,6 +18,7 @@ from globalbatch.lab.tasks import (
     list_tasks,
     load_task,
 )
+from globalbatch.lab.tasks.base import val_order
 
 REPO = Path(__file__).resolve().parents[1]
 # A small GPT on a 200 kB slice of the corpus: every test here stays well under a second.
@@ -166,6 +167,23 @@ def test_validation_split_is_disjoint_from_train(gpt):
     batches = list(gpt.val_batches(16))
     assert sum(int(b["input_ids"].shape[0]) for b in batches) == gpt.num_val_samples
     assert all(torch.equal(a["labels"], b["labels"]) for a, b in zip(batches, gpt.val_batches(16)))
+
+
+def test_held_out_batches_are_collated_once_and_equal_a_fresh_collation():
+    task = load_task("tinygpt", **SMALL_GPT)  # its own task: the cache starts empty
+    first = next(iter(task.val_batches(7)))  # a partial read keeps what it collated
+    kept = list(task.val_batches(7))
+    assert kept[0] is first and len(kept) == -(-task.num_val_samples // 7)
+    assert all(a is b for a, b in zip(kept, task.val_batches(7)))  # later calls collate nothing
+    order = val_order(task.num_val_samples)
+    for i, batch in enumerate(kept):
+        ix = order[7 * i:7 * i + 7]
+        fresh = task._collate(task.val_offsets[ix], task.val_lengths[ix], None)
+        assert all(torch.equal(batch[k], fresh[k]) for k in ("input_ids", "labels"))
+    other = next(iter(task.val_batches(16)))  # another micro-batch size: its own batches, the same documents
+    for j in range(16):
+        n = int(task.val_lengths[order[j]]) - 1
+        assert torch.equal(kept[j // 7]["labels"][j % 7, :n], other["labels"][j, :n])
 
 
 def test_corpus_is_stdlib_without_tests_and_is_cached():

@@ -37,10 +37,17 @@ from globalbatch.schedule import BatchSchedule, LRSchedule
 from globalbatch.step import StepConfig, StepDriver, StepResult
 from globalbatch.windows import cut_window
 
-__all__ = ["Experiment", "Window", "EVAL_BATCH", "default_micro_batch", "evaluate"]
+__all__ = ["Experiment", "Window", "EVAL_BATCH", "EVAL_CPU_TOKENS", "default_micro_batch", "eval_micro_batch", "evaluate"]
 
 EVAL_BATCH = 64
 """Samples per forward pass of the held-out evaluation (no gradients: larger than a training micro-batch)."""
+
+EVAL_CPU_TOKENS = 4096
+"""On a CPU, a token task's held-out forward passes take at most this many token slots (``eval_batch`` is cut to
+``EVAL_CPU_TOKENS // seq_len`` samples, at least 1). The demo's 256 documents per forward (16,384 tokens) made
+4-16 MB activations, which glibc maps afresh or trims at every evaluation (page faults) and which overflow a core's
+cache; at 4,096 tokens its evaluation takes less CPU (``benchmarks/eval_speed.py``). The loss is summed per forward
+in float64, so it changes only by float32 rounding (``tests/test_loop.py``)."""
 
 
 def default_micro_batch(batch: int, cap: Optional[int] = None, *, at_least_two: bool = False) -> int:
@@ -168,9 +175,22 @@ class Experiment:
                         eval_batch=eval_batch)
 
 
+def eval_micro_batch(task: Any, eval_batch: int, device: Any = None) -> int:
+    """Samples per held-out forward pass: ``eval_batch``, on a CPU at most :data:`EVAL_CPU_TOKENS` token slots of a
+    token task (``seq_len`` each)."""
+    seq_len = getattr(task, "seq_len", None)
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    if on_cpu and getattr(task, "unit", "token") == "token" and isinstance(seq_len, int) and seq_len > 0:
+        return max(1, min(eval_batch, EVAL_CPU_TOKENS // seq_len))
+    return eval_batch
+
+
 def evaluate(task: Any, model: torch.nn.Module, max_samples: int, *, device: Any = None,
              precision: Precision = Precision("fp32"), eval_batch: int = EVAL_BATCH) -> float:
-    """Loss per unit over the first ``max_samples`` validation samples: inference mode, eval mode, float64 sums."""
+    """Loss per unit over the first ``max_samples`` validation samples: inference mode, eval mode, float64 sums.
+
+    ``eval_batch`` samples per forward pass, fewer on a CPU (:func:`eval_micro_batch`)."""
+    eval_batch = eval_micro_batch(task, eval_batch, device)
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
     seen = 0

@@ -226,6 +226,9 @@ class TinyGPTTask(Task):
     """Start byte of each validation document."""
     val_lengths: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, np.int64))
     """Bytes in each validation document."""
+    _val_collated: dict[int, list[dict[str, torch.Tensor]]] = field(init=False, repr=False, compare=False,
+                                                                    default_factory=dict)
+    """``micro_batch`` → the held-out micro-batches collated so far (the same at every evaluation)."""
 
     @classmethod
     def from_config(cls, config: TinyGPTConfig) -> "TinyGPTTask":
@@ -276,7 +279,17 @@ class TinyGPTTask(Task):
         """The held-out documents in a fixed random order (:func:`~globalbatch.lab.tasks.base.val_order`), so
         the first N of them are drawn across the whole corpus, not its first files; the same every call."""
         _check_micro_batch(micro_batch)
-        order = val_order(self.num_val_samples)
-        return (self._collate(self.val_offsets[order[s:s + micro_batch]], self.val_lengths[order[s:s + micro_batch]], None)
-                for s in range(0, self.num_val_samples, micro_batch))
+        return self._val_stream(micro_batch)
+
+    def _val_stream(self, micro_batch: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Each micro-batch is collated on first use and kept (per ``micro_batch``); later calls yield the same CPU
+        tensors again, so callers read them and never write into them."""
+        done = self._val_collated.setdefault(micro_batch, [])
+        order = None
+        for i, start in enumerate(range(0, self.num_val_samples, micro_batch)):
+            if i == len(done):
+                order = val_order(self.num_val_samples) if order is None else order
+                ix = order[start:start + micro_batch]
+                done.append(self._collate(self.val_offsets[ix], self.val_lengths[ix], None))
+            yield done[i]
 
