@@ -106,4 +106,5 @@ def test_a_bad_value_from_a_file_keeps_the_files_key(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("micro_batch: 2\ngrad_accum_steps: 1\nseq_len: 8\nvalid_tokens_per_seq: 20\n")
     code, out, err = run(["plan", "--config", str(cfg)])
-    assert code == 2 and err.startswith("error: valid_tokens_per_seq 20 is not allowed") and "--" not in err.split(";")[0]
+    assert code == 2 and err.startswith(f"error: {cfg}: valid_tokens_per_seq 20 is not allowed") \
+        and "--" not in err.split(";")[0]
