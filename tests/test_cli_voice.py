@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 
 import pytest
 
@@ -29,6 +30,14 @@ def test_every_command_has_json():
     assert set(_commands()) == {"plan", "probe", "sweep", "report", "noise", "branch", "demo", "adaptive", "scale"}
     for name in _commands():
         assert flag_names_of(name)["as_json"] == "--json", name
+
+
+@pytest.mark.parametrize("command", ["probe", "noise", "sweep", "branch", "adaptive", "plan"])
+def test_task_help_names_the_file_form(command, monkeypatch):
+    """`--task path/to/file.py:function` works (docs/tasks.md): every --task help says so."""
+    code, out, _ = run([command, "--help"])
+    task_help = re.split(r" --[a-z-]+ <", " ".join(out.split()).split("--task <str>")[1])[0]  # however it wraps
+    assert code == 0 and "package.module:function or path/to/file.py:function" in task_help
 
 
 @pytest.mark.parametrize("command, flag, choices", [

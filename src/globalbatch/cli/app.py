@@ -39,7 +39,7 @@ LrRule = Literal["linear", "sqrt", "none"]
 AdaptiveLrRule = Literal["sqrt", "linear", "adascale", "none"]
 
 # Options several commands share, defined once (``task: TaskOption = "tinygpt"``): the same flag, type and help.
-TaskOption = Annotated[str, typer.Option("--task", help="Task: tinygpt, mnist or package.module:function.")]
+TaskOption = Annotated[str, typer.Option("--task", help="Task: tinygpt, mnist, package.module:function or path/to/file.py:function.")]
 TaskArgOption = Annotated[Optional[list[str]], typer.Option("--task-arg", help="Task override KEY=VALUE (repeatable), e.g. d_model=64.")]
 DeviceOption = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or mps (checked before anything is written).")]
 AutoDeviceOption = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:N or mps (default cuda when available).")]

@@ -271,7 +271,7 @@ def branch_cmd(
 
 @app.command("adaptive", short_help="An adaptive global batch (noise-tracking or goodput) vs fixed batches, over seeds.")
 def adaptive_cmd(
-    task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt (default: the demo's settings), mnist or package.module:function."),
+    task: str = typer.Option("tinygpt", "--task", help="Task: tinygpt (default: the demo's settings), mnist, package.module:function or path/to/file.py:function."),
     policy: str = typer.Option("noise", "--policy", help="noise (B = c·B_simple, on its lower bound), goodput (Pollux) or package.module:function (a factory f(config) -> policy)."),
     batches: str = typer.Option("4,8,16,32,64", "--batches", help="Fixed global batches to compare against, in samples, comma-separated."),
     lr: float = typer.Option(3e-3, "--lr", help="Peak LR at --lr-base-batch; other batches scale it by --lr-rule."),

@@ -43,7 +43,7 @@ HELP = {
     "sharding": "With --memory: none, zero1, zero2, zero3 or fsdp, over --dp ranks (default none).",
     "activation_bytes": "With --memory: activation bytes per sample, e.g. 1.5GiB (else measured with --task).",
     "checkpoint_divisor": "With --memory: activation checkpointing divides activations by this (default 1: none).",
-    "task": "With --memory: measure params and activations of this task (tinygpt, mnist or package.module:function; needs torch).",
+    "task": "With --memory: measure params and activations of this task (tinygpt, mnist, package.module:function or path/to/file.py:function; needs torch).",
     "task_arg": "With --task: override KEY=VALUE (repeatable), e.g. d_model=64.",
     "batch_schedule": "A batch schedule in tokens, e.g. '0:256 2B:512' (what `globalbatch scale` proposes and StepDriver takes): each stage's accum and steps; the first stage is the plan's global batch.",
     "as_json": "Print JSON with stable snake_case keys.",
@@ -296,7 +296,8 @@ def _memory_inputs(memory: str, *, params: Optional[str], dp: Optional[int], opt
         except SettingError:
             raise
         except ValueError as exc:
-            raise SettingError("task", task, "tinygpt, mnist or package.module:function", why=str(exc)) from None
+            raise SettingError("task", task, "tinygpt, mnist, package.module:function or path/to/file.py:function",
+                               why=str(exc)) from None
     n, shapes, acts = task_memory_inputs(task_obj, device="cpu")
     return device_bytes, MemoryConfig(params=n, param_shapes=shapes, **common), acts
 
