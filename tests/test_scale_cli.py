@@ -117,3 +117,22 @@ def test_scale_json_keys_and_plot(tmp_path, monkeypatch):
         assert [b for _, b in sched.steps] == [s["global_batch"] for s in d["best_ramp"]["stages"]]
     assert Path("front.png").stat().st_size > 1000
     assert d["extrapolated"] is True and d["convergence"]["kind"] == "prior"
+
+
+def test_a_sweep_whose_b_crit_falls_with_the_loss_is_refused_naming_the_run_dir(tmp_path, monkeypatch):
+    """A sweep's joint fit with k > 0 (B_crit falling as the loss falls; a 2-seed GRU sweep gave k = 1.6, SE 1.41)
+    makes the local noise scale negative along the path: the line names RUN_DIR and its fit, not a field."""
+    import globalbatch.cli.scale as cli_scale
+    from globalbatch.scale.convergence import BCritLaw, ConvergenceModel, SMinLaw
+
+    conv = ConvergenceModel(b_crit_law=BCritLaw(b_ref_tokens=929.0, loss_ref=1.274, k=1.6),
+                            s_min_law=SMinLaw(s_c=20.0, exponent=1.5, loss_floor=1.0), loss_range=(1.19, 1.36),
+                            source="sweep", kind="fit")
+    facts = {"task": "mnist", "task_overrides": {}, "primary_target": 1.2, "seq_len": 48}
+    monkeypatch.setattr(cli_scale, "convergence_from_sweep", lambda run_dir: (conv, facts))
+    monkeypatch.setattr(cli_scale, "_task_params", lambda task, overrides: 7408.0)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sw").mkdir()
+    code, out, err = run_main(["scale", "sw", "--max-gpus", "8"])
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("error: RUN_DIR 'sw' is not allowed (its joint fit B_crit(L) ∝ L^k has k = 1.6: B_noise ≤ 0")

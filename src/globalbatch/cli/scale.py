@@ -189,7 +189,13 @@ def scale_cmd(
                           budget_gpu_hours=budget_gpu_hours, tp_options=tp_opts, pp_options=pp_opts, overlap=overlap,
                           max_stages=max_stages, lr_rule=lr_rule,
                           min_global_batch=min_batch if min_batch is not None else facts.get("min_batch", 1))
-        result = scale(conv, model, clus, curve, cfg)
+        try:
+            result = scale(conv, model, clus, curve, cfg)
+        except SettingError as exc:  # the sweep's fitted law, not a flag: the line names the sweep
+            if exc.field != "b_crit_law" or run_dir is None:
+                raise
+            raise SettingError("run_dir", run_dir, f"{exc.allowed} (a sweep whose B_crit rises as the loss falls, "
+                               "or --prior)", why=f"its joint fit B_crit(L) ∝ L^k has {exc.value}: {exc.why}") from None
     if plot is not None:
         pareto_plot(result, plot)
     if as_json:
