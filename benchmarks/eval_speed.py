@@ -1,11 +1,12 @@
 """The held-out evaluation of a sweep trial: the lab's ``evaluate`` against the way it was read before, same run.
 
 Before: every evaluation collated its held-out documents again and ran them in forwards of the grid's
-``eval_batch`` (256 samples for the demo). Now (:func:`globalbatch.lab.loop.evaluate`): the task keeps its
-collated held-out batches, and on a CPU a token task's forwards take at most ``EVAL_CPU_TOKENS`` (4,096) token
-slots (64 documents of the demo tinygpt), whose activations stay in a core's cache. Both read the same
+``eval_batch`` (256 samples for the demo), each transformer block allocating its GELU output and residual sum.
+Now (:func:`globalbatch.lab.loop.evaluate`): the task keeps its collated held-out batches, on a CPU a token
+task's forwards take at most ``EVAL_CPU_TOKENS`` (4,096) token slots (64 documents of the demo tinygpt), and
+under ``torch.inference_mode`` the block computes its GELU and residual sum in place. Both read the same
 documents with the same model and must give the same loss to float32 rounding (checked here and in
-``tests/test_loop.py``).
+``tests/test_loop.py``). The old way runs under ``torch.no_grad``, which takes the block's out-of-place path.
 
 Both are timed on the same model in alternation (a seeded random order within each pair), one intra-op
 thread like a sweep worker; reported: the median seconds per evaluation and the median of the per-pair
@@ -42,7 +43,7 @@ def old_evaluate(task: Any, model: torch.nn.Module, max_samples: int, eval_batch
     count = torch.zeros((), dtype=torch.float64)
     order = val_order(task.num_val_samples)[:max_samples]
     model.eval()
-    with torch.inference_mode():
+    with torch.no_grad():  # not inference mode: the blocks' out-of-place GELU and residual sum, as before
         for s in range(0, len(order), eval_batch):
             ix = order[s:s + eval_batch]
             batch = task._collate(task.val_offsets[ix], task.val_lengths[ix], None)

@@ -169,6 +169,21 @@ def test_validation_split_is_disjoint_from_train(gpt):
     assert all(torch.equal(a["labels"], b["labels"]) for a, b in zip(batches, gpt.val_batches(16)))
 
 
+def test_inference_mode_forward_is_bit_identical_to_the_autograd_forward(gpt):
+    """In inference mode the blocks compute GELU and the residual sum in place: the same logits, bit for bit."""
+    model = gpt.build_model(0).eval()
+    ids = next(iter(gpt.val_batches(8)))["input_ids"]
+    x = torch.randn(2, 5, SMALL_GPT["d_model"])
+    x_before = x.clone()
+    with_grad = model(ids)
+    assert with_grad.requires_grad
+    with torch.inference_mode():
+        fast = model(ids)
+        block_out = model.blocks[0](x)
+    assert torch.equal(fast, with_grad) and torch.equal(block_out, model.blocks[0](x))
+    assert torch.equal(x, x_before)  # the block's input is left as it was
+
+
 def test_held_out_batches_are_collated_once_and_equal_a_fresh_collation():
     task = load_task("tinygpt", **SMALL_GPT)  # its own task: the cache starts empty
     first = next(iter(task.val_batches(7)))  # a partial read keeps what it collated
