@@ -44,7 +44,7 @@ EVAL_BATCH = 64
 
 EVAL_CPU_TOKENS = 4096
 """On a CPU, a token task's held-out forward passes take at most this many token slots (``eval_batch`` is cut to
-``EVAL_CPU_TOKENS // seq_len`` samples, at least 1). The demo's 256 documents per forward (16,384 tokens) made
+``EVAL_CPU_TOKENS // seq_len`` samples, at least 1). Forwards of the demo's 256 documents (16,384 tokens) make
 4-16 MB activations, which glibc maps afresh or trims at every evaluation (page faults) and which overflow a core's
 cache; at 4,096 tokens its evaluation takes less CPU (``benchmarks/eval_speed.py``). The loss is summed per forward
 in float64, so it changes only by float32 rounding (``tests/test_loop.py``)."""
