@@ -313,6 +313,9 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
     assert not (tmp_path / "x" / "manifest.json").exists()
     code, _, err = _cli(["report", str(tmp_path / "nope")], capsys)
     assert code == 2 and "it does not exist" in err and err.startswith("error: RUN_DIR ")
+    (tmp_path / "run").mkdir()
+    code, _, err = _cli(["report", str(tmp_path / "run"), "--targets", "2.4,abc"], capsys)  # losses, not LRs
+    assert code == 2 and err.strip() == "error: --targets 'abc' is not allowed; allowed: distinct finite numbers, e.g. 2.4,2.3 (losses)"
 
 
 def test_a_rejected_sweep_writes_no_manifest_so_the_corrected_rerun_runs(tmp_path, capsys):

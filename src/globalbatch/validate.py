@@ -108,9 +108,10 @@ def choice(value: Any, field: str, choices: Iterable[str]) -> str:
     return value
 
 
-def number_list(text: Any, field: str, *, positive_only: bool = True) -> list[float]:
-    """``"3e-4,1e-3"`` → ``[3e-4, 1e-3]``: distinct finite numbers (> 0 with ``positive_only``)."""
-    allowed = f"distinct finite numbers{' > 0' if positive_only else ''}, e.g. 3e-4,1e-3"
+def number_list(text: Any, field: str, *, positive_only: bool = True, example: str = "3e-4,1e-3") -> list[float]:
+    """``"3e-4,1e-3"`` → ``[3e-4, 1e-3]``: distinct finite numbers (> 0 with ``positive_only``); ``example`` is the
+    error's example of what is allowed."""
+    allowed = f"distinct finite numbers{' > 0' if positive_only else ''}, e.g. {example}"
     items = [t.strip() for t in str(text).split(",") if t.strip()]
     if not items:
         raise SettingError(field, _Typed(str(text)), allowed)

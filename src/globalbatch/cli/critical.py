@@ -189,7 +189,8 @@ def report_cmd(
 
     with flag_names(flag_names_of("report")):
         V.existing_dir(run_dir, "run_dir", allowed="a sweep directory (written by globalbatch sweep)")
-        target_list = None if targets is None else tuple(V.number_list(targets, "targets", positive_only=False))
+        target_list = None if targets is None else tuple(V.number_list(targets, "targets", positive_only=False,
+                                                                            example="2.4,2.3 (losses)"))
         from ..lab.scale_section import load_scale_json
 
         scale_doc = None if scale is None else load_scale_json(scale)
