@@ -305,6 +305,7 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
         ("--tokens", "0"): "error: --tokens 0 is not allowed; allowed: a whole number of units ≥ 1 (at most 1e18), e.g. 2M",
         ("--lrs", "-1"): "error: --lrs -1 is not allowed; allowed: distinct finite numbers > 0, e.g. 3e-4,1e-3",
         ("--threads", "0"): "error: --threads 0 is not allowed; allowed: a whole number ≥ 1",
+        ("--batch-edge-extend", "-1"): "error: --batch-edge-extend -1 is not allowed; allowed: a whole number ≥ 0",
         ("--optimizer", "lion"): "error: --optimizer 'lion' is not allowed; allowed: adamw, sgd, lars, lamb",
     }
     for (flag, value), want in cases.items():
@@ -316,6 +317,36 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     code, _, err = _cli(["report", str(tmp_path / "run"), "--targets", "2.4,abc"], capsys)  # losses, not LRs
     assert code == 2 and err.strip() == "error: --targets 'abc' is not allowed; allowed: distinct finite numbers, e.g. 2.4,2.3 (losses)"
+
+
+def test_batch_edge_extend_is_a_flag_and_an_added_batch_is_said(tmp_path, capsys, monkeypatch):
+    """The sweep adds the largest batch × 2 when B_crit lies beyond it (SweepConfig.batch_edge_extend): the command
+    takes the count as --batch-edge-extend and says which batches it added beyond --batches."""
+    import globalbatch.lab.sweep as sweep_pkg
+    from types import SimpleNamespace
+
+    seen = {}
+
+    def fake_run(cfg, out, **kw):
+        seen["cfg"] = cfg
+        return SimpleNamespace(ran=["b8_lr0.001_s0"], skipped=[], wall_time_s=1.0, workers=1, threads_per_worker=1,
+                               out_dir=str(out))
+
+    def fake_analyze(out):
+        summaries = {f"b{b}": SimpleNamespace(batch=b) for b in (2, 4, 8)}
+        return (SimpleNamespace(summaries=summaries),
+                SimpleNamespace(warnings=[], recommendation=None, targets=[], to_dict=lambda: {}))
+
+    monkeypatch.setattr(sweep_pkg, "run_sweep", fake_run)
+    monkeypatch.setattr(sweep_pkg, "analyze_sweep", fake_analyze)
+    monkeypatch.setattr("globalbatch.lab.report.seed_analysis_or_note", lambda out: (None, None))
+    monkeypatch.setattr("globalbatch.cli.critical._print_report", lambda res: None)
+    code, out, err = _cli(["sweep", *TINY_ARGS, "--batches", "2,4", "--lrs", "1e-3", "--tokens", "2K",
+                           "--batch-edge-extend", "0", "--out", str(tmp_path / "s")], capsys)
+    assert code in (0, None), err
+    assert seen["cfg"].batch_edge_extend == 0
+    assert "batch 8 added beyond --batches: B_crit at the primary target lay beyond the largest batch" \
+        in " ".join(err.split())  # (rich wraps the line)
 
 
 def test_a_rejected_sweep_writes_no_manifest_so_the_corrected_rerun_runs(tmp_path, capsys):

@@ -67,7 +67,7 @@ def _print_report(res) -> None:
 def sweep_cmd(
     task: TaskOption = "tinygpt",
     batches: str = typer.Option("16,32,64,128,256", "--batches", help="Global batch sizes in samples (sequences) per step, comma-separated."),
-    lrs: str = typer.Option("3e-4,1e-3,3e-3", "--lrs", help="Peak learning rates, comma-separated; every batch runs every LR."),
+    lrs: str = typer.Option("3e-4,1e-3,3e-3", "--lrs", help="Peak learning rates at --base-batch, comma-separated; every batch runs them moved by --lr-rule."),
     tokens: str = typer.Option("2M", "--tokens", help="Budget per trial in the task's unit (tokens; samples for a sample task), e.g. 2M."),
     out: str = typer.Option("runs/sweep", "--out", help="Output directory; rerunning resumes it (the grid must match)."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Trials at once (default: min(trials, cores)); threads = cores ÷ workers."),
@@ -81,6 +81,7 @@ def sweep_cmd(
     lr_rule: str = typer.Option("auto", "--lr-rule", help="LR grid per batch: auto (the optimizer's rule), sqrt, linear or none (one grid for all)."),
     base_batch: Optional[int] = typer.Option(None, "--base-batch", help="The batch at which --lrs hold (default the smallest)."),
     lr_edge_extend: int = typer.Option(2, "--lr-edge-extend", help="Extra LRs per side run when a batch's best LR sits at an edge of its grid."),
+    batch_edge_extend: int = typer.Option(1, "--batch-edge-extend", help="Doublings of the largest batch run when B_crit at the primary target lies beyond it (0: only state the bound)."),
     micro_batch: MicroBatchOption = None,
     eval_every: Optional[str] = typer.Option(None, "--eval-every", help="Units between held-out evaluations (default: --eval-points log-spaced ones)."),
     eval_points: int = typer.Option(32, "--eval-points", help="Log-spaced held-out evaluations per trial (≥ 30 for a sound read-out)."),
@@ -111,6 +112,7 @@ def sweep_cmd(
                           seeds=None if seeds is None else V.seed_list(seeds),
                           warmup=None if warmup is None else _parse_units(warmup, "--warmup"),
                           warmup_min_steps=warmup_min_steps, lr_rule=lr_rule, base_batch=base_batch, lr_edge_extend=lr_edge_extend,
+                          batch_edge_extend=batch_edge_extend,
                           eval_points=eval_points, max_val_samples=val_samples,
                           micro_batch=micro_batch,
                           eval_every=None if eval_every is None else V.count(eval_every, "eval_every"),
@@ -145,6 +147,10 @@ def sweep_cmd(
         return
     console.print(f"sweep {out}: {len(result.ran)} trial(s) run, {len(result.skipped)} already finished, "
                   f"{result.wall_time_s:,.1f} s ({result.workers} worker(s) × {result.threads_per_worker} thread(s))")
+    added = sorted({s.batch for s in data.summaries.values()} - set(cfg.batches))
+    if added:
+        console.print(f"batch {', '.join(map(str, added))} added beyond --batches: B_crit at the primary target lay "
+                      f"beyond the largest batch (--batch-edge-extend {cfg.batch_edge_extend}; 0 only states the bound)")
     _print_report(SimpleNamespace(data=data, analysis=analysis, seed_analysis=sa))
     typer.echo(f"report: globalbatch report {out}")
 
