@@ -276,3 +276,18 @@ def _latin1(tmp_path):
     p = tmp_path / "l.yaml"
     p.write_bytes("micro_batch: 2 # café\n".encode("latin-1"))
     return p
+
+
+def test_the_bubble_target_row_shows_its_arithmetic_and_the_interleaving_round_up():
+    from rich.console import Console
+
+    from globalbatch.plan.report import plan_table
+
+    r = build_plan(PlanConfig(global_batch=4096, micro_batch=4, dp_world_size=128, pp_stages=8, virtual_stages=2,
+                              max_bubble=0.05))
+    # ⌈7/(2·0.05)⌉ = 70 micro-batches, rounded up to a multiple of 8 stages (interleaved 1F1B): 72 × 4 × 128
+    assert r.min_global_batch_for_bubble == 72 * 4 * 128
+    console = Console(width=200, record=True)
+    console.print(plan_table(r))
+    text = console.export_text()
+    assert "128 ranks × 72 accum × 4 seq: (8−1)/(2·72) = 4.86% (accum a multiple of 8: interleaved)" in text

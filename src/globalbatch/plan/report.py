@@ -346,8 +346,11 @@ def plan_table(report: PlanReport):
     if report.pipeline_bubble_fraction is not None:
         p, v = report.pp_stages, report.virtual_stages
         t.add_row("pipeline bubble", f"{report.pipeline_bubble_fraction:.2%} of compute", f"({p}−1)/({v}·{a}); idle share {report.pipeline_idle_share:.2%}")
-        if report.min_global_batch_for_bubble is not None:
-            t.add_row("min global batch for bubble target", f"{fmt(report.min_global_batch_for_bubble)} seq", "")
+        if report.min_global_batch_for_bubble is not None and p is not None and v is not None:
+            m_min = report.min_global_batch_for_bubble // (report.micro_batch * d)
+            t.add_row("min global batch for bubble target", f"{fmt(report.min_global_batch_for_bubble)} seq",
+                      f"{d} ranks × {m_min} accum × {report.micro_batch} seq: ({p}−1)/({v}·{m_min}) = "
+                      f"{(p - 1) / (v * m_min):.2%}" + (f" (accum a multiple of {p}: interleaved)" if v > 1 else ""))
     if report.allreduce_bytes_per_step is not None:
         t.add_row(
             "all-reduce per rank per step", _human_bytes(report.allreduce_bytes_per_step),
