@@ -53,8 +53,11 @@ def test_driver_refuses_schedule_batch_that_does_not_divide():
     model = sc.build_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = parse_step_schedule("0:8 1K:12")
-    with pytest.raises(SettingError, match="global batch 12 is not divisible by micro_batch 8"):
+    with pytest.raises(SettingError, match="global batch 12 is not divisible by micro_batch 8") as info:
         StepDriver(model, opt, StepConfig(micro_batch=8, batch_schedule=sched))
+    # the line names what the user gave (the schedule), not a global_batch they never set
+    assert info.value.field == "batch_schedule" and str(info.value).startswith(
+        "batch_schedule 12 is not allowed (a global batch the schedule reaches; global batch 12 is not divisible")
 
 
 @pytest.mark.parametrize("kw, match", [

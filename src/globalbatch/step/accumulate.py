@@ -117,7 +117,13 @@ class _WindowAccumulator:
         """This rank's index in the DP group (0 for a plain module: one replica)."""
 
         for gb in self.schedule.all_batches():  # every batch the run can reach must divide: fail now
-            plan_for_world(gb, config.micro_batch, self.dp_world_size)
+            try:
+                plan_for_world(gb, config.micro_batch, self.dp_world_size)
+            except SettingError as exc:
+                if config.batch_schedule is None:
+                    raise
+                raise SettingError("batch_schedule", gb, exc.allowed,
+                                   why=f"a global batch the schedule reaches; {exc.why}") from None
 
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._initial_lrs = [float(g["lr"]) for g in optimizer.param_groups]
