@@ -67,6 +67,7 @@ def test_driver_refuses_schedule_batch_that_does_not_divide():
     (dict(micro_batch=2, global_batch=4, max_grad_norm=0.0), "max_grad_norm 0 is not allowed"),
     (dict(micro_batch=2, global_batch=4, max_consecutive_skips=0), "max_consecutive_skips 0"),
     (dict(micro_batch=2, batch_schedule="0:4"), "parse strings"),
+    (dict(micro_batch=2, global_batch=4.0), r"^global_batch 4\.0 is not allowed; allowed: a whole number ≥ 1$"),
 ])
 def test_step_config_errors_quote_the_value(kw, match):
     with pytest.raises(SettingError, match=match):

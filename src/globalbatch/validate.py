@@ -62,7 +62,9 @@ def whole(value: Any, field: str, *, minimum: int = 1, maximum: int = MAX_COUNT,
     """A plain whole number (no suffixes), ``minimum ≤ n ≤ maximum`` (``allowed``: the error's own wording)."""
     if not _is_int(value) or not minimum <= value <= maximum:
         top = f" ≤ {maximum:,}" if maximum < MAX_COUNT else ""
-        raise SettingError(field, value, allowed or f"a whole number ≥ {minimum}{top}")
+        # a float shows as given ("global_batch 4.0 is not allowed"; "4" would read as allowed)
+        raise SettingError(field, _Typed(repr(value)) if isinstance(value, float) else value,
+                           allowed or f"a whole number ≥ {minimum}{top}")
     return value
 
 
