@@ -56,6 +56,29 @@ def test_resume_with_another_schedule_is_an_error_naming_both_unless_override(tm
     load_checkpoint(path, _driver()[2])  # the same run resumes without a word
 
 
+@pytest.mark.parametrize("content, why", [
+    (b"garbage", "torch.load(weights_only=True) cannot read it: UnpicklingError: "),
+    (b"PK\x03\x04garbage", "torch.load(weights_only=True) cannot read it: RuntimeError: PytorchStreamReader"),
+    ("other", "it has no model, optimizer, driver"),
+])
+def test_a_file_that_is_no_checkpoint_is_one_line_before_anything_is_restored(tmp_path, content, why):
+    from globalbatch.errors import SettingError
+
+    path = tmp_path / "c.pt"
+    if content == "other":
+        torch.save({"x": torch.ones(1)}, path)  # a torch file, not ours
+    else:
+        path.write_bytes(content)
+    model, _, d = _driver()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(SettingError) as exc:
+        load_checkpoint(path, d)
+    line = str(exc.value)
+    assert line.startswith(f"checkpoint {str(path)!r} is not allowed ({why}") and "\n" not in line
+    assert line.endswith("allowed: a file written by globalbatch.save_checkpoint") and "weights_only=False" not in line
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and d.optimizer_steps == 0
+
+
 def test_a_checkpoint_of_the_old_schedules_resumes_under_the_new_names(tmp_path):
     """Written with TokenLRSchedule(unit="token") (the old names): the same run now, with LRSchedule and one unit."""
     import warnings

@@ -193,7 +193,7 @@ def load_checkpoint(path: str | os.PathLike, *args: Any, map_location: Any = "cp
     driver, model, optimizer, scaler, lr_scheduler = _driver_and_parts("load_checkpoint", args, kwargs)
     if kwargs:
         raise TypeError(f"load_checkpoint() got unexpected keyword arguments {sorted(kwargs)}")
-    state = torch.load(path, map_location=map_location, weights_only=True)
+    state = _read(path, map_location)
     stored = state.get("run")
     if stored is not None:  # checkpoints from before run definitions were recorded carry none
         now = run_definition(driver)
@@ -227,6 +227,30 @@ def load_checkpoint(path: str | os.PathLike, *args: Any, map_location: Any = "cp
         else:  # files written before per-rank RNG
             torch.set_rng_state(rng["torch"])
     return state.get("extra")
+
+
+_SAVED = ("model", "optimizer", "driver")
+"""What every :func:`save_checkpoint` file holds."""
+
+
+def _read(path: str | os.PathLike, map_location: Any) -> dict[str, Any]:
+    """The checkpoint's dict (``weights_only=True``); a file that is not one is a one-line :class:`SettingError`
+    before anything is restored (never torch's advice to load it with ``weights_only=False``)."""
+    allowed = "a file written by globalbatch.save_checkpoint"
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except OSError:  # missing, a directory, no permission: the OS's own error
+        raise
+    except Exception as exc:  # noqa: BLE001 - corrupt, truncated, not a torch file, or unsafe to unpickle
+        text = str(exc)
+        text = text.split("WeightsUnpickler error:", 1)[1] if "WeightsUnpickler error:" in text else text
+        detail = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")[:200]
+        raise SettingError("checkpoint", Raw(repr(str(path))), allowed,
+                           why=f"torch.load(weights_only=True) cannot read it: {type(exc).__name__}: {detail}") from None
+    missing = [k for k in _SAVED if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise SettingError("checkpoint", Raw(repr(str(path))), allowed, why=f"it has no {', '.join(missing)}")
+    return state
 
 
 def _world() -> int:
