@@ -131,3 +131,27 @@ def test_pinned_global_batch_mismatch_stops_before_any_step():
     exact = ExactLM(micro_batch=MICRO, global_batch=8)
     trainer = _fit(exact, docs, callbacks=[GlobalBatchCallback(global_batch=8)])
     assert exact.gb_grad_accum_steps == 4 and trainer.global_step == 1
+
+
+@pytest.mark.parametrize("geometry, line", [
+    (dict(micro_batch=2, grad_accum_steps=1.5), "grad_accum_steps 1.5 is not allowed; allowed: a whole number ≥ 1"),
+    (dict(micro_batch=2.5, grad_accum_steps=4), "micro_batch 2.5 is not allowed; allowed: a whole number ≥ 1"),
+    (dict(micro_batch=2, grad_accum_steps=-1), "grad_accum_steps -1 is not allowed; allowed: a whole number ≥ 1"),
+    (dict(micro_batch=2, global_batch=8, max_grad_norm=-1.0), "max_grad_norm -1 is not allowed"),
+])
+def test_configure_global_batch_checks_its_numbers_never_rounds_them(geometry, line):
+    """int(1.5) was 1: the run trained another global batch without a word; -1 and a negative clip passed too."""
+    with pytest.raises(SettingError) as exc:
+        ExactLM(**geometry)
+    assert str(exc.value).startswith(line)
+
+
+def test_the_first_window_line_says_when_the_padding_share_is_unknown():
+    from globalbatch.integrations._common import WindowMeter
+
+    meter = WindowMeter()
+    meter.record(88.0, 0.0, 8.0)  # a batch without input_ids: no padded count
+    assert meter.first_window_line().endswith("88 valid target tokens (padding share unknown: the batch has no input_ids)")
+    meter = WindowMeter()
+    meter.record(75.0, 100.0, 8.0)
+    assert meter.first_window_line().endswith("(padding share 25.0%)")

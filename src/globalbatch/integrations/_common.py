@@ -84,9 +84,10 @@ class WindowMeter:
 
     def first_window_line(self) -> str:
         """After the first window: its size in valid tokens, for the plan printout."""
-        share = 1.0 - self.valid_tokens / self.padded_tokens if self.padded_tokens else float("nan")
+        share = (f"padding share {1.0 - self.valid_tokens / self.padded_tokens:.1%}" if self.padded_tokens
+                 else "padding share unknown: the batch has no input_ids")
         return (f"globalbatch: first global batch {int(self.last_window_samples)} sequences, "
-                f"{int(self.last_window_valid_tokens)} valid target tokens (padding share {share:.1%})")
+                f"{int(self.last_window_valid_tokens)} valid target tokens ({share})")
 
     def read(self) -> dict[str, float]:
         """Metrics since the last read: valid tokens per second, padding share; plus totals."""

@@ -43,6 +43,7 @@ from globalbatch.errors import Raw, SettingError
 from globalbatch.integrations import require
 from globalbatch.integrations._common import CallbackSettings, check_plan, derive_grad_accum_steps, noise_metrics, plan_line
 from globalbatch.step import StepConfig, StepDriver, StepResult
+from globalbatch.validate import number, whole
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -141,10 +142,20 @@ class ExactAccumulationMixin(_ModuleHost):
         if (grad_accum_steps is None) == (global_batch is None):
             raise SettingError("grad_accum_steps", grad_accum_steps, "exactly one of grad_accum_steps and global_batch",
                                why=f"global_batch {global_batch!r}")
+        # checked, never rounded: int(1.5) would silently train another global batch
+        micro_batch = whole(micro_batch, "micro_batch")
+        if grad_accum_steps is not None:
+            grad_accum_steps = whole(grad_accum_steps, "grad_accum_steps")
+        if global_batch is not None:
+            global_batch = whole(global_batch, "global_batch")
+        if dp_world_size is not None:
+            dp_world_size = whole(dp_world_size, "dp_world_size")
+        if max_grad_norm is not None:
+            number(max_grad_norm, "max_grad_norm", low=0.0, low_open=True, allowed="a finite number > 0 or None")
         self.automatic_optimization = False
-        self.gb_micro_batch = int(micro_batch)
+        self.gb_micro_batch = micro_batch
         self.gb_pinned_global_batch = global_batch
-        self.gb_grad_accum_steps = int(grad_accum_steps) if grad_accum_steps is not None else \
+        self.gb_grad_accum_steps = grad_accum_steps if grad_accum_steps is not None else \
             derive_grad_accum_steps(global_batch, micro_batch, dp_world_size or 1)  # type: ignore[arg-type]  # checked above
         self.gb_max_grad_norm = max_grad_norm
         self.gb_driver: Optional[StepDriver] = None
