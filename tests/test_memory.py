@@ -143,6 +143,11 @@ def test_plan_memory_table_and_geometry_warning(capsys):
     assert res.exit_code == 0, res.output
     assert "optimizer states" in res.stdout and "largest micro-batch that fits: 8" in res.stdout
     assert "micro_batch 16 needs" in res.stderr and "the largest that fits is 8" in res.stderr
+    # a small model's bytes in their own unit (it read "needs 0.00 GiB, more than --memory 4MiB")
+    res = _run(capsys, ["plan", "--memory", "4MiB", "--params", "7408", "--activation-bytes-per-sample", "78KiB",
+                        "--global-batch", "64", "--micro-batch", "64", "--dp", "1"])
+    assert res.exit_code == 0 and "micro_batch 64 needs 4.99 MiB, more than --memory 4MiB; the largest that fits is 51" \
+        in res.stderr
 
 
 def test_plan_memory_uses_the_plans_dp_and_one_pipeline_stage(capsys, tmp_path):

@@ -188,12 +188,14 @@ def plan_cmd(
     warnings = list(report.warnings)
     memory_section = None
     if memory_inputs is not None:
+        from ..plan.memory import _fmt_bytes
+
         memory_section = _memory_section(memory_inputs, report.micro_batch, dp_world_size=report.dp_world_size,
                                          pp_stages=report.pp_stages)
         if not memory_section["fits"]:
             warnings.append(
                 f"micro_batch {memory_section['breakdown']['micro_batch']} needs "
-                f"{memory_section['breakdown']['total_bytes'] / 2**30:,.2f} GiB, more than --memory {memory}; "
+                f"{_fmt_bytes(memory_section['breakdown']['total_bytes'])}, more than --memory {memory}; "
                 f"the largest that fits is {memory_section['largest_micro_batch']}")
     if as_json:
         out = report.to_dict()
