@@ -14,6 +14,7 @@ GOOD_YAML = ("name: mine\ngpus_per_node: 4\npeak_flops_per_s: 3.12e14\nmemory_by
              "intra_busbw_bytes_per_s: 2e11\ninter_busbw_bytes_per_s: 2.5e10\n")
 
 FILES = {
+    "good_yaml": ("c.yaml", GOOD_YAML),
     "neg_bw": ("c.yaml", GOOD_YAML.replace("2.5e10", "-5e9")),
     "unknown_key": ("c.yaml", GOOD_YAML + "nvlink_gbps: 900\n"),
     "missing_key": ("c.yaml", "name: x\ngpus_per_node: 8\n"),
@@ -66,6 +67,13 @@ CASES = [
     _c("throughput-overhead-without-params", PRIOR + ["--throughput", "p.json"], "--throughput", "probe_overhead_alone"),
     _c("plot-not-png", PRIOR + ["--plot", "x.pdf"], "--plot"),
     _c("max-stages", PRIOR + ["--max-stages", "0"], "--max-stages"),
+    # degrees the search skips were blamed on --params ("static bytes exceed ..."); a larger --tokens-per-seq was
+    # clamped to --seq-len without a word
+    _c("tp-over-a-node", PRIOR + ["--cluster", "c.yaml", "--tp", "1,8"], "--tp 8 is not allowed (mine has 4 GPUs per node",
+       "good_yaml"),
+    _c("pp-over-the-layers", PRIOR + ["--pp", "64", "--layers", "16"], "--pp 64 is not allowed (the model has 16 layers)"),
+    _c("tokens-per-seq-over-seq-len", PRIOR + ["--seq-len", "4096", "--tokens-per-seq", "5000"],
+       "--tokens-per-seq 5000 is not allowed; allowed: at most --seq-len 4096"),
 ]
 
 

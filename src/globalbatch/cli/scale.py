@@ -180,11 +180,21 @@ def scale_cmd(
         if target is None:
             raise SettingError("target_loss", None, "a loss in nats with --prior")
         sl = seq_len if seq_len is not None else (facts.get("seq_len") or 4096)
+        if tokens_per_seq is not None and tokens_per_seq > sl:  # never clamped silently
+            raise SettingError("tokens_per_sequence", tokens_per_seq, f"at most --seq-len {sl} (loss-bearing tokens of a "
+                               "sequence)")
         tps = tokens_per_seq if tokens_per_seq is not None else (facts.get("tokens_per_sequence") if seq_len is None else None)
         model = ModelSpec(params=n_params, seq_len=sl, tokens_per_sequence=min(tps, sl) if tps else None,
                           flops_per_token=flops_per_token, sharding=sharding,
                           activation_bytes_per_token=activation_bytes_per_token, virtual_stages=virtual_stages,
                           layers=layers if layers is not None else facts.get("layers"))
+        # degrees the search would skip, every one of them: said here, not as "the model fits no geometry"
+        for flag, opts, top, why in (("tp_options", tp_opts, clus.gpus_per_node,
+                                      f"{clus.name} has {clus.gpus_per_node} GPUs per node: TP stays inside a node"),
+                                     ("pp_options", pp_opts, model.layers, f"the model has {model.layers} layers")):
+            over = [o for o in opts if top is not None and o > top]
+            if over:
+                raise SettingError(flag, over, f"degrees ≤ {top}", why=why)
         cfg = ScaleConfig(target_loss=float(target), max_gpus=max_gpus, objective=objective, deadline_s=deadline_s,
                           budget_gpu_hours=budget_gpu_hours, tp_options=tp_opts, pp_options=pp_opts, overlap=overlap,
                           max_stages=max_stages, lr_rule=lr_rule,
