@@ -283,6 +283,32 @@ def test_step_schedule_stages_are_the_geometry_and_steps_of_each_stage():
         parse_step_schedule("0:1024 2B:2000").stages(total=10**10, micro_batch=2, dp_world_size=64)
 
 
+def test_stage_steps_are_the_drivers_a_step_that_overshoots_a_threshold_counts_before_it():
+    """Per-stage ⌈span ÷ units per step⌉ said 31 + 2 + 8 = 41 steps for '0:64 1M:128 1070K:256' at 512 tokens per
+    sequence; the driver switches at the first step starting past a threshold: 31 steps end at 1,015,808, one step
+    of 128 ends past 1,070,000, then 8 of 256: 40. The stages now count what a StepDriver runs."""
+    import torch
+
+    from globalbatch.schedule import parse_step_schedule
+    from globalbatch.step import StepConfig, StepDriver
+
+    text, seq = "0:64 1M:128 1070K:256 1080K:512", 512
+    stages = parse_step_schedule(text).stages(total=2_000_000, micro_batch=64, dp_world_size=1, units_per_sample=seq)
+    model = torch.nn.Linear(1, 1)
+    driver = StepDriver(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                        StepConfig(micro_batch=64, batch_schedule=parse_step_schedule(text), print_geometry=False))
+    ran: dict[int, int] = {}
+    while driver.trained_units < 2_000_000:  # every sample carries seq tokens, as the plan counts them
+        b = driver.global_batch
+        for i in range(b // 64):
+            with driver.micro_step(last=i == b // 64 - 1):
+                driver.backward(model.weight.sum() * 0.0, 64 * seq, samples=64)
+        driver.step()
+        ran[b] = ran.get(b, 0) + 1
+    assert [(s.global_batch, s.optimizer_steps) for s in stages] == [(64, 31), (128, 1), (256, 0), (512, 4)]
+    assert {s.global_batch: s.optimizer_steps for s in stages if s.optimizer_steps} == ran
+
+
 def test_plan_takes_the_batch_schedule_string_as_scale_writes_it():
     import contextlib
     import io
@@ -298,4 +324,4 @@ def test_plan_takes_the_batch_schedule_string_as_scale_writes_it():
     data = json.loads(out.getvalue())
     assert data["global_batch_sequences"] == 1024  # the first stage is the plan's global batch
     assert [(s["global_batch"], s["grad_accum_steps"], s["optimizer_steps"]) for s in data["batch_schedule"]] == [
-        (1024, 8, 954), (2048, 16, 23366)]  # 9.8e10 / (2048·2048) = 23365.5 → 23366
+        (1024, 8, 954), (2048, 16, 23365)]  # 954 steps end at 2,000,683,008: (1e11 − that) / (2048·2048) = 23364.9

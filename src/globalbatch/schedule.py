@@ -209,22 +209,26 @@ class StepBatchSchedule(BatchSchedule):
     def stages(self, *, total: int, micro_batch: int, dp_world_size: int,
                units_per_sample: int = 1) -> list["BatchStage"]:
         """The schedule's stages up to ``total`` units: each one's geometry (checked: every batch must divide
-        by micro × dp) and its optimizer steps, ⌈units in the stage ÷ units per step⌉."""
+        by micro × dp) and its optimizer steps as the driver takes them: a stage's batch from the first step that
+        starts at or past its threshold, so a step that overshoots a threshold counts in the stage before (full
+        steps of ``units_per_sample`` units per sample)."""
         from globalbatch.plan import solve_geometry
 
         whole(total, "total", minimum=1)
         whole(units_per_sample, "units_per_sample")
         out = []
         ends = [t for t, _ in self.steps[1:]] + [total]
+        position = 0  # as the driver runs it: a stage's batch from the first step that starts at or past its threshold
         for (start, batch), end in zip(self.steps, ends):
             if start >= total:
                 break
             geo = solve_geometry(global_batch=batch, micro_batch=micro_batch, dp_world_size=dp_world_size)
             per_step = batch * units_per_sample
-            span = min(end, total) - start
+            steps = max(0, -(-(min(end, total) - position) // per_step))  # 0: the last step before overshot it
+            position += steps * per_step
             out.append(BatchStage(start=start, end=min(end, total), global_batch=batch,
                                   grad_accum_steps=geo.grad_accum_steps, units_per_step=per_step,
-                                  optimizer_steps=-(-span // per_step)))
+                                  optimizer_steps=steps))
         return out
 
     def __str__(self) -> str:
@@ -246,7 +250,8 @@ class BatchStage:
     units_per_step: int
     """global_batch × units per sample (tokens for a language model)."""
     optimizer_steps: int
-    """⌈(end − start) ÷ units_per_step⌉."""
+    """Steps at this batch: from where the previous stage's last step ended, ⌈(end − that) ÷ units_per_step⌉
+    (0 when that step already passed ``end``)."""
 
 
 _ENTRY = re.compile(r"^\s*([^:\s]+)\s*:\s*([^:\s]+)\s*$")
