@@ -171,6 +171,20 @@ def test_plan_memory_uses_the_plans_dp_and_one_pipeline_stage(capsys, tmp_path):
     assert res.exit_code == 2 and res.stderr.strip() == "error: --pp-stages 0 is not allowed; allowed: a whole number ≥ 1"
 
 
+def test_plan_memory_takes_params_from_a_config_file(capsys, tmp_path):
+    """'--memory 80GiB' with a --config that says params: 7B said '--params is missing'."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("micro_batch: 2\ngrad_accum_steps: 8\ndp_world_size: 8\nparams: 7B\npp_stages: 4\n")
+    res = _run(capsys, ["plan", "--config", str(cfg), "--memory", "80GiB", "--activation-bytes-per-sample", "1GiB",
+                        "--json"])
+    assert res.exit_code == 0, res.output
+    mem = json.loads(res.stdout)["memory"]
+    assert mem["params"] == 1_750_000_000 and mem["pp_stages"] == 4 and mem["dp_world_size"] == 8
+    cfg.write_text("micro_batch: 2\ngrad_accum_steps: 8\nparams: lots\n")
+    res = _run(capsys, ["plan", "--config", str(cfg), "--memory", "80GiB", "--activation-bytes-per-sample", "1GiB"])
+    assert res.exit_code == 2 and res.stdout == "" and res.stderr.startswith(f"error: {cfg}: params 'lots' is not allowed")
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--memory", "lots", "--params", "1B", "--activation-bytes-per-sample", "1MiB"], "--memory 'lots'"),
     (["--memory", "0", "--params", "1B", "--activation-bytes-per-sample", "1MiB"], "--memory 0"),

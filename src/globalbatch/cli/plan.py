@@ -139,7 +139,10 @@ def plan_cmd(
                 raise SettingError(_flag(name), Raw(value if not isinstance(value, list) else ",".join(value)),
                                    "add --memory DEVICE_BYTES, e.g. --memory 80GiB", why="without --memory", flag=True)
     else:
-        memory_inputs = _memory_inputs(memory, params=settings["params"], dp=dp, optimizer=optimizer, **memory_given)
+        params = settings["params"]
+        if params is None and config is not None and memory_given["task"] is None:
+            params = _config_params(config)  # a --config file's params, checked (and named) as the file's
+        memory_inputs = _memory_inputs(memory, params=params, dp=dp, optimizer=optimizer, **memory_given)
     geometry_given = config is not None or any(v is not None for v in (global_batch, micro_batch, grad_accum))
     if memory_inputs is not None and not geometry_given:
         pp_stages = settings["pp_stages"]
@@ -245,6 +248,17 @@ def _check_geometry_given(global_batch: Optional[int], micro_batch: Optional[int
     raise SettingError(flag, value, f"add {others} (with --dp, default 1 rank); or --config FILE",
                        why="alone: the batch geometry needs two of --global-batch, --micro-batch, --grad-accum",
                        flag=True)
+
+
+def _config_params(config: str) -> Optional[str]:
+    """The parameter count a ``--config`` file of our schema gives (None for DeepSpeed, Transformers or none)."""
+    from ..plan.config import _from_mapping, read_config_file
+
+    kind, data = read_config_file(config)
+    if kind in ("deepspeed", "hf"):
+        return None
+    value = _from_mapping(data, kind, str(config)).get("params")
+    return None if value is None else str(int(value))
 
 
 def _memory_inputs(memory: str, *, params: Optional[str], dp: Optional[int], optimizer: Optional[str],
