@@ -12,8 +12,12 @@ seeds' large batches.
 Sharing is an assumption, so it is tested: the extra-sum-of-squares F-test of the nested models (one S_min
 against one per seed; e.g. Motulsky & Christopoulos, *Fitting models to biological data using linear and
 nonlinear regression*, 2004, ch. 22), F = ((SSE_shared − SSE_own)/(K − 1)) / (SSE_own/(n − 2K)) with K seeds
-and n points. Where it rejects sharing (p < ``alpha``, default 0.05) the per-seed fits stand. Measured against
-ground truth in ``tests/test_critical_pooled.py`` (docs/critical.md, §1b). Pure numpy/scipy; no torch.
+and n points. Where it rejects sharing (p < ``alpha``, default :data:`POOL_ALPHA`) the per-seed fits stand. Measured
+against ground truth in ``tests/test_critical_pooled.py`` and ``benchmarks/critical_pooled.py`` (docs/critical.md,
+§1b). Partial pooling instead of this all-or-nothing gate — each seed's ln S_min shrunk toward the shared one by a
+James–Stein / empirical-Bayes weight (Morris 1983; DerSimonian & Laird 1986), its B_crit refitted there — was
+measured beside it and not adopted: more accurate where the seeds share S_min or nearly, less where one seed's
+S_min really is 2–3× the others'. Pure numpy/scipy; no torch.
 """
 
 from __future__ import annotations
