@@ -19,6 +19,7 @@ from globalbatch.lab.tasks import (
     load_task,
 )
 from globalbatch.lab.tasks.base import val_order
+from globalbatch.errors import SettingError
 
 REPO = Path(__file__).resolve().parents[1]
 # A small GPT on a 200 kB slice of the corpus: every test here stays well under a second.
@@ -327,6 +328,35 @@ def test_user_task_errors_are_clear(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "examples"))
     with pytest.raises(ValueError, match=r"overrides \['width'\] do not fit make_task"):
         load_task("user_task:make_task", width=3)
+
+
+def make_bad_width(width: int = 4):
+    """A user task whose factory accepts any ``width`` and whose model's layer refuses a negative one."""
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        from user_task import make_task
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    task = make_task(num_samples=16)
+    task.build_model = lambda seed: torch.nn.Linear(2, width)
+    return task
+
+
+def test_a_user_models_failure_is_one_line_naming_the_task(capsys):
+    from globalbatch.cli import main
+
+    spec = f"{__file__}:make_bad_width"
+    task = load_task(spec, width=-3)  # the factory accepts it
+    with pytest.raises(SettingError, match=r"^task '.*make_bad_width' is not allowed \(its build_model\(0\) failed: "
+                                           r"RuntimeError: .*\); allowed: ") as info:
+        task.build_model(0)
+    assert "\n" not in str(info.value)
+    assert isinstance(load_task(spec, width=3).build_model(1), torch.nn.Linear)
+    with pytest.raises(SystemExit) as code:
+        main(["probe", "--task", spec, "--task-arg", "width=-3", "--global-batch", "8", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("error: --task ") and "build_model(0) failed" in err
 
 
 @pytest.mark.parametrize(

@@ -142,7 +142,29 @@ def load_task(spec: str = DEFAULT_TASK, **overrides: Any) -> Task:
     except Exception as exc:  # the user's function failed: one line naming it, not a traceback
         raise SettingError("task", spec, _TASK_ALLOWED,
                            why=f"{fn.__name__}(**{overrides!r}) failed: {_one_line(exc)}") from None
-    return check_task(made, origin=spec)
+    return _build_failures_named(check_task(made, origin=spec), spec)
+
+
+def _build_failures_named(task: Any, spec: str) -> Any:
+    """A user task whose ``build_model`` raises (a bad ``--task-arg`` that only the model's layers refuse) fails
+    with one line naming ``task``, as its factory's errors do. A task object that takes no new attribute
+    (``__slots__``, a frozen dataclass) is returned as it is."""
+    build = task.build_model
+
+    def build_model(seed: int) -> Any:
+        try:
+            return build(seed)
+        except SettingError:
+            raise
+        except Exception as exc:  # the user's model code: one line naming the task, not a traceback
+            raise SettingError("task", spec, _TASK_ALLOWED,
+                               why=f"its build_model({seed}) failed: {_one_line(exc)}") from None
+
+    try:
+        task.build_model = build_model
+    except (AttributeError, TypeError):  # FrozenInstanceError is an AttributeError
+        pass
+    return task
 
 
 def _one_line(exc: BaseException) -> str:
