@@ -25,6 +25,9 @@ FILES = {
     "probe_no_mfu": ("p.json", json.dumps({"trials": [{"micro_batch": 1, "tokens_per_step": 64, "mfu": None}]})),
     "probe_opt_too_long": ("p.json", json.dumps({"optimizer_step_s": 0.01, "trials": [
         {"micro_batch": 1, "tokens_per_step": 64, "step_time_s": 0.005, "mfu": 0.2}]})),
+    "dup_key": ("c.yaml", GOOD_YAML + "memory_bytes: 80e9\n"),
+    "probe_no_tokens": ("p.json", json.dumps({"trials": [
+        {"micro_batch": 1, "tokens_per_step": None, "step_time_s": 0.005, "mfu": 0.2}]})),
     "probe_overhead_alone": ("p.json", json.dumps({"step_overhead_s": 0.01, "trials": [
         {"micro_batch": 1, "tokens_per_step": 64, "step_time_s": 0.005, "mfu": 0.2}]})),
 }
@@ -46,6 +49,11 @@ CASES = [
     _c("negative-target", ["scale", "--prior", "kaplan", "--params", "1B", "--target-loss", "-2"], "--target-loss"),
     _c("fits-no-geometry", ["scale", "--prior", "kaplan", "--params", "10T", "--target-loss", "2.5", "--max-gpus", "16"],
        "--params"),
+    # the static bytes fit; micro-batch 1's activations do not (was blamed on --params)
+    _c("activations-fit-no-geometry", PRIOR[:-1] + ["8", "--activation-bytes-per-token", "1e12"],
+       "--activation-bytes-per-token 1e+12 is not allowed (micro-batch 1 needs "),
+    _c("yaml-duplicate-key", PRIOR + ["--cluster", "c.yaml"], "duplicate key 'memory_bytes'", "dup_key"),
+    _c("throughput-mfu-without-tokens", PRIOR + ["--throughput", "p.json"], "--throughput", "probe_no_tokens"),
     _c("no-source", ["scale", "--target-loss", "2.5"], "RUN_DIR"),
     _c("both-sources", ["scale", "somewhere", "--prior", "kaplan", "--params", "1B"], "RUN_DIR"),
     _c("prior-without-params", ["scale", "--prior", "kaplan", "--target-loss", "2.5"], "--params"),

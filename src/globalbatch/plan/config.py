@@ -45,7 +45,7 @@ _GEOMETRY = ("global_batch", "micro_batch", "grad_accum_steps", "dp_world_size")
 # ---------------------------------------------------------------------------
 
 
-def _yaml_load_unique(text: str) -> Any:
+def yaml_load_unique(text: str) -> Any:
     """``yaml.safe_load`` that refuses duplicate keys (the last one would silently win)."""
     import yaml
 
@@ -141,7 +141,7 @@ def read_config_file(path: str | Path) -> tuple[str, dict]:
     duplicates: list[str] = []
     try:
         if kind == "yaml":
-            data = _yaml_load_unique(text)
+            data = yaml_load_unique(text)
         elif kind == "toml":
             data = tomllib.loads(text)
         else:

@@ -43,6 +43,7 @@ from typing import Any, Optional
 import numpy as np
 
 from globalbatch._util import SettingError
+from globalbatch.plan.config import yaml_load_unique
 from globalbatch.plan.memory import Activations, MemoryConfig, largest_micro_batch
 from globalbatch.validate import whole
 
@@ -212,7 +213,8 @@ def cluster_from_mapping(data: Any, source: str) -> Cluster:
 
 
 def load_cluster(spec: str) -> Cluster:
-    """A preset name or a YAML file (``yaml.safe_load``, every key checked); errors name the key."""
+    """A preset name or a YAML file (safe loading that refuses duplicate keys and aliases, as ``plan --config``
+    does; every key checked); errors name the key."""
     if spec in PRESETS:
         return PRESETS[spec]
     p = Path(spec)
@@ -222,7 +224,7 @@ def load_cluster(spec: str) -> Cluster:
 
     try:
         text = p.read_text(encoding="utf-8")
-        data = yaml.safe_load(text)
+        data = yaml_load_unique(text)  # a duplicate key would silently take its last value
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise SettingError("cluster", spec, "a readable YAML file", why=" ".join(str(exc).split())[:160]) from None
     return cluster_from_mapping(data, spec)
@@ -328,6 +330,9 @@ def mfu_curve_from_probe(path: str) -> ThroughputCurve:
                 raise SettingError("throughput", path, "trials timed longer than optimizer_step_s",
                                    why=f"trials[{i}].step_time_s is {step_s!r}, optimizer_step_s {opt_s!r}")
             mfu = mfu * step_s / (step_s - opt_s)
+        if mfu is not None and not tok:
+            raise SettingError("throughput", path, "a probe --json file",
+                               why=f"trials[{i}] has an MFU but tokens_per_step {tok!r} (the curve is in tokens)")
         if tok is not None and mfu is not None and tok > 0 and 0 < mfu <= 1:
             pts[float(tok)] = float(mfu)
     if not pts:

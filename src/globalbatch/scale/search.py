@@ -17,10 +17,11 @@ Pure arithmetic; no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -240,6 +241,29 @@ def schedule_string(stages: list[tuple[int, int]]) -> str:
     return " ".join(f"{format_count(t)}:{b}" for t, b in stages)
 
 
+def _nothing_fits(model: ModelSpec, cluster: Cluster, cfg: ScaleConfig, counts: Sequence[int]) -> SettingError:
+    """Why no GPU count has a row, naming what to change: the parameters (the static bytes fit no geometry), the
+    activations (the static bytes fit, micro-batch 1's activations do not) or the batch bounds."""
+    geometries = [(g // (tp * pp), tp, pp) for g in counts for tp in cfg.tp_options for pp in cfg.pp_options
+                  if tp <= cluster.gpus_per_node and g % (tp * pp) == 0 and (model.layers is None or pp <= model.layers)]
+    static = dataclasses.replace(model, activation_bytes_per_token=None)
+    if not any(largest_micro(static, cluster, dp=dp, tp=tp, pp=pp) for dp, tp, pp in geometries):
+        return SettingError("params", model.params, f"a model that fits in memory on some geometry of up to "
+                                                    f"{cfg.max_gpus:,} GPUs",
+                            why=f"static bytes exceed {cluster.memory_bytes:.3g} per GPU for every TP × PP × sharding tried")
+    act = model.activation_bytes_per_token
+    if act is not None and not any(largest_micro(model, cluster, dp=dp, tp=tp, pp=pp) for dp, tp, pp in geometries):
+        tp_max = max(tp for _, tp, _ in geometries)
+        return SettingError("activation_bytes_per_token", act,
+                            f"activations that let one sequence of {model.seq_len:,} tokens fit beside the static bytes "
+                            f"on some geometry of up to {cfg.max_gpus:,} GPUs",
+                            why=f"micro-batch 1 needs {act * model.seq_len / tp_max:.3g} "
+                                f"bytes at TP {tp_max} against {cluster.memory_bytes:.3g} per GPU")
+    return SettingError("min_global_batch", cfg.min_global_batch,
+                        f"a global batch between the smallest a geometry can take and {cfg.max_global_batch:,} "
+                        "sequences", why="no geometry that fits memory has a global batch in those bounds")
+
+
 def _best_by_batch(model: ModelSpec, cluster: Cluster, curve: ThroughputCurve, cfg: ScaleConfig, gpus: int,
                    peak: Optional[float]) -> tuple[dict[int, StepTime], int]:
     """Global batch (sequences) → the fastest geometry's step at ``gpus`` GPUs."""
@@ -318,9 +342,7 @@ def scale(conv: ConvergenceModel, model: ModelSpec, cluster: Cluster, curve: Thr
                            steps_interval=conv.steps_interval(float(bt[k]), loss), tokens=float(steps[k] * bt[k]),
                            time_s=t, gpu_hours=g * t / 3600.0, efficiency=conv.efficiency(float(bt[k]), loss)))
     if not rows:
-        raise SettingError("params", model.params, f"a model that fits in memory on some geometry of up to "
-                                                   f"{cfg.max_gpus:,} GPUs",
-                           why=f"static bytes exceed {cluster.memory_bytes:.3g} per GPU for every TP × PP × sharding tried")
+        raise _nothing_fits(model, cluster, cfg, counts)
     rows = _mark(rows, cfg)
     best = _pick(rows, cfg.objective)
     notes = []
