@@ -420,3 +420,24 @@ def test_no_recommendation_over_seeds_is_said_once_and_the_first_seed_stays_a_co
     assert "Recommended batch" not in page and answer.count("No recommendation") == 1
     assert "B_crit" in answer and "<li>" not in page.split('<section id="answer">')[1].split("</section>")[0]
     assert any(s.startswith("Comparison, not the answer") for s in sec.summaries)
+
+
+def test_report_target_no_batch_reaches_is_one_line_exit_2_nothing_written(tmp_path, capsys):
+    """``--targets`` below every trial's lowest held-out loss: exit 2, one line naming the flag, the value and
+    the lowest loss reached, no page and no report directory (checked before anything is written)."""
+    from globalbatch.cli import main
+    from globalbatch.critical.errors import NoAnswerError
+
+    write_synthetic_sweep(tmp_path / "sw", seeds=[0, 1], with_noise_scale=False)
+    with pytest.raises(SystemExit) as exc:
+        main(["report", str(tmp_path / "sw"), "--targets", "2.5,1.5"])
+    err = capsys.readouterr()
+    assert exc.value.code == 2 and err.out == ""
+    line = err.err.strip()
+    assert "\n" not in line and line.startswith("error: --targets 1.5 is not allowed (no batch reaches 1.5;")
+    low = float(re.search(r"lowest held-out loss any trial reached is ([0-9.]+)", line).group(1))
+    assert 2.0 < low < 2.5 and f"allowed: targets ≥ {low:.4f}" in line
+    assert not (tmp_path / "sw" / "report").exists()
+    with pytest.raises(NoAnswerError, match="no batch reaches 1.5"):  # the library's answer (README)
+        write_report(tmp_path / "sw", settings=AnalysisSettings(targets=(1.5,), first_seed_targets=(1.5,)))
+    assert not (tmp_path / "sw" / "report").exists()

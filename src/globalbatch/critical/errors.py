@@ -11,8 +11,15 @@ command line reports it as one line (exit 2) like any other.
 
 from __future__ import annotations
 
-__all__ = ["NoAnswerError"]
+from globalbatch.errors import SettingError
+
+__all__ = ["NoAnswerError", "TargetNotReachedError"]
 
 
 class NoAnswerError(ValueError):
     """The data cannot answer what was asked (the message says what is missing and what would help)."""
+
+
+class TargetNotReachedError(NoAnswerError, SettingError):
+    """A loss target given by the caller that no trial reaches: both what the data cannot answer and a
+    setting the caller can fix (``field`` names it; ``allowed`` gives the lowest loss the sweep reached)."""

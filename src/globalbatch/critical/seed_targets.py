@@ -37,14 +37,14 @@ from typing import Optional, Sequence, cast
 import numpy as np
 
 from globalbatch.critical.curves import Curve, ema_smooth, steps_to_target
-from globalbatch.critical.errors import NoAnswerError
+from globalbatch.critical.errors import NoAnswerError, TargetNotReachedError
 from globalbatch.critical.fit import HyperbolaFit, fit_hyperbola
 from globalbatch.critical.pooled import POOL_ALPHA, PooledFit, pooled_for_target
 from globalbatch.critical.readout import heldout_fit
 from globalbatch.critical.recommend import TargetResult, points_for_target
 from globalbatch.errors import SettingError
 
-__all__ = ["MONOTONE_SLACK", "N_BOOT", "SeedTarget", "common_targets", "is_monotone", "common_lr", "target_over_seeds",
+__all__ = ["MONOTONE_SLACK", "N_BOOT", "SeedTarget", "common_targets", "check_targets_reached", "is_monotone", "common_lr", "target_over_seeds",
            "pooling_summary"]
 
 
@@ -127,6 +127,28 @@ def common_targets(curves: Sequence[Curve], n_targets: int = 5, *, margin: float
                             f"raise the budget or lower the warmup")
     span = ceiling - floor
     return [float(x) for x in np.linspace(floor + top * span, floor + margin * span, n_targets)]
+
+
+def check_targets_reached(curves: Sequence[Curve], targets: Sequence[float], *, readout: str = "heldout",
+                          min_window_examples: Optional[float] = None) -> None:
+    """Raise :class:`TargetNotReachedError` (field ``targets``) when a given target lies below the lowest loss
+    any trial's read-out reaches (the monotone fit of its held-out curve, or its smoothed training loss): no
+    batch reaches it, so nothing at that target can be answered."""
+    if readout == "train":
+        curves = [_smoothed_as_eval(c, min_window_examples) for c in curves if c.loss.size]
+    lows = [_fit_at(c, float(np.max(cast(np.ndarray, c.eval_examples)))) for c in curves
+            if c.eval_loss is not None and c.eval_loss.size]
+    if not lows or not targets:
+        return
+    low = min(lows)
+    below = [t for t in targets if t < low]
+    if below:
+        shown = math.ceil(low * 1e4) / 1e4  # rounded up: a target of exactly this value is reached
+        name = "held-out" if readout == "heldout" else "smoothed training"
+        raise TargetNotReachedError(
+            "targets", below[0], f"targets ≥ {shown:.4f}",
+            why=f"no batch reaches {', '.join(f'{t:g}' for t in below)}; the lowest {name} loss any trial "
+                f"reached is {shown:.4f}")
 
 
 # ---------------------------------------------------------------------------

@@ -28,8 +28,8 @@ from globalbatch.critical.errors import NoAnswerError
 from globalbatch.critical.joint import JointFit, fit_joint
 from globalbatch.critical.lr_choice import LrFall, choose_lr_per_target, lr_edges, lr_falls, one_lr_per_batch
 from globalbatch.critical.recommend import AnalysisResult, BatchChoice, recommend
-from globalbatch.critical.seed_targets import (MONOTONE_SLACK, N_BOOT, SeedTarget, bootstrap_rng, common_lr,
-                                               common_targets, is_monotone, pooling_summary, target_over_seeds)
+from globalbatch.critical.seed_targets import (MONOTONE_SLACK, N_BOOT, SeedTarget, bootstrap_rng, check_targets_reached,
+                                               common_lr, common_targets, is_monotone, pooling_summary, target_over_seeds)
 from globalbatch.critical.settings import LR_SELECTIONS, AnalysisSettings, settings_from
 from globalbatch.errors import SettingError
 
@@ -196,6 +196,8 @@ def analyze_seeds(curves: Sequence[Curve], *, settings: Optional[AnalysisSetting
     curves = list(curves)
     if not curves:
         raise SettingError("curves", curves, "at least one Curve")
+    if cfg.targets is not None:
+        check_targets_reached(curves, cfg.targets, readout=readout, min_window_examples=min_window_examples)
     given = cfg.targets if cfg.targets is not None else common_targets(curves, n_targets, readout=readout,
                                                                       min_window_examples=min_window_examples)
     seeds = sorted({c.seed for c in curves})

@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence
 from globalbatch.critical import Analysis
 from globalbatch._util import atomic_write_json, atomic_write_text
 from globalbatch.errors import SettingError
+from globalbatch.critical.errors import TargetNotReachedError
 from globalbatch.critical.settings import FIRST_SEED_NAMES, AnalysisSettings, settings_from
 from globalbatch.critical.seeds import SeedAnalysis, lr_selection_text, seed_analysis_json
 from globalbatch.lab.report_plots import (_chosen_lr, batch_label, plot_b_crit_vs_loss, plot_batch_tradeoff,
@@ -489,11 +490,15 @@ def seed_analysis_or_note(run_dir: str | os.PathLike, *, settings: Optional[Anal
     s = settings_from(settings, old, caller="seed_analysis_or_note")
     try:
         return analyze_sweep_seeds(run_dir, settings=s)[1], None
+    except TargetNotReachedError:
+        raise  # a target no batch reaches: no page to write
     except SettingError as exc:
         if exc.field == "readout" and s.readout == "heldout":  # too few held-out evaluations
             try:
                 _, sa = analyze_sweep_seeds(run_dir, settings=replace(s, readout="train"))
                 return sa, "this sweep has too few held-out evaluations: the analysis over seeds reads the training loss"
+            except TargetNotReachedError:
+                raise
             except SettingError as exc2:
                 return None, f"no analysis over seeds: {exc2}"
         return None, f"no analysis over seeds: {exc}"

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from globalbatch._util import SettingError, read_json_checked
-from globalbatch.critical.errors import NoAnswerError
+from globalbatch.critical.errors import NoAnswerError, TargetNotReachedError
 from globalbatch.critical.settings import FIRST_SEED_NAMES, AnalysisSettings, settings_from
 from globalbatch.lab.records import TIMING as TIMING_FIELDS, TrialSummary, damaged, read_record, read_records, read_summary
 from globalbatch.lab.sweep.config import SweepConfig, TrialSpec
@@ -240,6 +240,8 @@ def analyze_sweep_seeds(out_dir: str | os.PathLike, *, settings: Optional[Analys
     try:
         analysis = analyze_seeds(curves, settings=s, min_window_examples=s.min_window_fraction * data.config.budget,
                                  unit=data.unit, label=data.label, warnings=data.throughput_warnings())
+    except TargetNotReachedError:
+        raise  # names the targets, not the directory
     except NoAnswerError as exc:
         raise SettingError("run_dir", data.out_dir, "a sweep whose batches share a loss range",
                            why=str(exc)) from None
