@@ -165,6 +165,19 @@ def test_iqm_standard_error_matches_the_spread_of_the_iqm():
     assert se == pytest.approx(sd, rel=0.15)
 
 
+def test_cost_text_says_shorter_and_what_the_headline_covers():
+    from globalbatch.noise.budget import MonitorCost
+
+    c = MonitorCost(budget=0.02, every=10, windows=60, windows_measured=9, windows_unmeasured=51, monitor_s=0.05,
+                    step_s=1.16, fraction=0.0431, fraction_now=0.0196, measured_window_s=9.3e-3,
+                    unmeasured_window_s=1e-5, wall_extra_s=-1.209e-3, timed_window_s=9.327e-3)
+    t = c.text()
+    assert "-1,209" not in t and "1,209 µs shorter (inside the steps' jitter) than one left out" in t
+    assert t.startswith("noise monitor cost 4.31% of the bare step over all 60 windows, the first ones measured before")
+    assert "now 1.96% at every 10, budget 2.00%" in t and "9 of 60 windows measured, 51 left out" in t
+    assert "\n" not in t
+
+
 def test_controller_prices_a_spread_cost_at_its_mean():
     """Readings that alternate 100 and 700 µs cost 400 µs a window on average (4 % of 10 ms): every 3, not the
     every a median of either half would give."""

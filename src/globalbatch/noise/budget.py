@@ -93,18 +93,27 @@ class MonitorCost:
     the span of a window left out measured."""
 
     def text(self) -> str:
+        """One line: the cost over every window so far, what the budget holds now, the windows measured, and what
+        the spans saw (a measured window's span beside one left out's)."""
         frac = "–" if math.isnan(self.fraction) else f"{self.fraction:.2%}"
-        budget = "no budget" if self.budget is None else f"budget {self.budget:.2%}"
-        if self.budget is not None and not math.isnan(self.fraction_now):
-            budget = f"{self.fraction_now:.2%} now at every {self.every}, {budget}"
+        if self.budget is None:
+            return (f"noise monitor cost {frac} of the bare step over its windows (no budget); every {self.every}; "
+                    f"{self.windows_measured:,} of {self.windows:,} windows measured, {self.windows_unmeasured:,} left out")
+        parts = []
         if not math.isnan(self.fraction_all):
-            frac, budget = f"{self.fraction_all:.2%}", f"{frac} in its timed regions; {budget}"
-        walls = "" if math.isnan(self.wall_extra_s) else (
-            f"; a measured window {self.wall_extra_s * 1e6:,.0f} µs longer than one left out, "
-            f"{self.timed_window_s * 1e6:,.0f} µs timed")
-        return (f"noise monitor cost {frac} of the bare step over its windows ({budget}); every {self.every}; "
-                f"{self.windows_measured:,} of {self.windows:,} windows measured, {self.windows_unmeasured:,} left out"
-                + walls)
+            parts.append(f"noise monitor cost {self.fraction_all:.2%} of the bare step over all {self.windows:,} windows "
+                         f"({frac} in its timed regions), the first ones measured before the cost was known")
+        else:
+            parts.append(f"noise monitor cost {frac} of the bare step over all {self.windows:,} windows, the first "
+                         "ones measured before the cost was known")
+        now = "" if math.isnan(self.fraction_now) else f"{self.fraction_now:.2%} "
+        parts.append(f"now {now}at every {self.every}, budget {self.budget:.2%}")
+        parts.append(f"{self.windows_measured:,} of {self.windows:,} windows measured, {self.windows_unmeasured:,} left out")
+        if not math.isnan(self.wall_extra_s):
+            longer = "longer" if self.wall_extra_s >= 0 else "shorter (inside the steps' jitter)"
+            parts.append(f"spans: a measured window {abs(self.wall_extra_s) * 1e6:,.0f} µs {longer} than one left out, "
+                         f"{self.timed_window_s * 1e6:,.0f} µs in timed regions")
+        return "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
