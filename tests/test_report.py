@@ -441,3 +441,31 @@ def test_report_target_no_batch_reaches_is_one_line_exit_2_nothing_written(tmp_p
     with pytest.raises(NoAnswerError, match="no batch reaches 1.5"):  # the library's answer (README)
         write_report(tmp_path / "sw", settings=AnalysisSettings(targets=(1.5,), first_seed_targets=(1.5,)))
     assert not (tmp_path / "sw" / "report").exists()
+
+
+def test_a_flagged_joint_fit_is_a_labelled_comparison_not_a_second_answer(seeds_report):
+    """The synthetic B_crit is the same at every target; the training-loss read-out's joint fit has B_crit falling
+    as the loss falls (k > 2 SE): flagged, so the page, the terminal table and the JSON lead with the medians per
+    target and show the fit only as a labelled comparison."""
+    from rich.console import Console
+
+    from globalbatch.critical.seeds import seed_analysis_json
+    from globalbatch.lab.report import joint_text, seed_tables
+
+    sa = seeds_report.seed_analysis
+    assert [f.split(":")[0] for f in sa.joint_flags] == ["B_crit falls as the loss falls"]
+    assert any(w.startswith("joint fit B_crit(L): B_crit falls as the loss falls") for w in sa.warnings)
+    p = _Sections()
+    p.feed(Path(seeds_report.html).read_text())
+    answer = "".join(p.answer)
+    assert "No trend across targets: the joint fit of B_crit(L) is flagged (B_crit falls as the loss falls)" in answer
+    assert "∝ L^" not in answer and f"B_crit {sa.primary.b_crit:,.0f}" in answer
+    assert any("comparison, not the answer (flagged: B_crit falls as the loss falls)" in d for d in p.details)
+    assert joint_text(sa).startswith("comparison, not the answer (flagged: ")
+    console = Console(width=200, record=True)
+    console.print(seed_tables(seeds_report.data, sa))
+    table = console.export_text()
+    assert "joint fit" not in table and "B_crit (median over seeds)" in table
+    doc = seed_analysis_json(sa, int)
+    assert list(doc)[0] == "b_crit_answer" and doc["b_crit_answer"]["b_crit"] == pytest.approx(sa.primary.b_crit)
+    assert doc["joint_role"] == "comparison (flagged)" and doc["joint_flags"] == sa.joint_flags

@@ -27,13 +27,11 @@ def _print_seed_analysis(data, sa) -> None:
     from ..lab.report import seed_tables
 
     Console(width=max(Console().width, 160)).print(seed_tables(data, sa))
-    if sa.joint is not None:
-        j = sa.joint
-        typer.echo(f"joint fit over targets and seeds: B_crit(L) = {j.b_ref:,.0f}·(L/{j.loss_ref:.3f})^{j.k:.2f} "
-                   f"(SE of the exponent {j.se_k:.2f}; Kaplan α_B = {j.alpha_b:.2f}); "
-                   f"{sa.monotone_share():.0%} of seed × target cells monotone")
     from ..critical.seeds import lr_selection_text
-    from ..lab.report import _design_text
+    from ..lab.report import _design_text, joint_text
+
+    if sa.joint is not None:
+        typer.echo(f"{joint_text(sa)}; {sa.monotone_share():.0%} of seed × target cells monotone")
 
     typer.echo(lr_selection_text(sa))
     if _design_text(data):

@@ -6,6 +6,12 @@ dependence as B_crit(L) = B*/L^(1/α_B). :func:`fit_joint` fits, over every targ
 log S = a_t + log(1 + B_crit(L_t)/B) with B_crit(L) = B_ref·(L/L_ref)^k (``scipy.optimize.least_squares``),
 with the SE from the residual-scaled covariance and a bootstrap over seeds (the seed-to-seed spread,
 which the covariance alone does not see). α_B = −1/k in Kaplan's notation. Pure numpy/scipy; no torch.
+
+:func:`joint_flags` says when the fit is not the answer: a **lack of fit** when its 95 % band excludes the
+per-target medians over seeds at more targets than a 5 % miss rate explains (a one-sided binomial test,
+P(≥ misses of n) < 5 %: 2 or more of 5 targets), and a **sign** flag when the exponent says B_crit falls as the
+loss falls (k ≥ 2 SE above 0) or leaves the sign undetermined (|k| < 2 SE). A flagged fit is a comparison, never
+the answer: the per-target medians are.
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ import numpy as np
 from globalbatch.critical.errors import NoAnswerError
 from globalbatch.critical.seed_targets import N_BOOT, bootstrap_rng
 
-__all__ = ["JointFit", "fit_joint"]
+__all__ = ["JointFit", "fit_joint", "joint_flags", "outside_band", "LACK_OF_FIT_P"]
+
+LACK_OF_FIT_P = 0.05
+"""A lack of fit is flagged when P(≥ the observed misses | each target missed with probability 5 %) is below this."""
 
 
 @dataclass(kw_only=True)
@@ -140,3 +149,31 @@ def fit_joint(points: Sequence[tuple[float, int, float, float]], *, n_boot: int 
                 fit.boot_log_b_ref.append(pair[0])
                 fit.boot_k.append(pair[1])
     return fit
+
+
+def outside_band(value: Optional[float], band: Optional[tuple[float, float]]) -> bool:
+    """A per-target median outside the joint fit's band (False when either is missing)."""
+    return value is not None and band is not None and not band[0] <= value <= band[1]
+
+
+def joint_flags(fit: JointFit, medians: Sequence[tuple[float, Optional[float]]], level: float = 0.95) -> list[str]:
+    """Why ``fit`` is not the answer (empty: it may stand as the trend). ``medians``: (target, median B_crit over
+    seeds or None) per target. The rules: the module's docstring."""
+    from scipy import stats
+
+    flags = []
+    misses = [t for t, m in medians if outside_band(m, fit.interval(t, level))]
+    n = sum(m is not None for _, m in medians)
+    if misses and n:
+        p = float(stats.binom.sf(len(misses) - 1, n, 1 - level))
+        if p < LACK_OF_FIT_P:
+            flags.append(f"lack of fit: the joint fit's {level:.0%} band excludes the median over seeds at "
+                         f"{len(misses)} of {n} targets ({', '.join(f'{t:.4f}' for t in sorted(misses, reverse=True))}); "
+                         f"a {1 - level:.0%} miss rate explains that with P = {p:.1%} (< {LACK_OF_FIT_P:.0%})")
+    if not abs(fit.k) >= 2 * fit.se_k:
+        flags.append(f"sign undetermined: exponent k = {fit.k:.2f} with SE {fit.se_k:.2f} (|k| < 2 SE): the fit cannot "
+                     "say whether B_crit rises or falls as the loss falls")
+    elif fit.k > 0:
+        flags.append(f"B_crit falls as the loss falls: exponent k = {fit.k:.2f} with SE {fit.se_k:.2f} (k > 2 SE), "
+                     "against the rise McCandlish et al. and Kaplan et al. measured")
+    return flags

@@ -25,7 +25,7 @@ import numpy as np
 
 from globalbatch.critical.curves import Curve
 from globalbatch.critical.errors import NoAnswerError
-from globalbatch.critical.joint import JointFit, fit_joint
+from globalbatch.critical.joint import JointFit, fit_joint, joint_flags
 from globalbatch.critical.lr_choice import LrFall, choose_lr_per_target, lr_edges, lr_falls, one_lr_per_batch
 from globalbatch.critical.recommend import AnalysisResult, BatchChoice, recommend
 from globalbatch.critical.seed_targets import (MONOTONE_SLACK, N_BOOT, SeedTarget, bootstrap_rng, check_targets_reached,
@@ -119,6 +119,9 @@ class SeedAnalysis(AnalysisResult[SeedTarget, SeedRecommendation]):
     joint: Optional[JointFit] = None
     """The fit of B_crit(L) across targets and seeds; None when it could not be made (:attr:`joint_error`)."""
     joint_error: Optional[str] = None
+    joint_flags: list[str] = field(default_factory=list)
+    """Why the joint fit is only a flagged comparison (:func:`~globalbatch.critical.joint.joint_flags`); empty: it
+    stands as the trend across targets. The answer per target is always the median over seeds."""
     lr_edges: dict[float, str] = field(default_factory=dict)
     """Batch → "low"/"high" when its LR (the one for every seed, chosen at the primary target) is the edge of the LRs it ran."""
     lr_selection: str = "auto"
@@ -226,6 +229,8 @@ def analyze_seeds(curves: Sequence[Curve], *, settings: Optional[AnalysisSetting
         for st in results:
             st.joint_b_crit = out.joint.b_crit(st.target)
             st.joint_interval = out.joint.interval(st.target)
+        out.joint_flags = joint_flags(out.joint, [(st.target, st.b_crit) for st in results])
+        out.warnings += [f"joint fit B_crit(L): {f}; the answer is the median over seeds per target" for f in out.joint_flags]
     except NoAnswerError as exc:
         out.joint_error = str(exc)
     primary = out.primary
@@ -287,7 +292,10 @@ def seed_analysis_json(a: SeedAnalysis, batch_key: Callable[[float], int]) -> di
             "b_simple": a.b_simple.get(st.target),
         })
     rec = a.recommendation
+    pst = a.primary
     doc = {
+        "b_crit_answer": {"source": "median over seeds, per target (targets[].b_crit)", "target_loss": pst.target,
+                          "b_crit": num(pst.b_crit), "b_crit_interval": list(iv) if (iv := pst.interval()) else None},
         "unit": a.unit, "readout": a.readout, "seeds": a.seeds, "targets": targets,
         "monotone_share": num(a.monotone_share()),
         "joint": None if a.joint is None else {
@@ -296,6 +304,8 @@ def seed_analysis_json(a: SeedAnalysis, batch_key: Callable[[float], int]) -> di
             "dof": a.joint.dof, "residual_std_log": a.joint.residual_std_log,
             "model": "ln S = a_t + ln(1 + B_crit(L_t)/B), B_crit(L) = b_crit_at_ref·(L/loss_ref)^k"},
         "joint_error": a.joint_error,
+        "joint_flags": a.joint_flags,
+        "joint_role": None if a.joint is None else ("comparison (flagged)" if a.joint_flags else "trend"),
         "lr_edges": {k(b): v for b, v in a.lr_edges.items()},
         "lr_selection": a.lr_selection,
         "lr_selection_text": lr_selection_text(a),

@@ -34,6 +34,7 @@ from globalbatch.critical import Analysis
 from globalbatch._util import atomic_write_json, atomic_write_text
 from globalbatch.errors import SettingError
 from globalbatch.critical.errors import TargetNotReachedError
+from globalbatch.critical.joint import outside_band
 from globalbatch.critical.settings import FIRST_SEED_NAMES, AnalysisSettings, settings_from
 from globalbatch.critical.seeds import SeedAnalysis, lr_selection_text, seed_analysis_json
 from globalbatch.lab.report_plots import (_chosen_lr, batch_label, plot_b_crit_vs_loss, plot_batch_tradeoff,
@@ -182,8 +183,31 @@ def _seed_rows(data: SweepData, sa: SeedAnalysis) -> list[list[str]]:
                      f"{_fmt(iv[0])}–{_fmt(iv[1])}" if iv else "–", per,
                      _fmt(st.joint_b_crit) + (f" ({_fmt(st.joint_interval[0])}–{_fmt(st.joint_interval[1])})"
                                               if st.joint_interval else ""),
-                     f"{mono}/{len(st.monotone)}", "in warmup: " + ", ".join(st.reached_in_warmup) if st.reached_in_warmup else ""])
+                     f"{mono}/{len(st.monotone)}", _target_flags(st)])
     return rows
+
+
+def _target_flags(st) -> str:
+    """The flags column of one target: reached in warmup, the median outside the joint fit's band."""
+    flags = ["in warmup: " + ", ".join(st.reached_in_warmup)] if st.reached_in_warmup else []
+    if outside_band(st.b_crit, st.joint_interval):
+        flags.append("median outside the joint band")
+    return "; ".join(flags)
+
+
+def joint_text(sa: SeedAnalysis) -> str:
+    """The joint fit in one line; when flagged, labelled as a comparison with its flags (never the answer)."""
+    j = sa.joint
+    if j is None:
+        return ""
+    fit = (f"joint fit over targets and seeds: B_crit(L) = {j.b_ref:,.0f}·(L/{j.loss_ref:.3f})^{j.k:.2f} "
+           f"(SE of the exponent {j.se_k:.2f}; Kaplan α_B = {j.alpha_b:.2f})")
+    if not sa.joint_flags:
+        return fit
+    names = "; ".join(f.split(":")[0] for f in sa.joint_flags)
+    per = ", ".join(f"{_fmt(st.joint_b_crit)} at {st.target:.4f}" for st in sa.targets)
+    return (f"comparison, not the answer (flagged: {names}) — {fit}: {per}; the answer is the median over seeds "
+            "per target")
 
 
 SEED_HEADER = ["target loss", "B_crit (median over seeds)", "spread (seed range ∪ bootstrap 95%)", "per seed",
@@ -217,9 +241,12 @@ def seed_tables(data: SweepData, sa: SeedAnalysis):
 
     title = (f"to held-out loss {sa.primary.target:.4f} (primary target; seeds {', '.join(map(str, sa.seeds))})"
              if sa.readout == "heldout" else f"to training loss {sa.primary.target:.4f} (primary target)")
+    header, rows = SEED_HEADER, _seed_rows(data, sa)
+    if sa.joint_flags:  # one answer per target: a flagged joint fit leaves the table (joint_text: a comparison)
+        header, rows = header[:4] + header[5:], [r[:4] + r[5:] for r in rows]
     return Group(_table(title, STEPS_HEADER, _steps_rows(data, sa)),
-                 _table(f"critical batch per target over seeds ({data.unit}s per step; McCandlish B_crit)", SEED_HEADER,
-                        _seed_rows(data, sa)))
+                 _table(f"critical batch per target over seeds ({data.unit}s per step; McCandlish B_crit)", header,
+                        rows))
 
 
 def seed_json(data: SweepData, sa: SeedAnalysis) -> dict:
@@ -296,7 +323,12 @@ def _lead_seeds_html(data: SweepData, analysis: Analysis, sa: SeedAnalysis) -> s
           f"{len(st.monotone)}).</li>" if st.b_crit is not None else
           f"<li>No B_crit at loss {st.target:.4f}: no seed gives a usable fit (see the per-seed numbers below).</li>")
     trend = ""
-    if sa.joint is not None:
+    if sa.joint is not None and sa.joint_flags:
+        trend = ("<li>No trend across targets: the joint fit of B_crit(L) is flagged ("
+                 + html.escape("; ".join(f.split(":")[0] for f in sa.joint_flags))
+                 + "): the medians per target below are the answer; the fit is a comparison among the numbers "
+                 "behind the answer.</li>")
+    elif sa.joint is not None:
         trend = (f"<li>Across targets B_crit(L) ∝ L^{sa.joint.k:.2f} (one joint fit over targets and seeds): "
                  + ("it rises as the loss falls" if sa.joint.k < 0 else "it does not rise as the loss falls")
                  + ".</li>")
@@ -370,6 +402,7 @@ def _seed_details_html(data: SweepData, analysis: Analysis, sa: SeedAnalysis) ->
             + f"<p>{html.escape(lr_selection_text(sa))}</p>"
             + (f"<pre>{html.escape(sa.recommendation.text())}</pre>" if sa.recommendation is not None else "")
             + _table_html(STEPS_HEADER, _steps_rows(data, sa)) + _table_html(SEED_HEADER, _seed_rows(data, sa))
+            + (f"<p class='warn'>{html.escape(joint_text(sa))}</p>" if sa.joint_flags else "")
             + "".join(f"<p>B_simple at loss {t:.4f} (chosen-LR trials; depends on the LR): local "
                       f"{_fmt(v.get('local'))}, path-averaged {_fmt(v.get('path_averaged'))} {u}s</p>"
                       for t, v in sa.b_simple.items()))
