@@ -168,6 +168,34 @@ def test_narrow_design_runs_the_base_grid_then_the_rules_lr_elsewhere():
     assert "design" not in SweepConfig(task="tinygpt", batches=[2], lrs=[1e-3], budget=10).manifest()["grid"]
 
 
+def test_narrow_transfer_follows_the_analysis_choice_and_is_re_derived_when_it_changes():
+    """``choice`` (the analysis' LR for the base batch and its edge) overrides the final loss; when it changes after
+    the other batches ran, they run the new LR moved by the rule; a transfer some seeds lack is completed first;
+    an edge the analysis flags widens the base grid before any transfer."""
+    from globalbatch.lab.sweep.config import SweepConfig
+    from globalbatch.lab.sweep.lr_edges import transfer_cells
+
+    cfg = SweepConfig(task="tinygpt", batches=[2, 4, 8, 16, 32], lrs=[1e-3, 2e-3, 4e-3], budget=1000,
+                      seeds=[5, 6], design="narrow2", lr_edge_extend=1)
+    assert cfg.seed_list() == [5, 6]
+    summ = [{"batch": 8, "lr": lr, "seed": s, "final_val_loss": loss} for lr, loss in ((2e-3, 3.0), (4e-3, 2.9),
+                                                                                      (8e-3, 2.95)) for s in (5, 6)]
+    assert {t.lr for t in transfer_cells(cfg, summ) if t.batch == 32} == {8e-3}  # no analysis yet: final loss
+    first = transfer_cells(cfg, summ, (2e-3, None))  # the analysis reads batch 8 at 2e-3
+    assert {(t.batch, t.lr) for t in first} == {(2, 1e-3), (4, 1.414e-3), (16, 2.828e-3), (32, 4e-3)}
+    assert sorted({t.seed for t in first}) == [5, 6]
+    ran = summ + [{"batch": t.batch, "lr": t.lr, "seed": t.seed, "final_val_loss": 3.0} for t in first]
+    assert {(t.batch, t.lr) for t in transfer_cells(cfg, ran, (2e-3, None))} == {(t.batch, t.lr) for t in first}
+    # The other batches moved the primary target: the analysis now reads batch 8 at 4e-3; the transfer follows.
+    again = transfer_cells(cfg, ran, (4e-3, None))
+    assert {(t.batch, t.lr) for t in again} == {(2, 2e-3), (4, 2.828e-3), (16, 5.657e-3), (32, 8e-3)}
+    # Interrupted: batch 32's transfer finished for seed 5 only; seed 6 runs first, nothing else.
+    cut = [r for r in ran if not (r["batch"] == 32 and r["seed"] == 6)]
+    assert [(t.batch, t.lr, t.seed) for t in transfer_cells(cfg, cut, (4e-3, None))] == [(32, 4e-3, 6)]
+    # The analysis' choice at the base grid's top edge: the grid widens first (edge_cells), no transfer yet.
+    assert transfer_cells(cfg, summ, (8e-3, "high")) == []
+
+
 def test_one_settings_dataclass_for_every_analysis_and_the_old_keywords_still_work():
     from dataclasses import FrozenInstanceError
 

@@ -429,3 +429,59 @@ def test_timing_pass_is_sequential_recorded_and_used_by_the_analysis(reference_s
     mtime = (out / "timing" / "b4.json").stat().st_mtime_ns
     again = run_sweep(tiny_config(), out, workers=1, threads=1, progress=False)
     assert (out / "timing" / "b4.json").stat().st_mtime_ns == mtime and again.timing[4] == res.timing[4]
+
+
+def _crossing_trial(cfg, spec, out, threads=1, pause_at=None):
+    """A stand-in for run_trial (the runner's loop is under test, not training): loss = L∞ + 3/(1 + s/τ) with,
+    at an LR ``rel`` × the rule's (√batch), τ = 10·(1 + 1600/B)/rel steps and L∞ = 2 + 0.12·rel — a higher LR
+    learns faster and plateaus higher, so the lowest final loss and the fewest steps to a looser target pick
+    different LRs. 20 tokens per sample; held-out losses at log-spaced steps."""
+    import numpy as np
+
+    b, lr, seed = int(spec["batch"]), float(spec["lr"]), int(spec.get("seed", 0))
+    b_tok, rel = b * 20, lr / (1e-3 * math.sqrt(b / 8))
+    n = cfg["budget"] // b_tok
+    tau, floor = 10.0 * (1 + 1600.0 / b_tok) / rel, 2.0 + 0.12 * rel
+    loss = floor + 3.0 / (1.0 + np.arange(1, n + 1) / tau)
+    evals = set(np.unique(np.geomspace(1, n, 12).astype(int)).tolist())
+    name = f"b{b}_lr{lr:g}_s{seed}"
+    recs = [{"kind": "header", "trial": name, "batch": b, "lr": lr, "unit": "token"},
+            {"kind": "eval", "step": 0, "consumed": 0, "val_loss": 5.0}]
+    for i in range(n):
+        r = {"kind": "step", "step": i + 1, "consumed": (i + 1) * b_tok, "batch": b, "batch_units": b_tok,
+             "loss": float(loss[i]), "grad_norm": 1.0, "lr": lr, "skipped": False, "skipped_total": 0,
+             "units_per_s": 1e4, "train_time_s": (i + 1) * b_tok / 1e4}
+        if i + 1 in evals:
+            r["val_loss"] = float(loss[i])
+        recs.append(r)
+    d = Path(out) / "trials" / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    atomic_write_json(d / "summary.json", {
+        "completed": True, "trial": name, "batch": b, "lr": lr, "seed": seed, "unit": "token", "steps": n,
+        "consumed": n * b_tok, "mean_batch_units": float(b_tok), "units_per_s": 1e4, "core_s_per_unit": 1e-4,
+        "skipped_windows": 0, "final_val_loss": float(loss[-1]), "train_time_s": n * b_tok / 1e4, "micro_batch": b})
+
+
+def test_narrow_design_transfers_the_lr_the_analysis_chooses_and_follows_it(tmp_path, monkeypatch):
+    """Base batch 16 at rel 1 and 3 (× the rule's LR): lowest final loss at rel 1, but once batches 8 and 32 ran the
+    primary target loosens and the analysis reads batch 16 at rel 3 (fewer steps). The transfer follows the
+    analysis' choice (critical.lr_choice.chosen_lr_per_batch): every other batch runs rel 3 moved by the rule —
+    not only rel 1, the lowest final loss, which the analysis then does not choose."""
+    import globalbatch.lab.sweep.runner as runner
+    from globalbatch.critical.lr_choice import chosen_lr_per_batch
+    from globalbatch.lab.sweep import analyze_sweep_seeds
+
+    monkeypatch.setattr(runner, "run_trial", _crossing_trial)
+    cfg = SweepConfig(task="tinygpt", task_overrides=TINY, batches=[8, 16, 32], lrs=[1e-3, 3e-3], budget=200_000,
+                      seeds=[0], design="narrow1", lr_edge_extend=1, warmup=0)
+    res = run_sweep(cfg, tmp_path / "s", workers=1, threads=1, progress=False, timing_steps=0)
+    data, sa = analyze_sweep_seeds(tmp_path / "s")
+    units = data.batch_units()
+    chosen = chosen_lr_per_batch(sa.primary)[units[16]]
+    assert chosen == pytest.approx(3e-3 * math.sqrt(2), rel=1e-3)  # rel 3 at batch 16
+    ran = {(int(n.split("_")[0][1:]), float(n.split("_lr")[1].split("_")[0])) for n in res.ran}
+    for b in (8, 32):
+        assert (b, cfg.transfer_lr(chosen, 16, b)) in ran, sorted(ran)
+        assert chosen_lr_per_batch(sa.primary)[units[b]] == pytest.approx(cfg.transfer_lr(chosen, 16, b))
+    assert not sa.lr_falls

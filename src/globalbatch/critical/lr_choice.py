@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 from globalbatch.critical.curves import Curve
 from globalbatch.critical.seed_targets import SeedTarget, common_lr, common_targets, target_over_seeds
 
-__all__ = ["LrFall", "lr_falls", "one_lr_per_batch", "choose_lr_per_target", "lr_edges"]
+__all__ = ["LrFall", "lr_falls", "one_lr_per_batch", "choose_lr_per_target", "lr_edges", "chosen_lr_per_batch"]
 
 
 def one_lr_per_batch(curves: Sequence[Curve], targets: Sequence[float], *, fixed: bool, n_targets: int,
@@ -86,11 +86,9 @@ def lr_edges(primary: SeedTarget, curves: Sequence[Curve],
     or largest it ran, and a warning for each (the optimum may lie beyond)."""
     edges: dict[float, str] = {}
     warnings: list[str] = []
-    for b in primary.best_lr:
+    for b, lr in chosen_lr_per_batch(primary).items():
         ran = sorted({c.lr for c in curves if c.batch_size == b})
-        best = [lr for lr in primary.best_lr[b].values() if lr is not None]
-        if len(ran) >= 2 and best:
-            lr = Counter(best).most_common(1)[0][0]
+        if len(ran) >= 2:
             if lr == ran[0] or lr == ran[-1]:
                 edges[b] = "low" if lr == ran[0] else "high"
                 warnings.append(f"{name(b)}: best LR {lr:g} is the {'smallest' if lr == ran[0] else 'largest'} "
@@ -124,7 +122,10 @@ class LrFall:
                 f"the LR with the batch (√k Adam-type, ×k SGD), so one of the two is off its optimum")
 
 
-def _lr_per_batch(st: SeedTarget) -> dict[float, float]:
+def chosen_lr_per_batch(st: SeedTarget) -> dict[float, float]:
+    """Batch → the LR the analysis reads it at (at the primary target: the one LR for every seed, the least median
+    steps over seeds; the most common over seeds where it was re-chosen per seed). The one rule for "the best LR":
+    the LR-edge flags, the falling-LR flags and a narrow sweep's transfer (``lab/sweep/lr_edges``) all use it."""
     out = {}
     for b, by_seed in st.best_lr.items():
         lrs = [lr for lr in by_seed.values() if lr is not None]
@@ -137,7 +138,7 @@ def lr_falls(results: Sequence[SeedTarget]) -> list[LrFall]:
     """Neighbouring batches whose LR (as chosen at each target) falls as the batch grows, merged over targets."""
     found: dict[tuple[float, float, float, float], list[float]] = {}
     for st in results:
-        lr = _lr_per_batch(st)
+        lr = chosen_lr_per_batch(st)
         bs = sorted(lr)
         for lo, hi in zip(bs, bs[1:]):
             if lr[hi] < lr[lo] * (1 - 1e-6):

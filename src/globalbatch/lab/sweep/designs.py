@@ -11,8 +11,10 @@ chooses which cells run.
 * ``seeds1``: the full LR grid of every batch, the first seed only.
 * ``narrow1`` / ``narrow2``: the LR grid at one base batch (the middle of the swept batches), widened at an
   edge of that grid only (:attr:`SweepConfig.lr_edge_extend`); every other batch runs one LR, the base
-  batch's best (lowest median final held-out loss over seeds) moved by the optimizer's rule
-  (√k Adam-type, ×k SGD: :meth:`SweepConfig.lrs_for`); the first one / two seeds.
+  batch's LR as the analysis over seeds chooses it (:func:`globalbatch.critical.lr_choice.chosen_lr_per_batch`:
+  the least median held-out steps to the primary target, the final analysis' rule) moved by the optimizer's rule
+  (√k Adam-type, ×k SGD: :meth:`SweepConfig.lrs_for`), re-derived whenever that choice changes
+  (:func:`~globalbatch.lab.sweep.lr_edges.transfer_cells`); the first one / two seeds.
 * ``halving``: the full LR grid of every batch, the first seed, by successive halving
   (:mod:`globalbatch.lab.sweep.halving`): every cell pauses at rungs of 1/9 and 1/3 of the budget, and a cell that
   can no longer be the fastest LR of its batch to a target the rung shows stops there; the others resume from their

@@ -14,7 +14,8 @@ batch — hence B_crit — would be biased. The sweep then runs one more LR beyo
 A chosen LR that *falls* as the batch grows (``critical.seeds.LrFall``) is refined: each batch of the pair
 gets the half-step between its LR and the one the rule predicts from the other batch's (:func:`refine_cells`),
 up to ``lr_refine`` such LRs per batch. A narrow design (:mod:`~globalbatch.lab.sweep.designs`) runs the grid at
-one base batch and moves its best LR to the other batches by the rule (:func:`transfer_cells`).
+one base batch and moves the LR the analysis chooses there to the other batches by the rule (:func:`transfer_cells`),
+again whenever that choice changes.
 
 Where B_crit at the primary target lies beyond the largest batch (a one-sided bound for most seeds), the grid
 is extended at the batch end the same way (:func:`batch_edge_cells`): the next batch (×2) at the LR grid the rule
@@ -213,10 +214,18 @@ def refine_cells(config: SweepConfig, summaries: list[dict[str, Any]],
     return list(out.values())
 
 
-def transfer_cells(config: SweepConfig, summaries: list[dict[str, Any]]) -> list[TrialSpec]:
+def transfer_cells(config: SweepConfig, summaries: list[dict[str, Any]],
+                   choice: Optional[tuple[float, Optional[str]]] = None) -> list[TrialSpec]:
     """A narrow design's other batches: once the base batch's grid (and its edge extensions) is finished for every
-    seed and its best LR (lowest median final held-out loss) is not at an edge it may still extend, each other
-    batch at that LR moved by the rule, for every seed."""
+    seed and its chosen LR is not at an edge it may still extend, each other batch at that LR moved by the rule,
+    for every seed.
+
+    ``choice``: ``(lr, edge)``, the base batch's LR as the analysis over seeds reads it
+    (:func:`globalbatch.critical.lr_choice.chosen_lr_per_batch` at the primary target: the least median held-out
+    steps over seeds, the final analysis' own rule) and its ``"low"``/``"high"`` edge flag or None; None when the
+    sweep cannot be analysed yet: the lowest median final held-out loss decides. Called on every pass, so when the
+    analysis' choice changes once the other batches ran (its primary target moves with them), they run the new LR
+    moved by the rule; a transferred LR some seeds finished and others did not is completed first."""
     base = config.narrow_base()
     seeds = config.seed_list()
     mine = [s for s in summaries if int(s["batch"]) == base]
@@ -224,12 +233,22 @@ def transfer_cells(config: SweepConfig, summaries: list[dict[str, Any]]) -> list
     if not lrs or any(lr not in lrs for lr in config.lrs_for(base)) \
             or any(len([s for s in mine if float(s["lr"]) == lr]) < len(seeds) for lr in lrs):
         return []
-    edge = best_lr_at_edge(mine, base)
+    started: dict[tuple[int, float], set[int]] = {}
+    for s in summaries:
+        if int(s["batch"]) != base:
+            started.setdefault((int(s["batch"]), float(s["lr"])), set()).add(int(s.get("seed", 0)))
+    partial = [TrialSpec(batch=b, lr=lr, seed=s) for (b, lr), ran in sorted(started.items()) for s in seeds
+               if s not in ran]  # an interrupted transfer: its missing seeds
+    if partial:
+        return partial
+    if choice is None:
+        losses = lr_losses(mine, base)
+        best, edge = min(losses, key=lambda lr: (losses[lr], lr)), best_lr_at_edge(mine, base)
+    else:
+        best, edge = choice
     grid = config.lrs_for(base)
     if (edge == "low" and sum(lr < min(grid) for lr in lrs) < config.lr_edge_extend) or \
             (edge == "high" and sum(lr > max(grid) for lr in lrs) < config.lr_edge_extend):
         return []  # the base batch's grid widens first (edge_cells)
-    losses = lr_losses(mine, base)
-    best = min(losses, key=lambda lr: (losses[lr], lr))
     return [TrialSpec(batch=b, lr=config.transfer_lr(best, base, b), seed=s)
             for b in sorted(config.batches) if b != base for s in seeds]

@@ -15,11 +15,12 @@ import os
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from globalbatch._util import SettingError
+from globalbatch.critical.lr_choice import chosen_lr_per_batch
 from globalbatch.critical.settings import AnalysisSettings
 from globalbatch.lab.tasks import load_task_checked
 from globalbatch.lab.device import check_device
@@ -86,13 +87,22 @@ def _beyond_largest(sa: Any) -> BatchEdge:
     return BatchEdge(beyond=beyond, seeds=fitted, lr=Counter(lrs).most_common(1)[0][0] if lrs else None)
 
 
-def _analysis_flags(out: Path) -> tuple[Optional[dict[int, str]], Optional[list[tuple[int, int, float, float]]],
-                                        Optional[BatchEdge]]:
-    """:func:`analysis_flags` and the batch-edge verdict (:func:`_beyond_largest`); all None when not analysable."""
+def _analysis_flags(out: Path, *, train_fallback: bool = False) -> tuple[
+        Optional[dict[int, str]], Optional[list[tuple[int, int, float, float]]], Optional[BatchEdge],
+        Optional[dict[int, float]]]:
+    """:func:`analysis_flags`, the batch-edge verdict (:func:`_beyond_largest`) and each batch's chosen LR
+    (:func:`~globalbatch.critical.lr_choice.chosen_lr_per_batch`); all None when not analysable.
+    ``train_fallback``: with too few held-out evaluations read the training loss, as the report does."""
+    s = AnalysisSettings(objective="cost")
     try:
-        data, sa = analyze_sweep_seeds(out, settings=AnalysisSettings(objective="cost"))
+        try:
+            data, sa = analyze_sweep_seeds(out, settings=s)
+        except SettingError as exc:
+            if not (train_fallback and exc.field == "readout"):
+                raise
+            data, sa = analyze_sweep_seeds(out, settings=replace(s, readout="train"))
     except SettingError:  # not analysable yet (too few finished cells, no common target): the final loss decides
-        return None, None, None
+        return None, None, None, None
     units = data.batch_units()
 
     def samples(u: float) -> int:
@@ -100,7 +110,18 @@ def _analysis_flags(out: Path) -> tuple[Optional[dict[int, str]], Optional[list[
 
     edges = {samples(u): e for u, e in sa.lr_edges.items()}
     falls = [(samples(f.batch_low), samples(f.batch_high), f.lr_low, f.lr_high) for f in sa.lr_falls]
-    return edges, falls, _beyond_largest(sa)
+    chosen = {samples(u): lr for u, lr in chosen_lr_per_batch(sa.primary).items()}
+    return edges, falls, _beyond_largest(sa), chosen
+
+
+def narrow_choice(out: Path, config: SweepConfig) -> Optional[tuple[float, Optional[str]]]:
+    """A narrow design's base batch: ``(lr, edge)`` as the analysis over seeds chooses and flags it (the final
+    analysis' rule), or None while the sweep cannot be analysed (:func:`transfer_cells` then reads the final loss)."""
+    edges, _, _, chosen = _analysis_flags(out, train_fallback=True)
+    base = config.narrow_base()
+    if chosen is None or base not in chosen:
+        return None
+    return chosen[base], (edges or {}).get(base)
 
 
 def _cpu_count() -> int:
@@ -275,17 +296,19 @@ def _run_locked(config: SweepConfig, out: Path, unit: str, *, workers: Optional[
         run_cells(pending)
     # LR grid per batch: while the best LR of a batch sits at an edge of what it ran, one more
     # LR beyond it (every seed); derived from the finished results, so a resume repeats it.
-    # A narrow design: the base batch's grid (widened at an edge by the final loss), then the other batches
-    # at its best LR moved by the rule. A chosen LR that falls as the batch grows: the rule's LR from the
+    # A narrow design: the base batch's grid (widened at an edge of the analysis' choice), then the other batches
+    # at that choice moved by the rule, again whenever the choice changes. A chosen LR that falls as the batch grows: the rule's LR from the
     # neighbour (full-grid designs).
     narrow = DESIGNS[config.design].narrow
     while not rungs:  # a halving design widens its grids at the rungs
         done_now = finished_summaries(out, config)
         complete = all(trial_done(out / "trials" / t.name, t) for t in trials)
-        if narrow:
-            extra = edge_cells(config, done_now, None) + transfer_cells(config, done_now)
+        if narrow:  # the base batch's LR and edge as the analysis chooses them, re-read on every pass
+            choice = narrow_choice(out, config)
+            base_edge = None if choice is None else ({config.narrow_base(): choice[1]} if choice[1] else {})
+            extra = edge_cells(config, done_now, base_edge) + transfer_cells(config, done_now, choice)
         else:
-            edges, falls, beyond = _analysis_flags(out) if complete else (None, None, None)  # its own LR per batch
+            edges, falls, beyond, _ = _analysis_flags(out) if complete else (None, None, None, None)
             extra = edge_cells(config, done_now, edges)
             if complete and not extra:
                 extra = refine_cells(config, done_now, falls)
