@@ -469,3 +469,15 @@ def test_a_flagged_joint_fit_is_a_labelled_comparison_not_a_second_answer(seeds_
     doc = seed_analysis_json(sa, int)
     assert list(doc)[0] == "b_crit_answer" and doc["b_crit_answer"]["b_crit"] == pytest.approx(sa.primary.b_crit)
     assert doc["joint_role"] == "comparison (flagged)" and doc["joint_flags"] == sa.joint_flags
+
+
+def test_b_crit_plot_labels_a_flagged_joint_fit_as_a_comparison(seeds_report, tmp_path, monkeypatch):
+    import globalbatch.lab.report_plots as report_mod
+
+    figs = []
+    monkeypatch.setattr(report_mod, "_save", lambda fig, path: figs.append(fig) or str(path))
+    report_mod.plot_b_crit_vs_loss(seeds_report.data, seeds_report.seed_analysis, tmp_path / "b.png")
+    texts = [t.get_text() for t in figs[0].axes[0].get_legend().get_texts()]
+    assert "joint fit, a comparison (flagged: B_crit falls as the loss falls)" in texts
+    assert not any(t.startswith("joint fit: B_crit ∝") for t in texts)
+    report_mod._plt().close(figs[0])

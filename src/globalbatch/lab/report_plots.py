@@ -237,8 +237,10 @@ def plot_b_crit_vs_loss(data: SweepData, sa: SeedAnalysis, path: Path) -> str:
                     label="median over seeds" if st is sa.targets[0] else None)
     if sa.joint is not None:
         ls = np.linspace(min(t.target for t in sa.targets), max(t.target for t in sa.targets), 50)
-        ax.plot(ls, [sa.joint.b_crit(x) for x in ls], "-", color="tab:red",
-                label=f"joint fit: B_crit ∝ L^{sa.joint.k:.2f} (α_B = {sa.joint.alpha_b:.2f})")
+        flags = "; ".join(f.split(":")[0] for f in sa.joint_flags)
+        ax.plot(ls, [sa.joint.b_crit(x) for x in ls], "--" if flags else "-", color="tab:red",
+                label=(f"joint fit, a comparison (flagged: {flags})" if flags else
+                       f"joint fit: B_crit ∝ L^{sa.joint.k:.2f} (α_B = {sa.joint.alpha_b:.2f})"))
         band = np.array([sa.joint.interval(x) for x in ls])
         ax.fill_between(ls, band[:, 0], band[:, 1], color="tab:red", alpha=0.15)
     ax.set_yscale("log")
