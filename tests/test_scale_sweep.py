@@ -58,8 +58,10 @@ def write_seeded_sweep(out: Path) -> SweepConfig:
 
 
 @pytest.mark.slow
-def test_sweep_fit_recovers_b_crit_and_s_min(tmp_path):
+def test_sweep_fit_recovers_b_crit_and_s_min(tmp_path, monkeypatch):
+    import globalbatch.critical.seeds
     from globalbatch.cli.scale import convergence_from_sweep
+    from test_bad_inputs import run_main
 
     write_seeded_sweep(tmp_path)
     conv, facts = convergence_from_sweep(str(tmp_path))
@@ -72,3 +74,9 @@ def test_sweep_fit_recovers_b_crit_and_s_min(tmp_path):
             assert conv.steps(b, L) == pytest.approx(_s_min(L) * (1 + B_CRIT / b), rel=0.10)
     assert abs(conv.b_crit_law.k) < 1.0  # B_crit does not move with the loss here
     assert not conv.extrapolated(0.5 * (lo + hi)) and conv.extrapolated(lo * 0.9)
+    assert facts["joint_lack_of_fit"] == []  # the medians follow the law
+    # a joint fit the report flags for lack of fit: scale still answers, and says so first
+    monkeypatch.setattr(globalbatch.critical.seeds, "joint_flags", lambda *a, **k: ["lack of fit: (a stand-in)"])
+    code, out, err = run_main(["scale", str(tmp_path), "--max-gpus", "16", "--json"])
+    assert code == 0, err
+    assert json.loads(out)["notes"][0].startswith("the sweep's joint fit B_crit(L) is flagged (lack of fit: (a stand-in))")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any, Literal, Optional, cast
@@ -91,7 +92,10 @@ def convergence_from_sweep(run_dir: str):
     units = data.batch_units()
     per_seq = [u / b for b, u in units.items() if b > 0]
     seq_len = int(data.config.task_overrides.get("seq_len", 0)) or None
-    return conv, {"seq_len": seq_len, "tokens_per_sequence": float(sum(per_seq) / len(per_seq)) if per_seq else None,
+    # a joint fit the sweep's own medians reject (its report shows it only as a comparison); a flat or falling
+    # exponent is not one: the law's SE widens every interval here, and a falling one is refused by the search
+    lack_of_fit = [f for f in a.joint_flags if f.startswith("lack of fit")]
+    return conv, {"joint_lack_of_fit": lack_of_fit, "seq_len": seq_len, "tokens_per_sequence": float(sum(per_seq) / len(per_seq)) if per_seq else None,
                   "primary_target": float(min(st.target for st in a.targets)), "task": data.config.task,
                   "layers": data.config.task_overrides.get("n_layer"), "min_batch": int(min(units)),
                   "task_overrides": dict(data.config.task_overrides)}
@@ -206,6 +210,10 @@ def scale_cmd(
                 raise
             raise SettingError("run_dir", run_dir, f"{exc.allowed} (a sweep whose B_crit rises as the loss falls, "
                                "or --prior)", why=f"its joint fit B_crit(L) ∝ L^k has {exc.value}: {exc.why}") from None
+    if facts.get("joint_lack_of_fit"):  # the sweep's own medians reject the law every number below extrapolates
+        result = dataclasses.replace(result, notes=(
+            f"the sweep's joint fit B_crit(L) is flagged ({'; '.join(facts['joint_lack_of_fit'])}): its report shows "
+            "it only as a comparison, and every number here extrapolates it",) + result.notes)
     if plot is not None:
         pareto_plot(result, plot)
     if as_json:
