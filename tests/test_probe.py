@@ -489,6 +489,18 @@ def test_real_probe_splits_each_step_after_its_backward(one_thread):
     assert r.to_dict()["forward_backward_s"] == r.forward_backward_s
 
 
+def test_probe_model_reports_the_parameters_its_optimizer_updates(one_thread):
+    from globalbatch.probe import probe_model
+
+    model = TinyMLP(width=16)
+    model.net[0].weight.requires_grad_(False)  # a frozen layer is not updated
+    result = probe_model(model, lambda s: torch.randn(s, 32), lambda m, x: m(x).square().mean(), max_micro_batch=4,
+                         steps_per_trial=1, warmup_steps=1)
+    want = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert result.params == want < sum(p.numel() for p in model.parameters())
+    assert result.to_dict()["params"] == want
+
+
 def test_real_probe_with_memory_limit_brackets_and_keeps_global_batch(one_thread):
     model = TinyMLP(width=128)
     runner_probe = TrainStepRunner(model, lambda s: torch.randn(s, 32), lambda m, x: m(x).square().mean(),

@@ -320,6 +320,19 @@ def test_probe_file_curve_is_forward_and_backward_alone(tmp_path):
         path.write_text(json.dumps({"trials": [dict(trials[1], forward_backward_s=bad)]}))
         with pytest.raises(SettingError, match="forward_backward_s"):
             mfu_curve_from_probe(str(path))
+    # the probe's model size with the split: the per-step overhead is its optimizer step timed in place
+    path.write_text(json.dumps({"trials": split, "peak_flops_per_s": 1e11, "params": 5000}))
+    c = mfu_curve_from_probe(str(path))
+    assert (c.step_overhead_s, c.overhead_params) == (pytest.approx(np.median([4e-3 - 2.5e-3, 6e-3 - 5e-3])), 5000)
+    assert "timed in place" in c.source
+    path.write_text(json.dumps({"trials": split, "params": 5000, "step_overhead_s": 7e-3, "overhead_params": 9}))
+    assert (mfu_curve_from_probe(str(path)).step_overhead_s, mfu_curve_from_probe(str(path)).overhead_params) == (7e-3, 9)
+    path.write_text(json.dumps({"trials": trials, "params": 5000}))  # no split: no overhead from the probe
+    assert mfu_curve_from_probe(str(path)).step_overhead_s is None
+    for bad in (0, -3, "many", True):
+        path.write_text(json.dumps({"trials": split, "params": bad}))
+        with pytest.raises(SettingError, match="params"):
+            mfu_curve_from_probe(str(path))
 
 
 def test_memory_bounds_the_micro_batch_and_a_huge_model_fits_nowhere():

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -244,10 +245,11 @@ def probe_model(
         config=TrialConfig(steps_per_trial=steps_per_trial, warmup_steps=warmup_steps,
                            memory_limit_bytes=memory_limit_bytes, cpu_memory=cpu_memory))
     with _restored(model):
-        return probe_micro_batch(
+        result = probe_micro_batch(
             runner, max_micro_batch=max_micro_batch, start_micro_batch=start_micro_batch,
             memory_limit_bytes=memory_limit_bytes, tolerance=tolerance,
             use_memory_model=use_memory_model, global_batch=global_batch, dp_world_size=dp_world_size)
+    return dataclasses.replace(result, params=sum(p.numel() for p in model.parameters() if p.requires_grad))
 
 
 probe = probe_model

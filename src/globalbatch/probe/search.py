@@ -169,6 +169,9 @@ class ProbeResult:
     peak_flops_per_s: Optional[float] = None
     """Peak FLOP/s of one device for the trials' MFU (``globalbatch.flops.peak_flops_per_s``); None: unknown."""
     peak_flops_source: str = ""
+    params: Optional[int] = None
+    """Trainable parameters of the probed model (what its optimizer step updates); None: not known (plain
+    :func:`probe_micro_batch`)."""
 
     @property
     def num_trials(self) -> int:
@@ -196,6 +199,7 @@ class ProbeResult:
             "predicted_note": self.predicted_note,
             "peak_flops_per_s": self.peak_flops_per_s,
             "peak_flops_source": self.peak_flops_source,
+            "params": self.params,
             "memory_model": None if self.memory_model is None else dataclasses.asdict(self.memory_model),
             "trials": [dict(t.to_dict(), mfu=t.mfu(self.peak_flops_per_s)) for t in self.trials],
             "choices": [

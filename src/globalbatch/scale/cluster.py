@@ -289,7 +289,9 @@ def mfu_curve_from_probe(path: str) -> ThroughputCurve:
     ``optimizer_step_s`` (the optimizer's ``step(); zero_grad()``, measured separately) is removed from every
     trial's time instead (``mfu × t/(t − optimizer_step_s)``); without either, the whole step is the compute.
     ``step_overhead_s`` with ``overhead_params``: the per-step overhead (see :class:`ThroughputCurve`);
-    ``benchmarks/scale_validation.py`` writes these top-level keys."""
+    ``benchmarks/scale_validation.py`` writes these top-level keys. Without them, a probe file with the split
+    and the model's ``params`` gives the overhead itself: the median over its trials of the rest of a step
+    (``step_time_s − forward_backward_s``: the optimizer's ``step(); zero_grad()`` timed in place) at ``params``."""
     p = Path(path)
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
@@ -306,6 +308,7 @@ def mfu_curve_from_probe(path: str) -> ThroughputCurve:
         extra[key] = None if v is None else float(v)
     opt_s = extra["optimizer_step_s"] or 0.0
     pts: dict[float, float] = {}
+    in_place: list[float] = []  # the rest of each split trial's step: its optimizer step, timed in place
     for i, t in enumerate(trials):
         # every entry checked, not skipped: a damaged file is refused, never read as if fine
         if not isinstance(t, dict):
@@ -325,6 +328,7 @@ def mfu_curve_from_probe(path: str) -> ThroughputCurve:
                 raise SettingError("throughput", path, "a probe --json file",
                                    why=f"trials[{i}].forward_backward_s is {fb_s!r}, not in (0, step_time_s {step_s!r}]")
             mfu = mfu * step_s / fb_s
+            in_place.append(step_s - fb_s)
         elif opt_s and mfu is not None:
             if not (_num_ok(step_s) and step_s > opt_s):
                 raise SettingError("throughput", path, "trials timed longer than optimizer_step_s",
@@ -339,7 +343,16 @@ def mfu_curve_from_probe(path: str) -> ThroughputCurve:
         raise SettingError("throughput", path, "a probe output with timed trials and an MFU (a known peak)")
     ks = sorted(pts)
     peak = data.get("peak_flops_per_s")
-    return ThroughputCurve(tokens=tuple(ks), mfu=tuple(pts[k] for k in ks), source=f"probe {path}",
+    source = f"probe {path}"
+    params = data.get("params")
+    if params is not None and not (_num_ok(params) and params >= 1):
+        raise SettingError("throughput", path, "a probe --json file", why=f"params is {params!r}, not a number ≥ 1")
+    if extra["step_overhead_s"] is None and in_place and params is not None:
+        opt_in_place = float(np.median(in_place))
+        extra["step_overhead_s"], extra["overhead_params"] = opt_in_place, float(params)
+        source += (f" (per-step overhead: its optimizer step timed in place, median {opt_in_place * 1e3:.3g} ms "
+                   f"at {params:,} parameters)")
+    return ThroughputCurve(tokens=tuple(ks), mfu=tuple(pts[k] for k in ks), source=source,
                            peak_flops_per_s=float(peak) if _num_ok(peak) and peak > 0 else None,
                            step_overhead_s=extra["step_overhead_s"], overhead_params=extra["overhead_params"])
 
