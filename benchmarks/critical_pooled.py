@@ -4,14 +4,18 @@ docs/critical.md §1b's tables. Synthetic steps-to-target tables, 5 seeds: ln B_
 the truth, ln S_min per seed by ``tau`` (or one seed's S_min ``lag``× the others'), log-normal noise on the steps of
 the size the real 5-seed runs show. Per setting and estimator: the RMS error of ln B_crit per seed (clipped at ±3),
 its bias (mean error), the median over tables of max/min of B_crit across seeds (the truth's beside it), and the
-paired difference in RMS from the gate at alpha 0.2 (what critical/pooled.py uses) ± its Monte-Carlo SE (the SE of
+paired difference in RMS from the gate at alpha 0.2 (what critical/pooled.py used before) ± its Monte-Carlo SE (the SE of
 the per-table mean squared-error difference, over 2·RMS); also how often the F-test rejected sharing and the mean F
 statistic (to set beside the real runs': ``benchmarks/critical_stability.py`` prints theirs).
 
 Estimators: ``own`` (each seed's two-parameter fit), ``gate a`` (the shared-S_min fit where the F-test's p ≥ a, else
-the own fits), and partial-pooling estimators, measured here and not adopted (docs/critical.md §1b). Each
-shrinks each seed's ln S_min toward the shared fit's, ln S_s = ln S_shared + w_s·(ln S_own,s − ln S_shared), and
-refits that seed's B_crit at its S_s (one parameter; w = 0 is the shared fit, w = 1 the own fit), or a test first:
+the own fits: what critical/pooled.py used before), ``LT 0.5`` (what it uses now: ``PooledFit.b_crit``, below), and
+other partial-pooling estimators, measured and not adopted (docs/critical.md §1b). Each shrinks each seed's ln S_min
+toward the shared fit's, ln S_s = ln S_shared + w_s·(ln S_own,s − ln S_shared), and refits that seed's B_crit at its
+S_s (one parameter; w = 0 is the shared fit, w = 1 the own fit), or puts a test first:
+
+* ``LT d``: ``JS 1-1/F`` with limited translation (Efron & Morris 1972, JASA 67:130–139): no seed's ln S_min moves
+  more than d of its own fit's SEs (pooled residual variance) from that fit's value; ``LT 0.5`` is the library's;
 
 * ``JS 1-1/F``: the positive-part weight w = max(0, 1 − 1/F) — the method-of-moments empirical-Bayes estimate of
   τ²/(τ² + σ²) (Morris 1983, "Parametric empirical Bayes inference", JASA 78:47–55, with the moment
@@ -81,21 +85,28 @@ def estimates(b: np.ndarray, steps: dict[int, np.ndarray]) -> tuple[dict[str, di
     dev = {s: math.log(own[s].s_min) - a for s in seeds}
     out: dict[str, dict[int, float]] = {"own": {s: own[s].b_crit for s in seeds}}
     for alpha in ALPHAS:
-        out[f"gate {alpha:g}"] = dict(p.b_crit) if p.p_value >= alpha else dict(out["own"])
+        out[f"gate {alpha:g}"] = dict(p.b_crit_shared) if p.p_value >= alpha else dict(out["own"])
+    out["LT 0.5"] = dict(p.b_crit)  # what critical/pooled.py gives: JS 1-1/F limited to 0.5 SE
 
     def shrunk(w: dict[int, float]) -> dict[int, float]:
-        return {s: (p.b_crit[s] if w[s] <= 0 else own[s].b_crit if w[s] >= 1
+        return {s: (p.b_crit_shared[s] if w[s] <= 0 else own[s].b_crit if w[s] >= 1
                     else _b_crit_at(b, y[s], a + w[s] * dev[s], lo, hi)) for s in seeds}
 
     def js(c: float) -> float:
         return 1.0 if not math.isfinite(f) else max(0.0, 1.0 - c / f) if f > 0 else 0.0
 
     out["JS 1-1/F"] = shrunk(dict.fromkeys(seeds, js(1.0)))
+    s2 = p.sse_own / nu
+    var_own = {s: _own_var_log_s_min(b, math.log(own[s].b_crit)) * s2 for s in seeds}
+    # limited translation at 1 SE: no seed's ln S_min moves more than 1 SE of its own fit from that fit's
+    lt1 = {s: math.log(own[s].s_min) + max(-math.sqrt(var_own[s]), min(math.sqrt(var_own[s]), -(1 - js(1.0)) * dev[s]))
+           for s in seeds}
+    out["LT 1"] = {s: (own[s].b_crit if lt1[s] == math.log(own[s].s_min) else _b_crit_at(b, y[s], lt1[s], lo, hi))
+                   for s in seeds}
     for alpha in (0.01, 0.05):  # a preliminary test in front: the own fits where it rejects sharing at alpha
         out[f"PT {alpha:g}"] = dict(out["own"]) if p.p_value < alpha else out["JS 1-1/F"]
     out["JS (K-3)"] = shrunk(dict.fromkeys(seeds, js(max(k - 3, 0) / (k - 1) * nu / (nu + 2))))
-    s2 = p.sse_own / nu
-    v = np.array([_own_var_log_s_min(b, math.log(own[s].b_crit)) * s2 for s in seeds])
+    v = np.array([var_own[s] for s in seeds])
     ln_own = np.array([math.log(own[s].s_min) for s in seeds])
     wi = np.where(v > 0, 1.0 / np.maximum(v, 1e-300), 0.0)
     tau2 = 0.0

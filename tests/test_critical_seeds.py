@@ -194,7 +194,8 @@ def test_json_has_the_documented_keys():
                 "pooling", "pooling_text"):
         assert key in t
     assert t["pooling"]["p_value"] >= 0 and isinstance(t["pooling"]["shared"], bool)  # 3 monotone seeds: tested
-    assert doc["pooling_text"].startswith("shared S_min (F-test, alpha 0.2): ")
+    assert 0.0 <= t["pooling"]["weight"] <= 1.0 and set(t["pooling"]["weight_per_seed"]) == set(t["pooling"]["b_crit_per_seed"])
+    assert doc["pooling_text"].startswith("S_min partially pooled at ")
     import json
 
     json.dumps(doc, allow_nan=False)

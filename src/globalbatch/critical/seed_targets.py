@@ -19,10 +19,10 @@ seeds with a training-loss read-out, measured on the demo task). For a sweep run
    not rise with the batch; examples are not checked: flat in the perfect-scaling regime; 3 % slack), the
    hyperbola fit per seed, their median and range, and a fit of the median steps with a bootstrap over
    seeds. Non-monotone cells are flagged and left out of every fit.
-3. **One S_min shared by the seeds** where the F-test allows it (:mod:`globalbatch.critical.pooled`):
-   each seed keeps its own B_crit, fitted with an S_min common to the monotone seeds; where the
-   extra-sum-of-squares test rejects sharing (p < 0.2) the per-seed fits stand. Each target says which
-   (:attr:`SeedTarget.pooled`, with the test's p-value).
+3. **Each seed's S_min partially pooled** toward one shared by the monotone seeds
+   (:mod:`globalbatch.critical.pooled`): each seed keeps its own B_crit, refitted at an S_min moved from its own
+   fit's toward the shared one by the James–Stein weight of the extra-sum-of-squares F statistic, at most half its
+   own SE. Each target states the test, its p-value and the weights (:attr:`SeedTarget.pooled`).
 
 The fit across targets is :mod:`globalbatch.critical.joint`; the whole analysis with its
 recommendation, :mod:`globalbatch.critical.seeds`. Pure numpy/scipy; no torch.
@@ -202,8 +202,8 @@ class SeedTarget:
     lr_selection_reason: str = ""
     """Why, in one sentence (stated in the report and the JSON)."""
     pooled: Optional[PooledFit] = None
-    """The shared-S_min fit of the monotone seeds and its F-test (None: fewer than 2 such seeds, or pooling off);
-    its B_crit are the per-seed values where :attr:`PooledFit.shared`."""
+    """The partially pooled fit of the monotone seeds and its F-test (None: fewer than 2 such seeds, or pooling off);
+    its B_crit are the per-seed values."""
     b_crit_own_per_seed: dict[int, Optional[float]] = field(default_factory=dict)
     """Per-seed B_crit from each seed's own two-parameter fit (what :attr:`b_crit_per_seed` holds without pooling)."""
 
@@ -221,7 +221,7 @@ class SeedTarget:
         fitted seed, that seed's own 95 % interval (which does not contain the seed-to-seed spread)."""
         fitted = [s for s, v in self.b_crit_per_seed.items() if v is not None]
         if len(fitted) == 1:
-            if self.pooled is not None and self.pooled.shared:
+            if self.pooled is not None and fitted[0] in self.pooled.b_crit:
                 return self.pooled.interval(fitted[0])
             return self.per_seed[fitted[0]].b_crit_ci95
         parts = [x for x in (self.b_crit_range, self.b_crit_boot) if x is not None]
@@ -264,38 +264,37 @@ def common_lr(curves: Sequence[Curve], target: float, *, readout: str = "heldout
 
 
 def pooling_summary(targets: Sequence[SeedTarget]) -> str:
-    """One line for an analysis: at which targets the per-seed B_crit share one S_min, and the F-test's p-values."""
+    """One line for an analysis: how far each target's per-seed S_min were pooled, and the F-test's p-values."""
     tested = [(st.target, st.pooled) for st in targets if st.pooled is not None]
     if not tested:
-        return "per-seed fits at every target (fewer than 2 monotone seeds to test a shared S_min)"
-
-    def part(shared: bool) -> str:
-        return ", ".join(f"{t:.4f} (p {p.p_value:.3f})" for t, p in tested if p.shared == shared)
-
-    n_shared = sum(p.shared for _, p in tested)
-    return (f"shared S_min (F-test, alpha {tested[0][1].alpha:g}): not rejected at {n_shared} of {len(targets)} "
-            f"target(s)" + (f" — {part(True)}" if n_shared else "")
-            + (f"; rejected, per-seed fits, at {part(False)}" if n_shared < len(tested) else ""))
+        return "per-seed fits at every target (fewer than 2 monotone seeds to pool S_min)"
+    first = tested[0][1]
+    rejected = [f"{t:.4f}" for t, p in tested if not p.shared]
+    return (f"S_min partially pooled at {len(tested)} of {len(targets)} target(s), each seed keeping w = 1 − 1/F of its "
+            f"own deviation (limited to {first.limit_se:g} SE): " + ", ".join(
+                f"{t:.4f} w {p.weight:.2f} (p {p.p_value:.3f})" for t, p in tested)
+            + (f"; the F-test rejects one shared S_min (p < {first.alpha:g}) at {', '.join(rejected)}" if rejected else ""))
 
 
 def _use_pooled(st: SeedTarget, pooled: Optional[PooledFit]) -> None:
-    """Record the shared-S_min fit; where its F-test does not reject sharing, its B_crit become the per-seed values
-    (a seed whose B_crit lies beyond the swept batches gets no point, as with its own fit)."""
+    """Record the partially pooled fit; its B_crit become the per-seed values (a seed whose B_crit lies beyond the
+    swept batches gets no point, as with its own fit)."""
     st.pooled = pooled
     st.b_crit_own_per_seed = dict(st.b_crit_per_seed)
-    if pooled is None or not pooled.shared:
+    if pooled is None:
         return
     for s in pooled.seeds:
         v = pooled.b_crit[s]
         if pooled.inside(s):
             lo, hi = pooled.interval(s)
             st.b_crit_per_seed[s] = v
-            st.b_crit_text_per_seed[s] = f"{v:,.0f} (95% CI {lo:,.0f}–{hi:,.0f}; shared S_min)"
+            st.b_crit_text_per_seed[s] = (f"{v:,.0f} (95% CI {lo:,.0f}–{hi:,.0f}; S_min partially pooled, kept "
+                                          f"{pooled.weight_per_seed[s]:.2f})")
         else:
             side = ">" if v > max(pooled.batches) else "<"
             edge = max(pooled.batches) if side == ">" else min(pooled.batches)
             st.b_crit_per_seed[s] = None
-            st.b_crit_text_per_seed[s] = (f"B_crit {side} {edge:,.0f} (shared-S_min fit {v:,.0f}, beyond the swept "
+            st.b_crit_text_per_seed[s] = (f"B_crit {side} {edge:,.0f} (partially pooled fit {v:,.0f}, beyond the swept "
                                           f"batches; own fit: {st.b_crit_text_per_seed.get(s, '–')})")
 
 
@@ -303,8 +302,8 @@ def target_over_seeds(curves: Sequence[Curve], target: float, *, readout: str = 
                       min_window_examples: Optional[float] = None, rng_seed: int = 0,
                       pool_alpha: Optional[float] = POOL_ALPHA) -> SeedTarget:
     """Steps per batch and seed (at each batch's :func:`common_lr`), monotonicity, per-seed fits and
-    their spread at one ``target``; with ``pool_alpha`` (None: off) the per-seed B_crit share one S_min where
-    the F-test at that level does not reject it (:mod:`globalbatch.critical.pooled`)."""
+    their spread at one ``target``; with ``pool_alpha`` (None: off) the per-seed B_crit come from each seed's
+    partially pooled S_min, the F-test's verdict stated at that level (:mod:`globalbatch.critical.pooled`)."""
     seeds = sorted({c.seed for c in curves})
     if len({(c.batch_size, c.lr) for c in curves}) > len({c.batch_size for c in curves}):  # not yet one LR per batch
         lr_of = common_lr(curves, target, readout=readout, min_window_examples=min_window_examples)
