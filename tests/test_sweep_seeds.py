@@ -160,9 +160,11 @@ def test_the_analysis_verdict_counts_seeds_whose_b_crit_lies_beyond_the_largest_
     edge = _beyond_largest(SimpleNamespace(primary=st))
     assert (edge.beyond, edge.seeds, edge.lr) == (1, 2, 4e-3) and edge.extend  # seed 2 is non-monotone: not counted
     pooled = fit_shared_s_min(b, {0: steps[0], 1: steps[1]})
-    st.pooled = replace(pooled, b_crit={0: 500.0, 1: 300.0}, p_value=0.9)  # where sharing holds its values count
+    st.pooled = replace(pooled, b_crit={0: 500.0, 1: 300.0}, p_value=0.9)  # the pooled values count, as the
+    assert _beyond_largest(SimpleNamespace(primary=st)).beyond == 0     # analysis reads them (partially pooled
+    st.pooled = replace(pooled, b_crit={0: 500.0, 1: 300.0}, p_value=0.01)  # whatever the F-test says)
     assert _beyond_largest(SimpleNamespace(primary=st)).beyond == 0
-    st.pooled = replace(pooled, b_crit={0: 500.0, 1: 300.0}, p_value=0.01)  # rejected: the own fits count
+    st.pooled = replace(pooled, b_crit={0: 5000.0, 1: 300.0}, p_value=0.01)
     assert _beyond_largest(SimpleNamespace(primary=st)).beyond == 1
 
 

@@ -77,7 +77,7 @@ def _beyond_largest(sa: Any) -> BatchEdge:
     for s, ok in st.monotone.items():
         if not ok:
             continue
-        pooled = st.pooled if st.pooled is not None and st.pooled.shared and s in st.pooled.b_crit else None
+        pooled = st.pooled if st.pooled is not None and s in st.pooled.b_crit else None  # the values the analysis reads
         fit = st.per_seed[s].fit
         v = pooled.b_crit[s] if pooled is not None else (fit.b_crit if fit is not None and fit.degenerate is None else None)
         if v is not None:
