@@ -147,6 +147,7 @@ CONFIGS = {
     "yaml_padding": ("c.yaml", "micro_batch: 2\ngrad_accum_steps: 1\npadding_fraction: 1.5\n"),
     "yaml_bool": ("c.yaml", "micro_batch: 2\ngrad_accum_steps: 1\nno_sync: maybe\n"),
     "yaml_python_tag": ("c.yaml", "micro_batch: !!python/object/apply:os.system ['echo PWNED']\n"),
+    "yaml_list_key": ("c.yaml", "? [micro_batch, dp]\n: 2\n"),  # an unhashable key: one line, not a TypeError
     "toml_syntax": ("c.toml", "micro_batch = \n"),
     "toml_bad": ("c.toml", "micro_batch = 0\n"),
     "json_syntax": ("c.json", "{\"micro_batch\": }"),

@@ -89,6 +89,19 @@ def test_the_multi_tensor_update_is_bit_identical_to_the_per_tensor_loop(task, n
     assert la[-1] < la[0]
 
 
+def test_a_fused_optimizer_drops_the_foreach_default():
+    """torch refuses ``fused`` with ``foreach``: a caller's ``fused=True`` wins over the registry's foreach default."""
+    from globalbatch.optim import build_optimizer
+
+    model = torch.nn.Linear(3, 2)
+    for name in ("adamw", "sgd"):
+        opt = build_optimizer(name, model, lr=1e-3, fused=True)
+        assert all(g["fused"] and not g["foreach"] for g in opt.param_groups)
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+    assert all(g["foreach"] for g in build_optimizer("adamw", model, lr=1e-3).param_groups)
+
+
 def test_split_gives_each_rank_its_slice_of_every_accumulation_step(task):
     """The deprecated Experiment.split is the library's one cut (globalbatch.windows.cut_window)."""
     exp = Experiment(task, batch=8, micro_batch=2, lr=1e-3)

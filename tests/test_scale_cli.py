@@ -26,6 +26,7 @@ FILES = {
     "probe_opt_too_long": ("p.json", json.dumps({"optimizer_step_s": 0.01, "trials": [
         {"micro_batch": 1, "tokens_per_step": 64, "step_time_s": 0.005, "mfu": 0.2}]})),
     "dup_key": ("c.yaml", GOOD_YAML + "memory_bytes: 80e9\n"),
+    "list_key": ("c.yaml", GOOD_YAML + "? [a, b]\n: 1\n"),
     "probe_no_tokens": ("p.json", json.dumps({"trials": [
         {"micro_batch": 1, "tokens_per_step": None, "step_time_s": 0.005, "mfu": 0.2}]})),
     "probe_overhead_alone": ("p.json", json.dumps({"step_overhead_s": 0.01, "trials": [
@@ -53,6 +54,9 @@ CASES = [
     _c("activations-fit-no-geometry", PRIOR[:-1] + ["8", "--activation-bytes-per-token", "1e12"],
        "--activation-bytes-per-token 1e+12 is not allowed (micro-batch 1 needs "),
     _c("yaml-duplicate-key", PRIOR + ["--cluster", "c.yaml"], "duplicate key 'memory_bytes'", "dup_key"),
+    _c("yaml-list-key", PRIOR + ["--cluster", "c.yaml"], "--cluster", "list_key"),
+    # no GPU count up to --max-gpus takes the TP × PP asked (was blamed on --params)
+    _c("tp-pp-over-max-gpus", PRIOR[:-1] + ["16", "--tp", "8", "--pp", "4"], "--max-gpus 16 is not allowed"),
     _c("throughput-mfu-without-tokens", PRIOR + ["--throughput", "p.json"], "--throughput", "probe_no_tokens"),
     _c("no-source", ["scale", "--target-loss", "2.5"], "RUN_DIR"),
     _c("both-sources", ["scale", "somewhere", "--prior", "kaplan", "--params", "1B"], "RUN_DIR"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import math
+import numbers
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,7 +32,8 @@ MAX_BATCH = 10**9
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer: Python's, numpy's or any ``numbers.Integral`` (a 0-d integer tensor is not one); never a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # numpy's bool is no Integral
 
 
 def count(value: Any, field: str, *, minimum: int = 1, maximum: int = MAX_COUNT, what: str = "a whole number") -> int:
@@ -41,7 +43,7 @@ def count(value: Any, field: str, *, minimum: int = 1, maximum: int = MAX_COUNT,
     """
     allowed = f"{what} ≥ {minimum:,} (at most {_sci(maximum)}), e.g. 2M"
     if _is_int(value):
-        n = value
+        n = int(value)
     else:
         try:
             n = parse_count(value, field)
@@ -65,7 +67,7 @@ def whole(value: Any, field: str, *, minimum: int = 1, maximum: int = MAX_COUNT,
         # a float shows as given ("global_batch 4.0 is not allowed"; "4" would read as allowed)
         raise SettingError(field, _Typed(repr(value)) if isinstance(value, float) else value,
                            allowed or f"a whole number ≥ {minimum}{top}")
-    return value
+    return int(value)  # numpy's integers as Python's
 
 
 def number(value: Any, field: str, *, low: Optional[float] = None, high: Optional[float] = None,

@@ -146,6 +146,14 @@ def test_configure_global_batch_checks_its_numbers_never_rounds_them(geometry, l
     assert str(exc.value).startswith(line)
 
 
+def test_configure_global_batch_takes_numpy_integers_as_ints():
+    """An exact integer from numpy (a config read with numpy, a computed accumulation) is a whole number."""
+    import numpy as np
+
+    lm = ExactLM(micro_batch=np.int64(2), grad_accum_steps=np.int32(4))
+    assert (lm.gb_micro_batch, lm.gb_grad_accum_steps) == (2, 4) and type(lm.gb_grad_accum_steps) is int
+
+
 def test_the_first_window_line_says_when_the_padding_share_is_unknown():
     from globalbatch.integrations._common import WindowMeter
 

@@ -380,10 +380,14 @@ def demo_cmd(
         result = run_sweep(cfg, out, workers=workers, progress=not as_json)
     res = write_report(out)
     if as_json:
+        over_seeds = None if res.seed_analysis is None else seed_json(res.data, res.seed_analysis)
         echo_json({"out_dir": result.out_dir, "wall_time_s": result.wall_time_s, "report": str(res.html),
                     "analysis": res.analysis.to_dict(), "warnings": list(res.analysis.warnings),
-                    "seeds": None if res.seed_analysis is None else seed_json(res.data, res.seed_analysis),
-                    "recommendation": None if res.analysis.recommendation is None else res.analysis.recommendation.text()})
+                    "seeds": over_seeds,
+                    # the one answer, as `sweep --json` and `report --json` give it: the seeds' held-out analysis
+                    "recommendation": None if over_seeds is None else over_seeds["recommendation"],
+                    "first_seed_recommendation": None if res.analysis.recommendation is None
+                    else res.analysis.recommendation.text()})
         return
     _print_report(res)
     typer.echo(f"sweep {result.wall_time_s:,.0f} s, total {time.time() - t0:,.0f} s; report: {res.html}")

@@ -138,6 +138,7 @@ def check_targets_reached(curves: Sequence[Curve], targets: Sequence[float], *, 
         curves = [_smoothed_as_eval(c, min_window_examples) for c in curves if c.loss.size]
     lows = [_fit_at(c, float(np.max(cast(np.ndarray, c.eval_examples)))) for c in curves
             if c.eval_loss is not None and c.eval_loss.size]
+    lows = [x for x in lows if math.isfinite(x)]  # a diverged trial's curve has no low
     if not lows or not targets:
         return
     low = min(lows)

@@ -125,6 +125,8 @@ def build_optimizer(name: str, params_or_model: Any, *, lr: float, weight_decay:
     recipe = _recipe(name)
     groups = decay_param_groups(params_or_model, weight_decay)
     kwargs = {**recipe.defaults, **overrides}
+    if kwargs.get("fused") and "foreach" not in overrides:  # torch refuses both; the caller's fused wins
+        kwargs.pop("foreach", None)
     if recipe.build is not None:
         return recipe.build(groups, lr=lr, weight_decay=weight_decay, **kwargs)
     module, attr = recipe.factory.split(":")

@@ -62,6 +62,11 @@ def yaml_load_unique(text: str) -> Any:
         seen = set()
         for key_node, _ in node.value:
             key = loader.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:  # a list or mapping as a key ("? [a, b]"): one line, not a traceback
+                raise yaml.constructor.ConstructorError(None, None, f"a key that is a {type(key).__name__}",
+                                                        key_node.start_mark) from None
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r}", key_node.start_mark)

@@ -150,16 +150,12 @@ class TrainStepRunner:
             # backward time is measured in place, with the caches as a real step leaves them.
             step_times_s, fb_times_s = [], []
             if cuda:
-                def event() -> torch.cuda.Event:
-                    e = torch.cuda.Event(enable_timing=True)
-                    e.record()
-                    return e
-
-                ends = [event()]
-                middles = []
-                for _ in range(cfg.steps_per_trial):
-                    middles.append(self._step(batch, optimizer, event))
-                    ends.append(event())
+                ends = [torch.cuda.Event(enable_timing=True) for _ in range(cfg.steps_per_trial + 1)]
+                middles = [torch.cuda.Event(enable_timing=True) for _ in range(cfg.steps_per_trial)]
+                ends[0].record()
+                for i in range(cfg.steps_per_trial):
+                    self._step(batch, optimizer, middles[i].record)
+                    ends[i + 1].record()
                 torch.cuda.synchronize(self.device)  # host sync: once, after the timed steps
                 step_times_s = [ends[i].elapsed_time(ends[i + 1]) / 1e3 for i in range(cfg.steps_per_trial)]
                 fb_times_s = [ends[i].elapsed_time(middles[i]) / 1e3 for i in range(cfg.steps_per_trial)]

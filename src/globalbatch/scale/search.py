@@ -244,8 +244,11 @@ def schedule_string(stages: list[tuple[int, int]]) -> str:
 def _nothing_fits(model: ModelSpec, cluster: Cluster, cfg: ScaleConfig, counts: Sequence[int]) -> SettingError:
     """Why no GPU count has a row, naming what to change: the parameters (the static bytes fit no geometry), the
     activations (the static bytes fit, micro-batch 1's activations do not) or the batch bounds."""
-    geometries = [(g // (tp * pp), tp, pp) for g in counts for tp in cfg.tp_options for pp in cfg.pp_options
-                  if tp <= cluster.gpus_per_node and g % (tp * pp) == 0 and (model.layers is None or pp <= model.layers)]
+    geometries = [(g // (tp * pp), tp, pp) for g in counts for tp, pp in _degrees(model, cluster, cfg, g)]
+    if not geometries:
+        least = min(tp * pp for tp in cfg.tp_options for pp in cfg.pp_options)
+        return SettingError("max_gpus", cfg.max_gpus, f"at least {least:,} GPUs (the smallest TP × PP), in counts "
+                                                      "they divide", why="no GPU count takes any TP × PP given")
     static = dataclasses.replace(model, activation_bytes_per_token=None)
     if not any(largest_micro(static, cluster, dp=dp, tp=tp, pp=pp) for dp, tp, pp in geometries):
         return SettingError("params", model.params, f"a model that fits in memory on some geometry of up to "
@@ -264,51 +267,53 @@ def _nothing_fits(model: ModelSpec, cluster: Cluster, cfg: ScaleConfig, counts: 
                         "sequences", why="no geometry that fits memory has a global batch in those bounds")
 
 
+def _degrees(model: ModelSpec, cluster: Cluster, cfg: ScaleConfig, gpus: int) -> list[tuple[int, int]]:
+    """The (TP, PP) degrees that ``gpus`` GPUs can take: TP within a node, TP × PP dividing the count, PP at most
+    the model's layers."""
+    return [(tp, pp) for tp in cfg.tp_options if tp <= cluster.gpus_per_node and gpus % tp == 0
+            for pp in cfg.pp_options if gpus % (tp * pp) == 0 and (model.layers is None or pp <= model.layers)]
+
+
 def _best_by_batch(model: ModelSpec, cluster: Cluster, curve: ThroughputCurve, cfg: ScaleConfig, gpus: int,
                    peak: Optional[float]) -> tuple[dict[int, StepTime], int]:
     """Global batch (sequences) → the fastest geometry's step at ``gpus`` GPUs."""
     best: dict[int, StepTime] = {}
     evaluated = 0
-    for tp in cfg.tp_options:
-        if tp > cluster.gpus_per_node or gpus % tp:
+    for tp, pp in _degrees(model, cluster, cfg, gpus):
+        dp = gpus // (tp * pp)
+        m_max = largest_micro(model, cluster, dp=dp, tp=tp, pp=pp)
+        if m_max < 1:
             continue
-        for pp in cfg.pp_options:
-            if gpus % (tp * pp) or (model.layers is not None and pp > model.layers):
+        comm = dp_comm_time(model, cluster, dp=dp, tp=tp, pp=pp)
+        r_max = cfg.max_global_batch // dp
+        if r_max < 1:
+            continue
+        j = np.arange(0, int(math.log2(r_max)) + 1)
+        i = np.arange(0, int(math.log2(min(m_max, r_max))) + 1)
+        jj, ii = np.meshgrid(j, i, indexing="ij")
+        ok = ii <= jj
+        per_rep = (2.0 ** jj[ok])
+        micro = (2.0 ** ii[ok])
+        accum = per_rep / micro
+        compute, bubble, exposed, mfu_k = step_times_grid(model, cluster, curve, dp=dp, tp=tp, pp=pp, micro=micro,
+                                                          accum=accum, overlap=cfg.overlap, comm=comm,
+                                                          peak_flops_per_s=peak)
+        overhead = (step_overhead_time(model, cluster, curve, dp=dp, tp=tp, pp=pp)
+                    + dp_bookkeeping_time(cluster, dp=dp, grad_accum_steps=accum))
+        total = compute + bubble + exposed + overhead
+        evaluated += total.size
+        for r in np.unique(per_rep):
+            sel = np.flatnonzero(per_rep == r)
+            k = sel[np.argmin(total[sel])]
+            gb = int(r) * dp
+            if gb < cfg.min_global_batch:
                 continue
-            dp = gpus // (tp * pp)
-            m_max = largest_micro(model, cluster, dp=dp, tp=tp, pp=pp)
-            if m_max < 1:
-                continue
-            comm = dp_comm_time(model, cluster, dp=dp, tp=tp, pp=pp)
-            r_max = cfg.max_global_batch // dp
-            if r_max < 1:
-                continue
-            j = np.arange(0, int(math.log2(r_max)) + 1)
-            i = np.arange(0, int(math.log2(min(m_max, r_max))) + 1)
-            jj, ii = np.meshgrid(j, i, indexing="ij")
-            ok = ii <= jj
-            per_rep = (2.0 ** jj[ok])
-            micro = (2.0 ** ii[ok])
-            accum = per_rep / micro
-            compute, bubble, exposed, mfu_k = step_times_grid(model, cluster, curve, dp=dp, tp=tp, pp=pp, micro=micro,
-                                                              accum=accum, overlap=cfg.overlap, comm=comm,
-                                                              peak_flops_per_s=peak)
-            overhead = (step_overhead_time(model, cluster, curve, dp=dp, tp=tp, pp=pp)
-                        + dp_bookkeeping_time(cluster, dp=dp, grad_accum_steps=accum))
-            total = compute + bubble + exposed + overhead
-            evaluated += total.size
-            for r in np.unique(per_rep):
-                sel = np.flatnonzero(per_rep == r)
-                k = sel[np.argmin(total[sel])]
-                gb = int(r) * dp
-                if gb < cfg.min_global_batch:
-                    continue
-                if gb not in best or total[k] < best[gb].total_s:
-                    best[gb] = StepTime(gpus=gpus, global_batch=gb, micro_batch=int(micro[k]),
-                                        grad_accum_steps=int(accum[k]), dp=dp, tp=tp, pp=pp,
-                                        compute_s=float(compute[k]), comm_exposed_s=float(exposed[k]),
-                                        bubble_s=float(bubble[k]), comm_total_s=comm[0], comm_how=comm[1],
-                                        mfu_kernel=float(mfu_k[k]), overhead_s=float(overhead[k]))
+            if gb not in best or total[k] < best[gb].total_s:
+                best[gb] = StepTime(gpus=gpus, global_batch=gb, micro_batch=int(micro[k]),
+                                    grad_accum_steps=int(accum[k]), dp=dp, tp=tp, pp=pp,
+                                    compute_s=float(compute[k]), comm_exposed_s=float(exposed[k]),
+                                    bubble_s=float(bubble[k]), comm_total_s=comm[0], comm_how=comm[1],
+                                    mfu_kernel=float(mfu_k[k]), overhead_s=float(overhead[k]))
     return best, evaluated
 
 
