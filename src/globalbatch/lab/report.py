@@ -40,7 +40,8 @@ from globalbatch.critical.seeds import SeedAnalysis, lr_selection_text, seed_ana
 from globalbatch.lab.report_plots import (_chosen_lr, batch_label, plot_b_crit_vs_loss, plot_batch_tradeoff,
                                          plot_loss_vs_data, plot_noise_scale, plot_steps_vs_examples)
 from globalbatch.lab.scale_section import pareto_figure, scale_section_html
-from globalbatch.lab.sweep import SweepData, analyze_sweep, analyze_sweep_seeds
+from globalbatch.lab.sweep import SweepData, analyze_sweep
+from globalbatch.lab.sweep.store import analyze_sweep_seeds_or_train
 
 __all__ = ["ReportResult", "write_report", "analysis_table", "batch_label", "render_html"]
 
@@ -518,22 +519,13 @@ def seed_analysis_or_note(run_dir: str | os.PathLike, *, settings: Optional[Anal
     """The analysis over seeds, falling back to the training read-out for a sweep without enough held-out
     evaluations (older sweeps, ``--eval-every`` runs); ``(None, why)`` when there is none. ``settings``: a
     :class:`globalbatch.critical.AnalysisSettings`; ``old``: the keywords before ``settings`` (deprecated)."""
-    from dataclasses import replace
-
     s = settings_from(settings, old, caller="seed_analysis_or_note")
     try:
-        return analyze_sweep_seeds(run_dir, settings=s)[1], None
+        _, sa, note = analyze_sweep_seeds_or_train(run_dir, s)
+        return sa, note
     except TargetNotReachedError:
         raise  # a target no batch reaches: no page to write
     except SettingError as exc:
-        if exc.field == "readout" and s.readout == "heldout":  # too few held-out evaluations
-            try:
-                _, sa = analyze_sweep_seeds(run_dir, settings=replace(s, readout="train"))
-                return sa, "this sweep has too few held-out evaluations: the analysis over seeds reads the training loss"
-            except TargetNotReachedError:
-                raise
-            except SettingError as exc2:
-                return None, f"no analysis over seeds: {exc2}"
         return None, f"no analysis over seeds: {exc}"
 
 

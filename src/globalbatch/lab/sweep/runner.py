@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -32,7 +32,7 @@ from globalbatch.lab.sweep.designs import DESIGNS
 from globalbatch.lab.sweep.halving import middle_first, probe_cells, ray_scheduler, rung_positions, run_rungs
 from globalbatch.lab.sweep.lr_edges import (BatchEdge, batch_edge_cells, edge_cells, finished_summaries, refine_cells,
                                             transfer_cells)
-from globalbatch.lab.sweep.store import analyze_sweep_seeds
+from globalbatch.lab.sweep.store import analyze_sweep_seeds, analyze_sweep_seeds_or_train
 from globalbatch.lab.sweep.timing import run_timing_pass
 from globalbatch.lab.sweep.trial import exit_if_orphaned, run_trial, trial_done
 
@@ -95,12 +95,10 @@ def _analysis_flags(out: Path, *, train_fallback: bool = False) -> tuple[
     ``train_fallback``: with too few held-out evaluations read the training loss, as the report does."""
     s = AnalysisSettings(objective="cost")
     try:
-        try:
+        if train_fallback:
+            data, sa, _ = analyze_sweep_seeds_or_train(out, s)
+        else:
             data, sa = analyze_sweep_seeds(out, settings=s)
-        except SettingError as exc:
-            if not (train_fallback and exc.field == "readout"):
-                raise
-            data, sa = analyze_sweep_seeds(out, settings=replace(s, readout="train"))
     except SettingError:  # not analysable yet (too few finished cells, no common target): the final loss decides
         return None, None, None, None
     units = data.batch_units()

@@ -246,3 +246,25 @@ def analyze_sweep_seeds(out_dir: str | os.PathLike, *, settings: Optional[Analys
         raise SettingError("run_dir", data.out_dir, "a sweep whose batches share a loss range",
                            why=str(exc)) from None
     return data, analysis
+
+
+TRAIN_FALLBACK_NOTE = "this sweep has too few held-out evaluations: the analysis over seeds reads the training loss"
+"""What a report says when :func:`analyze_sweep_seeds_or_train` fell back to the training read-out."""
+
+
+def analyze_sweep_seeds_or_train(out_dir: str | os.PathLike, settings: AnalysisSettings):
+    """:func:`analyze_sweep_seeds` at ``settings``; a held-out read-out on a sweep with too few held-out
+    evaluations (older sweeps, ``--eval-every`` runs) falls back to the training loss. Returns ``(data,
+    seed_analysis, note)``, ``note`` :data:`TRAIN_FALLBACK_NOTE` after a fallback, else None; raises what
+    :func:`analyze_sweep_seeds` raises otherwise."""
+    from dataclasses import replace
+
+    try:
+        data, sa = analyze_sweep_seeds(out_dir, settings=settings)
+        return data, sa, None
+    except SettingError as exc:
+        if exc.field != "readout" or settings.readout != "heldout":
+            raise
+    data, sa = analyze_sweep_seeds(out_dir, settings=replace(settings, readout="train"))
+    return data, sa, TRAIN_FALLBACK_NOTE
+
