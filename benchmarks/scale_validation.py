@@ -309,6 +309,12 @@ def _tinygpt_params() -> int:
     return sum(p.numel() for p in load_task("tinygpt", **DEMO_TASK).build_model(0).parameters())
 
 
+def _tinygpt_tensors() -> int:
+    from globalbatch.lab.tasks import load_task
+
+    return len(list(load_task("tinygpt", **DEMO_TASK).build_model(0).parameters()))
+
+
 # ---------------------------------------------------------------------------
 # The 2-process gloo "cluster", measured without the model (as nccl-tests measure one)
 # ---------------------------------------------------------------------------
@@ -316,7 +322,9 @@ def _tinygpt_params() -> int:
 ALLREDUCE_BYTES = (8, 1_024, 16_384, 262_144, 1_048_576, 4_194_304)
 CLUSTER_WINDOWS = (  # (name, parameter shapes, micro-batches per step, DDP bucket_cap_mb)
     ("one_1", "one", 1, 25.0), ("one_4", "one", 4, 25.0), ("eight_1bucket", "eight", 1, 25.0),
-    ("eight_8buckets", "eight", 1, 1e-9), ("big_1", "big", 1, 25.0), ("tinygpt_1", "tinygpt", 1, 25.0))
+    ("eight_8buckets", "eight", 1, 1e-9), ("sixtyfour_1", "sixtyfour", 1, 25.0), ("big_1", "big", 1, 25.0),
+    ("tinygpt_1", "tinygpt", 1, 25.0))
+TENSORS_WINDOW = 64  # one-element parameters in one bucket: DDP's cost per parameter tensor against "one"
 BIG_PARAM_ELEMENTS = 1 << 20  # one 4 MB fp32 parameter: the gradient bytes of a DDP step (its bus bandwidth)
 
 
@@ -328,7 +336,8 @@ def cluster_worker(out: str, reps: int = 40) -> None:
     * **what a data-parallel step costs beyond its collectives**: ``StepDriver`` windows whose loss is 0·Σθ on a
       module with no compute (its forward is that sum), under DDP and as a plain module (no DP) in the same two
       processes, step for step in turn: a one-parameter module with 1 and 4 micro-batches per step, eight
-      one-element parameters in one DDP bucket and in eight, one 4 MB parameter, and the tinygpt demo model's
+      one-element parameters in one DDP bucket and in eight, 64 in one bucket, one 4 MB parameter, and the tinygpt
+      demo model's
       parameter shapes (a check of the decomposition: no forward or backward of the model).
 
     Each timed step starts after a barrier; per step the slower rank. Raw seconds to ``out`` (JSON)."""
@@ -354,7 +363,8 @@ def cluster_worker(out: str, reps: int = 40) -> None:
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     tiny_shapes = [tuple(p.shape) for p in load_task("tinygpt", **DEMO_TASK).build_model(0).parameters()]
-    shapes = {"one": [(1,)], "eight": [(1,)] * 8, "big": [(BIG_PARAM_ELEMENTS,)], "tinygpt": tiny_shapes}
+    shapes = {"one": [(1,)], "eight": [(1,)] * 8, "sixtyfour": [(1,)] * TENSORS_WINDOW, "big": [(BIG_PARAM_ELEMENTS,)],
+              "tinygpt": tiny_shapes}
     res: dict = {"world": world, "allreduce": {}, "windows": {}}
     for n in ALLREDUCE_BYTES:
         t = torch.zeros(max(n // 4, 1))
@@ -394,6 +404,7 @@ def cluster_worker(out: str, reps: int = 40) -> None:
             res["windows"][f"{kind}_{name}"] = runs[kind][2]
         res.setdefault("buckets", {})[name] = len(runs["ddp"][0].reducer._get_zeros_like_grad_buckets())
     res["tinygpt_params"] = sum(math.prod(s) for s in shapes["tinygpt"])
+    res["tinygpt_tensors"] = len(shapes["tinygpt"])
     all_res: list = [None] * world
     dist.all_gather_object(all_res, res)
     if rank == 0:
@@ -451,9 +462,12 @@ def measure_cluster(path: Path, work: Path) -> dict:
 
     extra_1 = win["ddp_one_1"] - win["plain_one_1"]
     extra_4 = win["ddp_one_4"] - win["plain_one_4"]
+    extra_64 = win["ddp_sixtyfour_1"] - win["plain_sixtyfour_1"]
     dp_micro = max((extra_4 - extra_1) / 3, 0.0)
-    dp_step = max(extra_1 - modelled(1) - dp_micro, 0.0)
-    shaped_pred = win["plain_tinygpt_1"] + modelled(raw["tinygpt_params"]) + dp_step + dp_micro
+    dp_tensor = max((extra_64 - extra_1) / (TENSORS_WINDOW - 1), 0.0)  # the same bucket, 63 more tensors
+    dp_step = max(extra_1 - modelled(1) - dp_micro - dp_tensor, 0.0)
+    shaped_pred = (win["plain_tinygpt_1"] + modelled(raw["tinygpt_params"]) + dp_step + dp_micro
+                   + dp_tensor * raw["tinygpt_tensors"])
     peak = peak_flops_per_s(device="cpu", dtype="fp32")
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2
     how = "measured on this machine by benchmarks/scale_validation.py --measure-cluster"
@@ -482,10 +496,13 @@ tree_inter_latency_s: 1.0
 dp_call_overhead_s: {dp_call:.6g}
 # {how}: a one-parameter zero-loss window under DDP − the same without DP ({extra_1 * 1e3:.3f} ms),
 # − its 3 all-reduces (one bucket, the driver's two) with dp_call_overhead_s ({modelled(1) * 1e3:.3f} ms)
-# − one micro-batch's share (below)
+# − one micro-batch's and one tensor's share (below)
 dp_step_overhead_s: {dp_step:.6g}
 # {how}: (DDP − no DP with 4 micro-batches per step ({extra_4 * 1e3:.3f} ms) − the same with 1) / 3
 dp_micro_overhead_s: {dp_micro:.6g}
+# {how}: (DDP − no DP with {TENSORS_WINDOW} one-element parameters in one bucket ({extra_64 * 1e3:.3f} ms) − the same
+# with one) / {TENSORS_WINDOW - 1}: DDP's cost per parameter tensor (its autograd hook, the bucket copies)
+dp_tensor_overhead_s: {dp_tensor:.6g}
 source: "{how} ({when})"
 """
     tmp = path.with_suffix(".tmp")
@@ -493,7 +510,7 @@ source: "{how} ({when})"
     tmp.replace(path)
     return {"alpha_s": alpha, "busbw_bytes_per_s": busbw, "busbw_after_barrier_bytes_per_s": busbw_barrier,
             "dp_call_overhead_s": dp_call, "dp_step_overhead_s": dp_step,
-            "dp_micro_overhead_s": dp_micro, "buckets": raw["buckets"],
+            "dp_micro_overhead_s": dp_micro, "dp_tensor_overhead_s": dp_tensor, "buckets": raw["buckets"],
             "allreduce_s": {str(k): v for k, v in ar.items()}, "windows_s": win,
             "tinygpt_shaped_ddp_window": {"measured_s": win["ddp_tinygpt_1"], "predicted_s": shaped_pred,
                                           "without_dp_s": win["plain_tinygpt_1"]}}
@@ -524,6 +541,7 @@ def check_step_time(work: Path, steps: int = 10, cluster_file: str | None = None
     flops_per_token = max(timed, key=lambda t: t["micro_batch"])
     flops_per_token = flops_per_token["model_flops_per_step"] / flops_per_token["tokens_per_step"]
     model = ModelSpec(params=_tinygpt_params(), seq_len=64, flops_per_token=flops_per_token, grad_bytes_per_param=4.0,
+                      param_tensors=_tinygpt_tensors(),
                       precision="fp32")
     one = _run_steptime(work, 1, steps)
     two = _run_steptime(work, 2, steps)
@@ -551,7 +569,8 @@ def check_step_time(work: Path, steps: int = 10, cluster_file: str | None = None
     print(f"    cluster {cluster_file} ({'measured in this run' if measured else 'given'}): all-reduce α = "
           f"{c.base_latency_s * 1e6:.0f} µs, bus bandwidth in a DDP step {c.intra_busbw_bytes_per_s / 1e9:.2f} GB/s; data-parallel "
           f"bookkeeping {c.dp_call_overhead_s * 1e3:.2f} ms per collective + {c.dp_step_overhead_s * 1e3:.2f} ms per "
-          f"step + {c.dp_micro_overhead_s * 1e3:.3f} ms per micro-batch; probe peak {peak / 1e9:.1f} GFLOP/s")
+          f"step + {c.dp_micro_overhead_s * 1e3:.3f} ms per micro-batch + {c.dp_tensor_overhead_s * 1e6:.1f} µs per "
+          f"parameter tensor ({model.param_tensors} in tinygpt); probe peak {peak / 1e9:.1f} GFLOP/s")
     if measured:
         sh = measured["tinygpt_shaped_ddp_window"]
         print(f"    decomposition check, no model run: a zero-loss DDP window with tinygpt's {model.params:,.0f} "
@@ -584,7 +603,7 @@ def check_step_time(work: Path, steps: int = 10, cluster_file: str | None = None
     out = {"rows": rows, "cluster_file": cluster_file, "cluster_measurement": measured,
            "cluster": {"base_latency_s": c.base_latency_s, "busbw_bytes_per_s": c.intra_busbw_bytes_per_s,
                        "dp_call_overhead_s": c.dp_call_overhead_s, "dp_step_overhead_s": c.dp_step_overhead_s,
-                       "dp_micro_overhead_s": c.dp_micro_overhead_s},
+                       "dp_micro_overhead_s": c.dp_micro_overhead_s, "dp_tensor_overhead_s": c.dp_tensor_overhead_s},
            "probe_peak_flops_per_s": peak, "max_abs_error": worst, "overhead": ov,
            "overhead_2proc": ov2, "max_abs_error_from_1proc_inputs": max(abs(r["error_from_1proc_inputs"]) for r in rows),
            "load_average": [load_before, load_after],

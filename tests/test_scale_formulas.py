@@ -267,6 +267,19 @@ def test_dp_bookkeeping_is_once_per_step_plus_per_micro_batch_with_dp():
             step_time(model, C, flat, micro_batch=4, grad_accum_steps=accum, dp=1).overhead_s
     assert dp_bookkeeping_time(c, dp=2, grad_accum_steps=np.array([1.0, 8.0])) == pytest.approx([2.3e-3, 4.4e-3])
     assert dp_bookkeeping_time(c, dp=1, grad_accum_steps=8) == 0.0
+    # per parameter tensor of a rank's model (DDP's per-parameter hook), per pipeline stage
+    from globalbatch.scale.cluster import rank_param_tensors
+
+    ct = replace(c, dp_tensor_overhead_s=2e-5)
+    assert dp_bookkeeping_time(ct, dp=2, grad_accum_steps=1, param_tensors=30) == pytest.approx(2.3e-3 + 30 * 2e-5)
+    assert dp_bookkeeping_time(ct, dp=1, param_tensors=30) == 0.0
+    spec = ModelSpec(params=1e6, seq_len=8, param_tensors=30)
+    st = step_time(spec, ct, flat, micro_batch=4, grad_accum_steps=1, dp=16)
+    assert st.overhead_s == pytest.approx(step_time(ModelSpec(params=1e6, seq_len=8), ct, flat, micro_batch=4,
+                                                    grad_accum_steps=1, dp=16).overhead_s + 30 * 2e-5, rel=1e-12)
+    assert rank_param_tensors(spec, 4) == 8 and rank_param_tensors(ModelSpec(params=1e6, seq_len=8), 4) == 0
+    with pytest.raises(SettingError, match="param_tensors"):
+        ModelSpec(params=1e6, seq_len=8, param_tensors=0)
     assert all(p.dp_step_overhead_s == p.dp_micro_overhead_s == p.dp_call_overhead_s == 0.0 for p in PRESETS.values())
 
 

@@ -24,7 +24,9 @@
 * Data-parallel bookkeeping (DP > 1): what a data-parallel step costs beyond its collectives' α–β — the cluster's
   ``dp_call_overhead_s`` per collective of the step (each DDP bucket, each ZeRO/FSDP collective, StepDriver's small
   all-reduces: the wake-up of a rank that waits at a collective), ``dp_step_overhead_s`` once per step and
-  ``dp_micro_overhead_s`` per micro-batch (DDP's reducer and hooks); measured for a cluster (zero-loss windows of
+  ``dp_micro_overhead_s`` per micro-batch (DDP's reducer and hooks), ``dp_tensor_overhead_s`` per parameter tensor
+  of the rank's model (``ModelSpec.param_tensors``; DDP's per-parameter autograd hook and bucket copy); measured
+  for a cluster (zero-loss windows of
   modules without compute, DDP against no DP, ``benchmarks/scale_validation.py --measure-cluster``), 0 in the presets.
 * TP is given: its communication is inside the MFU the curve states (not modelled separately).
 * Memory bounds the micro-batch with the project's memory model (:mod:`globalbatch.plan.memory`).
@@ -103,6 +105,10 @@ class Cluster:
     dp_micro_overhead_s: float = 0.0
     """The same per micro-batch (DDP's forward hooks, ``no_sync``): measured from the windows with 4 and 1
     micro-batches; 0 in the presets."""
+    dp_tensor_overhead_s: float = 0.0
+    """The same per parameter tensor of a rank's model, once per step (DDP's per-parameter autograd hook, its copy
+    into the bucket and back): measured from windows with 64 and 1 one-element parameters; charged for the
+    model's ``param_tensors`` (per pipeline stage); 0 in the presets."""
     dp_call_overhead_s: float = 0.0
     """Seconds each collective of a data-parallel step costs beyond its α–β: a rank that reaches a collective first
     waits, and its wake-up is not in an all-reduce timed right after a barrier (α). Charged to every DDP gradient
@@ -132,6 +138,7 @@ _CLUSTER_ALLOWED = {
     "dp_step_overhead_s": "seconds ≥ 0",
     "dp_micro_overhead_s": "seconds ≥ 0",
     "dp_call_overhead_s": "seconds ≥ 0",
+    "dp_tensor_overhead_s": "seconds ≥ 0",
 }
 
 
@@ -151,7 +158,7 @@ def check_cluster(c: Cluster) -> None:
             raise SettingError(key, v, _CLUSTER_ALLOWED[key])
     for key in ("base_latency_s", "intra_hop_latency_s", "inter_hop_latency_s", "tree_intra_latency_s",
                 "tree_inter_latency_s", "dp_step_overhead_s", "dp_micro_overhead_s",
-                "dp_call_overhead_s"):
+                "dp_call_overhead_s", "dp_tensor_overhead_s"):
         v = getattr(c, key)
         if not (_num_ok(v) and v >= 0):
             raise SettingError(key, v, _CLUSTER_ALLOWED[key])
@@ -391,6 +398,9 @@ class ModelSpec:
     """Interleaved chunks per pipeline stage (v)."""
     layers: Optional[int] = None
     """Transformer layers: PP ≤ layers (None: not checked)."""
+    param_tensors: Optional[int] = None
+    """Parameter tensors of the whole model (weights and biases counted apart), for the cluster's
+    ``dp_tensor_overhead_s`` (None: not charged)."""
 
     def __post_init__(self) -> None:
         if not (_num_ok(self.params) and self.params >= 1):
@@ -409,6 +419,8 @@ class ModelSpec:
         whole(self.virtual_stages, "virtual_stages")
         if self.layers is not None:
             whole(self.layers, "layers")
+        if self.param_tensors is not None:
+            whole(self.param_tensors, "param_tensors")
 
     @property
     def tokens_per_seq(self) -> float:
@@ -476,12 +488,19 @@ def dp_comm_time(model: ModelSpec, c: Cluster, *, dp: int, tp: int, pp: int) -> 
     return rs + n_ag * ag + (1 + n_ag) * c.dp_call_overhead_s, f"reduce-scatter + {n_ag} all-gather (ring)"
 
 
-def dp_bookkeeping_time(c: Cluster, *, dp: int, grad_accum_steps: Any = 1) -> Any:
+def dp_bookkeeping_time(c: Cluster, *, dp: int, grad_accum_steps: Any = 1, param_tensors: float = 0.0) -> Any:
     """What a data-parallel step costs beyond its collectives' α–β: ``dp_step_overhead_s + grad_accum_steps ·
-    dp_micro_overhead_s`` of the cluster with DP > 1, else 0 (``grad_accum_steps`` may be an array)."""
+    dp_micro_overhead_s + param_tensors · dp_tensor_overhead_s`` of the cluster with DP > 1, else 0
+    (``grad_accum_steps`` may be an array; ``param_tensors``: the parameter tensors of one rank's model)."""
     if dp <= 1:
         return 0.0 * grad_accum_steps
-    return c.dp_step_overhead_s + c.dp_micro_overhead_s * grad_accum_steps
+    return c.dp_step_overhead_s + c.dp_micro_overhead_s * grad_accum_steps + c.dp_tensor_overhead_s * param_tensors
+
+
+def rank_param_tensors(model: "ModelSpec", pp: int) -> float:
+    """Parameter tensors of one rank's model: the model's ``param_tensors`` over the pipeline stages (TP shards each
+    tensor, it does not remove any); 0 when not given."""
+    return math.ceil(model.param_tensors / pp) if model.param_tensors else 0.0
 
 
 def step_overhead_time(model: ModelSpec, c: Cluster, curve: ThroughputCurve, *, dp: int, tp: int, pp: int) -> float:
@@ -581,7 +600,8 @@ def step_time(model: ModelSpec, c: Cluster, curve: ThroughputCurve, *, micro_bat
                     tp=tp, pp=pp, compute_s=compute, comm_exposed_s=exposed, bubble_s=bubble, comm_total_s=comm,
                     comm_how=how, mfu_kernel=mfu_k,
                     overhead_s=step_overhead_time(model, c, curve, dp=dp, tp=tp, pp=pp)
-                    + dp_bookkeeping_time(c, dp=dp, grad_accum_steps=grad_accum_steps))
+                    + dp_bookkeeping_time(c, dp=dp, grad_accum_steps=grad_accum_steps,
+                                          param_tensors=rank_param_tensors(model, pp)))
 
 
 def _exposed(comm: float, compute: float, accum: int, model: ModelSpec, overlap: float, model_parallel: int) -> float:

@@ -34,6 +34,7 @@ from globalbatch.scale.cluster import (
     dp_bookkeeping_time,
     dp_comm_time,
     largest_micro,
+    rank_param_tensors,
     step_overhead_time,
     step_times_grid,
 )
@@ -195,6 +196,7 @@ class ScaleResult:
                         "memory_bytes": c.memory_bytes, "intra_busbw_bytes_per_s": c.intra_busbw_bytes_per_s,
                         "inter_busbw_bytes_per_s": c.inter_busbw_bytes_per_s, "base_latency_s": c.base_latency_s,
                         "dp_step_overhead_s": c.dp_step_overhead_s, "dp_micro_overhead_s": c.dp_micro_overhead_s,
+                        "dp_tensor_overhead_s": c.dp_tensor_overhead_s,
                         "dp_call_overhead_s": c.dp_call_overhead_s,
                         "gpu_hour_price": c.gpu_hour_price, "source": c.source},
             "model": {"params": self.model.params, "seq_len": self.model.seq_len,
@@ -299,7 +301,8 @@ def _best_by_batch(model: ModelSpec, cluster: Cluster, curve: ThroughputCurve, c
                                                           accum=accum, overlap=cfg.overlap, comm=comm,
                                                           peak_flops_per_s=peak)
         overhead = (step_overhead_time(model, cluster, curve, dp=dp, tp=tp, pp=pp)
-                    + dp_bookkeeping_time(cluster, dp=dp, grad_accum_steps=accum))
+                    + dp_bookkeeping_time(cluster, dp=dp, grad_accum_steps=accum,
+                                          param_tensors=rank_param_tensors(model, pp)))
         total = compute + bubble + exposed + overhead
         evaluated += total.size
         for r in np.unique(per_rep):
