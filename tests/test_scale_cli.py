@@ -27,6 +27,7 @@ FILES = {
         {"micro_batch": 1, "tokens_per_step": 64, "step_time_s": 0.005, "mfu": 0.2}]})),
     "dup_key": ("c.yaml", GOOD_YAML + "memory_bytes: 80e9\n"),
     "list_key": ("c.yaml", GOOD_YAML + "? [a, b]\n: 1\n"),
+    "neg_tensor_cost": ("c.yaml", GOOD_YAML + "dp_tensor_overhead_s: -1e-5\n"),
     "probe_no_tokens": ("p.json", json.dumps({"trials": [
         {"micro_batch": 1, "tokens_per_step": None, "step_time_s": 0.005, "mfu": 0.2}]})),
     "probe_overhead_alone": ("p.json", json.dumps({"step_overhead_s": 0.01, "trials": [
@@ -55,6 +56,8 @@ CASES = [
        "--activation-bytes-per-token 1e+12 is not allowed (micro-batch 1 needs "),
     _c("yaml-duplicate-key", PRIOR + ["--cluster", "c.yaml"], "duplicate key 'memory_bytes'", "dup_key"),
     _c("yaml-list-key", PRIOR + ["--cluster", "c.yaml"], "--cluster", "list_key"),
+    _c("yaml-negative-tensor-cost", PRIOR + ["--cluster", "c.yaml"], "dp_tensor_overhead_s -1e-05 is not allowed",
+       "neg_tensor_cost"),
     # no GPU count up to --max-gpus takes the TP × PP asked (was blamed on --params)
     _c("tp-pp-over-max-gpus", PRIOR[:-1] + ["16", "--tp", "8", "--pp", "4"], "--max-gpus 16 is not allowed"),
     _c("throughput-mfu-without-tokens", PRIOR + ["--throughput", "p.json"], "--throughput", "probe_no_tokens"),

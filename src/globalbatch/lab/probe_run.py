@@ -76,9 +76,10 @@ def probe_task(
     if memory_limit_bytes is not None:  # predict before running: the memory model, fwd+bwd at 8 and 16
         from globalbatch.plan.memory import MemoryConfig, largest_micro_batch
         from globalbatch.probe.activations import measure_activations
+        from globalbatch.probe.memory import trainable_params
 
         acts = measure_activations(model, make_batch, loss_fn)
-        n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        n = trainable_params(model)
         predicted = min(largest_micro_batch(MemoryConfig(params=n, optimizer="adamw", precision="fp32"), acts,
                                             memory_limit_bytes), cap)
         predicted_note = (f"memory model: {n:,} params × 16 B (fp32 weights, AdamW) + activations "

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from globalbatch.plan.memory import Activations, activations_from_points
-from globalbatch.probe.memory import _CpuTensorPeak, _static_bytes
+from globalbatch.probe.memory import _CpuTensorPeak, _static_bytes, trainable_params
 
 DEFAULT_POINTS = (8, 16)
 
@@ -54,7 +54,7 @@ def measure_activations(model: nn.Module, make_batch: Callable[[int], Any],
     The formula part of each peak is the model's parameter bytes (measured, buffers included)
     plus fp32 gradients of the trainable parameters; the rest of the intercept is the workspace.
     """
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = trainable_params(model)
     formula = _static_bytes(model) + 4 * trainable
     peaks = [(int(s), float(forward_backward_peak(model, make_batch(int(s)), loss_fn))) for s in points]
     return activations_from_points(peaks, formula_static_bytes=formula,

@@ -212,6 +212,11 @@ def _reset_peak_rss() -> None:
         fh.write("5")
 
 
+def trainable_params(model: nn.Module) -> int:
+    """Elements of the parameters that require a gradient: what an optimizer step updates."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def _static_bytes(model: nn.Module) -> int:
     seen: set[int] = set()
     total = 0

@@ -245,7 +245,7 @@ def probe_model(
             runner, max_micro_batch=max_micro_batch, start_micro_batch=start_micro_batch,
             memory_limit_bytes=memory_limit_bytes, tolerance=tolerance,
             use_memory_model=use_memory_model, global_batch=global_batch, dp_world_size=dp_world_size)
-    return dataclasses.replace(result, params=sum(p.numel() for p in model.parameters() if p.requires_grad))
+    return dataclasses.replace(result, params=memory.trainable_params(model))
 
 
 probe = probe_model
