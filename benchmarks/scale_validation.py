@@ -5,7 +5,8 @@
 2. Step time: predicted (probe-measured MFU curve + the per-step overhead measured without data + the 2-process
    gloo cluster measured without the model: all-reduce α–β and the data-parallel bookkeeping, written as a
    ``--cluster`` YAML) vs measured step time of tinygpt on 1 and 2 gloo processes at several (micro, accum)
-   geometries; the 2-process rows from a probe and an overhead measured as 2 processes at once.
+   geometries; the 2-process rows from a probe and an overhead measured as 2 processes at once; inputs and windows
+   in ``--rounds`` interleaved rounds, each side the median over them (this VM's speed wanders within seconds).
 3. Llama 3 405B (arXiv 2407.21783 Table 4): TP 8, PP 16, DP 64 → 128, sequence 8,192, 16M-token batch;
    one efficiency constant (the kernel MFU) set at 8,192 GPUs, the MFU at 16,384 predicted.
 4. A ramp, run: the ramp ``scale`` proposes for the demo target on this CPU, trained through StepDriver's batch
@@ -215,20 +216,27 @@ def _concurrent(cmds: list[list[str]], timeout: int) -> list[str]:
     return outs
 
 
-def _calibrated_probe(work: Path, probe_path: Path, procs: int = 1) -> tuple[Path, dict]:
-    """``probe.json`` with the measured per-step overhead (``optimizer_step_s``, ``step_overhead_s``,
-    ``overhead_params``): what :func:`globalbatch.scale.mfu_curve_from_probe` reads. ``procs`` > 1: measured in
-    that many processes at once, the slower one's numbers."""
-    outs = [work / f"overhead_{procs}_{i}.json" for i in range(procs)]
+def _overhead_once(work: Path, procs: int, tag: str) -> dict:
+    """The per-step overhead (``optimizer_step_s``, ``step_overhead_s``, ``overhead_params``) measured by ``procs``
+    processes at once: the slower one's numbers."""
+    outs = [work / f"overhead_{procs}_{tag}_{i}.json" for i in range(procs)]
     _concurrent([[sys.executable, str(Path(__file__).resolve()), "--overhead-worker", str(o)] for o in outs], 600)
     runs = [json.loads(o.read_text()) for o in outs]
     ov = {k: max(r[k] for r in runs) for k in ("optimizer_step_s", "step_overhead_s")}
     ov["overhead_params"] = runs[0]["overhead_params"]
-    path = work / f"probe_calibrated_{procs}.json"
-    data = json.loads(probe_path.read_text())
-    data.update({k: ov[k] for k in ("optimizer_step_s", "step_overhead_s", "overhead_params")})
+    return ov
+
+
+def _calibrated_probe(work: Path, probe_runs: list[dict], overheads: list[dict], procs: int, tag: str) -> Path:
+    """``probe.json`` with the per-step overhead: what :func:`globalbatch.scale.mfu_curve_from_probe` reads. Each
+    probe size's median run over ``probe_runs`` and each overhead's median over ``overheads``: one run's reading is
+    already a median over its steps; across runs, the median keeps one lucky or crowded run from deciding."""
+    path = _combine_probes(probe_runs, work / f"probe_calibrated_{procs}_{tag}.json", pick="median")
+    data = json.loads(path.read_text())
+    data.update({k: statistics.median_low([o[k] for o in overheads]) for k in ("optimizer_step_s", "step_overhead_s")},
+                overhead_params=overheads[0]["overhead_params"])
     path.write_text(json.dumps(data))
-    return path, ov
+    return path
 
 
 def _least_contended(step_s: list[float], group: int = 5) -> float:
@@ -238,41 +246,49 @@ def _least_contended(step_s: list[float], group: int = 5) -> float:
     return min(meds) if meds else statistics.median(step_s)
 
 
-def _run_probe(work: Path, repeats: int = 3, procs: int = 1) -> Path:
-    """``globalbatch probe --json`` ``repeats`` times; ``probe.json`` keeps each size's fastest step (the least
-    contended reading on a shared machine) with its MFU against the largest measured peak. ``procs`` > 1: each
-    repeat runs that many probes at once (the ranks of a ``procs``-process job share this machine's cores, memory
-    bandwidth and caches: that is the device a rank has), each size's time the slower probe's (a DDP step waits
-    for the slower rank)."""
-    path = work / ("probe.json" if procs == 1 else f"probe_{procs}proc.json")
-    if path.exists():
-        return path
-    runs = []
+def _probe_once(procs: int = 1) -> dict:
+    """One ``globalbatch probe --json`` run; ``procs`` > 1: that many probes at once (the ranks of a ``procs``-process
+    job share this machine's cores, memory bandwidth and caches: that is the device a rank has), each size's trial
+    the slower probe's (a DDP step waits for the slower rank)."""
     cmd = [sys.executable, "-m", "globalbatch.cli", "probe", "--device", "cpu", "--max-micro-batch", "32",
            "--steps-per-trial", "8", "--json"] + [x for k, v in DEMO_TASK.items() for x in ("--task-arg", f"{k}={v}")]
-    for _ in range(repeats):
-        outs = [json.loads(o) for o in _concurrent([cmd] * procs, 900)]
-        slower = dict(outs[0], trials=[max((next(t for t in o["trials"] if t["micro_batch"] == t0["micro_batch"])
-                                            for o in outs), key=lambda t: t.get("step_time_s") or 0.0)
-                                       for t0 in outs[0]["trials"]])
-        runs.append(slower)
+    outs = [json.loads(o) for o in _concurrent([cmd] * procs, 900)]
+    return dict(outs[0], trials=[max((next(t for t in o["trials"] if t["micro_batch"] == t0["micro_batch"])
+                                      for o in outs), key=lambda t: t.get("step_time_s") or 0.0)
+                                 for t0 in outs[0]["trials"]])
+
+
+def _combine_probes(runs: list[dict], path: Path, pick: str = "fastest") -> Path:
+    """Write ``path``: each size's trial from the probe ``runs`` — the fastest (the least contended reading on a
+    shared machine) or, ``pick="median"``, the median run's (the lower one of an even count) — with its MFU against
+    the largest measured peak, and every run's step time per size."""
     peak = max(r["peak_flops_per_s"] for r in runs)
-    best: dict[int, dict] = {}
+    by_size: dict[int, list[dict]] = {}
     for r in runs:
         for t in r["trials"]:
-            if t.get("step_time_s") and (t["micro_batch"] not in best or t["step_time_s"] < best[t["micro_batch"]]["step_time_s"]):
-                best[t["micro_batch"]] = dict(t)
+            if t.get("step_time_s"):
+                by_size.setdefault(t["micro_batch"], []).append(dict(t))
+    best = {m: sorted(ts, key=lambda t: t["step_time_s"])[0 if pick == "fastest" else (len(ts) - 1) // 2]
+            for m, ts in by_size.items()}
     for t in best.values():
         t["mfu"] = t["model_flops_per_step"] / (t["step_time_s"] * peak) if t.get("model_flops_per_step") else None
-    out = dict(runs[0], trials=[best[m] for m in sorted(best)], peak_flops_per_s=peak, repeats=repeats,
+    out = dict(runs[0], trials=[best[m] for m in sorted(best)], peak_flops_per_s=peak, repeats=len(runs),
                step_times_s={str(m): [next((t["step_time_s"] for t in r["trials"] if t["micro_batch"] == m), None)
                                       for r in runs] for m in sorted(best)})
     path.write_text(json.dumps(out))
     return path
 
 
-def _run_steptime(work: Path, nproc: int, steps: int) -> dict:
-    out = work / f"steptime_{nproc}.json"
+def _run_probe(work: Path, repeats: int = 3, procs: int = 1) -> Path:
+    """``probe.json`` (kept in ``work``): each size's fastest step over ``repeats`` probe runs."""
+    path = work / ("probe.json" if procs == 1 else f"probe_{procs}proc.json")
+    if path.exists():
+        return path
+    return _combine_probes([_probe_once(procs) for _ in range(repeats)], path)
+
+
+def _run_steptime(work: Path, nproc: int, steps: int, tag: str = "") -> dict:
+    out = work / f"steptime_{nproc}{tag}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(Path(__file__).resolve()), "--steptime-worker", str(out), "--steps", str(steps)]
     out.unlink(missing_ok=True)
@@ -516,25 +532,54 @@ source: "{how} ({when})"
                                           "without_dp_s": win["plain_tinygpt_1"]}}
 
 
-def check_step_time(work: Path, steps: int = 10, cluster_file: str | None = None) -> dict:
+def _merge_steptimes(runs: list[dict]) -> dict:
+    """One step-time result from several interleaved runs: per geometry every step, the median of all of them, and
+    the median over the runs of each run's least contended reading (its fastest median of a group of steps)."""
+    out = dict(runs[0], geometries=[])
+    for i, g in enumerate(runs[0]["geometries"]):
+        per_run = [r["geometries"][i] for r in runs]
+        steps = [x for gr in per_run for x in gr["step_s_all"]]
+        out["geometries"].append(dict(g, step_s_all=steps, step_s=statistics.median(steps),
+                                      step_s_min=statistics.median_low([gr["step_s_min"] for gr in per_run]),
+                                      step_s_min_per_round=[gr["step_s_min"] for gr in per_run]))
+    return out
+
+
+def check_step_time(work: Path, steps: int = 10, cluster_file: str | None = None, rounds: int = 5) -> dict:
     from globalbatch.scale import ModelSpec, load_cluster, mfu_curve_from_probe, step_time
 
     load_before = os.getloadavg()[0]
     # the inputs, measured without running any of the compared windows: the cluster (gloo's all-reduce and what a
     # data-parallel step costs beyond it, from windows without a model), the probe's MFU curve and the per-step
-    # overhead, each measured alone (for 1-process rows) and as 2 processes at once (for 2-process rows)
+    # overhead, each measured alone (for 1-process rows) and as 2 processes at once (for 2-process rows).
+    # The machine's speed drifts by more than the goal over a minute (other tenants, caches, frequency), so the
+    # inputs and the compared windows are measured in interleaved rounds — probe, overhead, windows; 1 process,
+    # then 2 — and both sides keep their least contended reading over the same rounds.
     measured = None
     if cluster_file is None:
         cluster_file = str(work / "gloo_cluster.yaml")
         measured = measure_cluster(Path(cluster_file), work)
     cluster = load_cluster(cluster_file)
-    inputs = {}
-    for procs in (1, 2):
-        probe_path = _run_probe(work, procs=procs)
-        calibrated, ov_p = _calibrated_probe(work, probe_path, procs)
-        inputs[procs] = (mfu_curve_from_probe(str(calibrated)), json.loads(calibrated.read_text())["peak_flops_per_s"],
-                         ov_p)
-    probe = json.loads(_run_probe(work).read_text())
+    probes: dict[int, list[dict]] = {1: [], 2: []}
+    overheads: dict[int, list[dict]] = {1: [], 2: []}
+    windows: dict[int, list[dict]] = {1: [], 2: []}
+    for r in range(rounds):
+        for procs in (1, 2):
+            probes[procs].append(_probe_once(procs))
+            overheads[procs].append(_overhead_once(work, procs, f"r{r}"))
+            windows[procs].append(_run_steptime(work, procs, steps, tag=f"_r{r}"))
+
+    def inputs_of(procs: int, which: list[int], tag: str):
+        path = _calibrated_probe(work, [probes[procs][i] for i in which], [overheads[procs][i] for i in which],
+                                 procs, tag)
+        return mfu_curve_from_probe(str(path)), json.loads(path.read_text())["peak_flops_per_s"], \
+            {k: statistics.median_low([overheads[procs][i][k] for i in which]) for k in overheads[procs][0]}
+
+    everything = list(range(rounds))
+    inputs = {procs: inputs_of(procs, everything, "all") for procs in (1, 2)}
+    per_round_inputs = {procs: [inputs_of(procs, [r], f"r{r}") for r in everything] for procs in (1, 2)}
+    probe = json.loads(_combine_probes(probes[1], work / "probe.json").read_text())
+    _combine_probes(probes[2], work / "probe_2proc.json")
     peak = probe["peak_flops_per_s"]
     ov = inputs[1][2]
     timed = [t for t in probe["trials"] if t.get("model_flops_per_step") and t.get("tokens_per_step")]
@@ -543,8 +588,7 @@ def check_step_time(work: Path, steps: int = 10, cluster_file: str | None = None
     model = ModelSpec(params=_tinygpt_params(), seq_len=64, flops_per_token=flops_per_token, grad_bytes_per_param=4.0,
                       param_tensors=_tinygpt_tensors(),
                       precision="fp32")
-    one = _run_steptime(work, 1, steps)
-    two = _run_steptime(work, 2, steps)
+    one, two = _merge_steptimes(windows[1]), _merge_steptimes(windows[2])
     load_after = os.getloadavg()[0]
     rows = []
     for world, run in ((1, one), (2, two)):
@@ -556,7 +600,13 @@ def check_step_time(work: Path, steps: int = 10, cluster_file: str | None = None
             alone = step_time(model, cluster, inputs[1][0], micro_batch=g["micro_batch"],
                               grad_accum_steps=g["grad_accum_steps"], dp=world, overlap=0.0,
                               peak_flops_per_s=inputs[1][1])
+            # the same row, each round's inputs against that round's windows: the spread the machine's drift makes
+            by_round = [step_time(model, cluster, per_round_inputs[world][r][0], micro_batch=g["micro_batch"],
+                                  grad_accum_steps=g["grad_accum_steps"], dp=world, overlap=0.0,
+                                  peak_flops_per_s=per_round_inputs[world][r][1]).total_s / g["step_s_min_per_round"][r] - 1
+                        for r in everything]
             rows.append({"processes": world, "micro_batch": g["micro_batch"], "grad_accum_steps": g["grad_accum_steps"],
+                         "error_per_round": by_round,
                          "predicted_s": st.total_s, "compute_s": st.compute_s, "comm_s": st.comm_exposed_s,
                          "overhead_s": st.overhead_s, "predicted_from_1proc_inputs_s": alone.total_s,
                          "measured_s": g["step_s_min"], "measured_median_s": g["step_s"],
@@ -589,16 +639,19 @@ def check_step_time(work: Path, steps: int = 10, cluster_file: str | None = None
     print("    1-process rows: probe and overhead measured alone; 2-process rows: both measured as 2 processes at once "
           "(each rank's core shares the machine with the other rank); 'alone' = the 2-process row predicted from the "
           "1-process inputs")
-    print("    both sides the least contended reading: each probe size's fastest of 3 probe runs (each the median of 8 "
-          "steps); each geometry's fastest median of 4 groups of 5 timed steps (per step the slower rank); the median "
-          "of all its steps is shown too")
+    print(f"    {rounds} interleaved rounds (each: probe, overhead, windows; 1 process, then 2); both sides the median "
+          f"over the same rounds of one reading per round: each probe size's median of 8 steps and the overhead's "
+          f"median of 60; each geometry's fastest median of groups of 5 timed steps ({steps} steps per round; per step "
+          "the slower rank); the median of all its steps is shown too; 'rounds' = each round's inputs against that "
+          "round's windows alone (the machine's drift)")
     print(f"    {'procs':>5} {'micro':>5} {'accum':>5} {'predicted':>10} {'(compute + comm + overhead)':>28} "
-          f"{'measured':>10} {'median':>9} {'error':>7} {'alone':>7}")
+          f"{'measured':>10} {'median':>9} {'error':>7} {'alone':>7}  rounds")
     for r in rows:
         print(f"    {r['processes']:5d} {r['micro_batch']:5d} {r['grad_accum_steps']:5d} {r['predicted_s'] * 1e3:8.1f}ms "
               f"({r['compute_s'] * 1e3:6.1f} + {r['comm_s'] * 1e3:4.1f} + {r['overhead_s'] * 1e3:4.1f} ms) "
               f"{r['measured_s'] * 1e3:8.1f}ms "
-              f"{r['measured_median_s'] * 1e3:7.1f}ms {r['error']:+7.1%} {r['error_from_1proc_inputs']:+7.1%}")
+              f"{r['measured_median_s'] * 1e3:7.1f}ms {r['error']:+7.1%} {r['error_from_1proc_inputs']:+7.1%}  "
+              + " ".join(f"{e:+.0%}" for e in r["error_per_round"]))
     worst = max(abs(r["error"]) for r in rows)
     out = {"rows": rows, "cluster_file": cluster_file, "cluster_measurement": measured,
            "cluster": {"base_latency_s": c.base_latency_s, "busbw_bytes_per_s": c.intra_busbw_bytes_per_s,
@@ -607,8 +660,11 @@ def check_step_time(work: Path, steps: int = 10, cluster_file: str | None = None
            "probe_peak_flops_per_s": peak, "max_abs_error": worst, "overhead": ov,
            "overhead_2proc": ov2, "max_abs_error_from_1proc_inputs": max(abs(r["error_from_1proc_inputs"]) for r in rows),
            "load_average": [load_before, load_after],
-           "median_abs_error": statistics.median(abs(r["error"]) for r in rows), "pass": worst <= 0.20}
-    print(f"    max |error| {worst:.1%}, median {out['median_abs_error']:.1%}: {'PASS' if out['pass'] else 'FAIL'} (≤ 20 %)")
+           "median_abs_error": statistics.median(abs(r["error"]) for r in rows), "rounds": rounds,
+           "max_abs_error_per_round": [max(abs(r["error_per_round"][i]) for r in rows) for i in everything],
+           "pass": worst <= 0.20}
+    print(f"    max |error| {worst:.1%}, median {out['median_abs_error']:.1%}: {'PASS' if out['pass'] else 'FAIL'} (≤ 20 %); "
+          "each round alone: max |error| " + ", ".join(f"{e:.1%}" for e in out["max_abs_error_per_round"]))
     return out
 
 
@@ -899,7 +955,8 @@ def main() -> None:
     ap.add_argument("--checks", default="1,2,3,4,5,T")
     ap.add_argument("--work", default="/tmp/scale_validation")
     ap.add_argument("--out", default=None, help="Write the results as JSON here.")
-    ap.add_argument("--steps", type=int, default=20, help="Timed steps per geometry (check 2).")
+    ap.add_argument("--steps", type=int, default=20, help="Timed steps per geometry and round (check 2).")
+    ap.add_argument("--rounds", type=int, default=5, help="Interleaved measurement rounds (check 2).")
     ap.add_argument("--cluster", default=None, help="Check 2: this cluster description (YAML) instead of measuring one.")
     ap.add_argument("--measure-cluster", default=None, metavar="FILE.yaml",
                     help="Only measure the 2-process gloo cluster and write its description here.")
@@ -928,7 +985,7 @@ def main() -> None:
         if not (Path(sweep) / "report").exists():
             subprocess.run([sys.executable, "-m", "globalbatch.cli", "demo", "--out", sweep], env=_env(), check=True)
     results: dict = {}
-    for name, fn in (("1", lambda: check_lobo(sweep)), ("2", lambda: check_step_time(work, args.steps, args.cluster)),
+    for name, fn in (("1", lambda: check_lobo(sweep)), ("2", lambda: check_step_time(work, args.steps, args.cluster, args.rounds)),
                      ("3", check_llama3), ("4", lambda: check_ramp(sweep, work)), ("5", lambda: check_timing(sweep)),
                      ("T", lambda: check_transfer(sweep, args.sweep2) if args.sweep2 else None)):
         if name in checks:
