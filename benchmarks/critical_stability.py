@@ -65,6 +65,32 @@ def config_for(task: str, preset: str = "demo"):
     return dataclasses.replace(demo_config(), **PRESETS[preset])
 
 
+def spread_from_noise(st, goal: float = 1.6, draws: int = 20_000) -> str:
+    """How much of a target's seed-to-seed B_crit spread each seed's own estimation noise explains: Cochran's Q of
+    the seeds' ln B_crit with their fits' SEs (χ² with K − 1 dof under one B_crit shared by the seeds), and the
+    max/min that K estimates with exactly these SEs of one shared value give (Monte Carlo): its median and
+    P(≤ ``goal``). "" when fewer than 2 seeds have a point estimate with an SE."""
+    import numpy as np
+    from scipy import stats
+
+    pooled = st.pooled
+    if pooled is None:
+        return ""
+    seeds = [s for s, v in st.b_crit_per_seed.items() if v is not None and pooled.se_log_b_crit.get(s)]
+    if len(seeds) < 2:
+        return ""
+    x = np.log([st.b_crit_per_seed[s] for s in seeds])
+    se = np.array([pooled.se_log_b_crit[s] for s in seeds])
+    w = 1 / se ** 2
+    q = float(np.sum(w * (x - np.sum(w * x) / np.sum(w)) ** 2))
+    p = float(stats.chi2.sf(q, len(seeds) - 1))
+    sim = np.random.default_rng(0).normal(0.0, se, size=(draws, len(seeds)))
+    ratio = np.exp(sim.max(axis=1) - sim.min(axis=1))
+    return (f"estimation noise alone (seeds' SE of ln B_crit {', '.join(f'{v:.2f}' for v in se)}): max/min median "
+            f"{np.median(ratio):.2f}, P(≤ {goal:g}) {np.mean(ratio <= goal):.0%}; Cochran's Q {q:.1f} on "
+            f"{len(seeds) - 1} dof, p = {p:.2f} ({'the seeds differ beyond their noise' if p < 0.05 else 'no spread beyond the noise'})")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--task", choices=("tinygpt", "mnist"), default="tinygpt")
@@ -146,6 +172,9 @@ def main(argv=None) -> int:
             own_ratio = f"{max(own) / min(own):.2f} ({len(own)} seeds)" if len(own) >= 2 else "–"
             print(f"; max/min {ratio:.2f} (goal ≤ 1.6); joint {j}; {len(vals)}/{len(st.b_crit_per_seed)} seeds fitted"
                   f"\n    {st.pooling_text}; per-seed fits' own max/min {own_ratio}")
+            noise = spread_from_noise(st)
+            if noise:
+                print(f"    {noise}")
         from globalbatch.critical.seed_targets import pooling_summary
 
         print(pooling_summary(sa.targets))
