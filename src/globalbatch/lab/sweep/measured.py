@@ -18,13 +18,12 @@ reference's). ``branch``: the branch test at several points of one base run (``b
 in the checkpoint instead of divided by k; ``split``: only their noise share divided by k; ``wf``: each window that
 fraction of its point; ``lr``: the base run's LR).
 
-The run directories the recorded commands name: ``runs/critical_cost_full_tinygpt``, the full 5-seed demo tinygpt
-sweep (114 trials; ignored by git, kept on the machine that measured it); ``/tmp/h6b/mnist_ref``, a copy of
-``runs/critical_stability_mnist`` (160 trials); the repetitions, copies of ``runs/critical_cost_{task}*`` (the
-narrow and seeds designs' from the runs that first measured them), ``runs/critical_cost_{task}_wf1_split`` and ``_p7``. The
-commands ran from a ``git archive`` of commit c7ff8df (the committed code, without uncommitted work in the tree;
-the ``points7`` rows with the benchmarks of 16c97de, which only name such a row). Later read-outs (the shared-S_min
-fit, the batch-edge extension) read the references differently: re-record before relying on a ``holds``.
+The run directories the recorded commands name (ignored by git, kept on the machine that measured them): the
+references ``/tmp/s9/ref_tinygpt`` (the full 5-seed demo tinygpt sweep, ``runs/critical_cost_full_tinygpt``
+completed under the current code: 120 trials) and ``/tmp/s9/ref_mnist`` (``runs/critical_stability_mnist`` with its
+batch-edge cells: 190 trials); the sweep designs' repetitions ``/tmp/s9/cost_{task}`` (completed under the current
+code: the narrow designs' transferred cells rerun with the LR the analysis chooses); the branch designs' in
+``/tmp/h6b`` and ``runs/critical_cost_*``. Every row was read by the code of commit bcd95a5.
 """
 
 from __future__ import annotations
