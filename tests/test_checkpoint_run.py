@@ -79,6 +79,24 @@ def test_a_file_that_is_no_checkpoint_is_one_line_before_anything_is_restored(tm
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and d.optimizer_steps == 0
 
 
+@pytest.mark.parametrize("where, why", [
+    (f"cuda:{torch.cuda.device_count()}", "this machine has"),  # one past the last CUDA device (cuda:0 on a CPU)
+    ("nonsense", "not a torch device"),
+])
+def test_a_map_location_this_machine_lacks_is_named_not_blamed_on_the_file(tmp_path, where, why):
+    from globalbatch.errors import SettingError
+
+    model, _, d = _driver()
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, d)
+    with pytest.raises(SettingError) as exc:
+        load_checkpoint(path, d, map_location=where)
+    line = str(exc.value)
+    assert line.startswith(f"map_location {where!r} is not allowed ({why}") and "\n" not in line
+    assert "save_checkpoint" not in line
+    load_checkpoint(path, d, map_location=torch.device("cpu"))  # a device it has: loads
+
+
 def test_a_checkpoint_of_the_old_schedules_resumes_under_the_new_names(tmp_path):
     """Written with TokenLRSchedule(unit="token") (the old names): the same run now, with LRSchedule and one unit."""
     import warnings

@@ -233,10 +233,31 @@ _SAVED = ("model", "optimizer", "driver")
 """What every :func:`save_checkpoint` file holds."""
 
 
+def _check_map_location(map_location: Any) -> None:
+    """A device named by ``map_location`` (a string or ``torch.device``) must exist here: otherwise a one-line
+    :class:`SettingError` naming ``map_location``, not the file (dicts and functions are torch's to check)."""
+    if not isinstance(map_location, (str, torch.device)):
+        return
+    allowed = "'cpu' or a device this machine has (cuda:0 … cuda:N−1, mps), a dict or a function"
+    try:
+        device = torch.device(map_location)
+    except (RuntimeError, ValueError):
+        raise SettingError("map_location", Raw(repr(map_location)), allowed, why="not a torch device") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (device.index is not None and device.index >= count):
+            raise SettingError("map_location", Raw(repr(map_location)), allowed,
+                               why=f"this machine has {count} CUDA device(s)")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise SettingError("map_location", Raw(repr(map_location)), allowed, why="MPS is not available here")
+
+
 def _read(path: str | os.PathLike, map_location: Any) -> dict[str, Any]:
     """The checkpoint's dict (``weights_only=True``); a file that is not one is a one-line :class:`SettingError`
-    before anything is restored (never torch's advice to load it with ``weights_only=False``)."""
+    before anything is restored (never torch's advice to load it with ``weights_only=False``); so is a
+    ``map_location`` device this machine does not have."""
     allowed = "a file written by globalbatch.save_checkpoint"
+    _check_map_location(map_location)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except OSError:  # missing, a directory, no permission: the OS's own error
