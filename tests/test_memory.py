@@ -216,3 +216,36 @@ def test_plan_memory_bad_flags_are_one_line_exit_2(capsys, args, flag):
     assert res.stdout == ""  # checked before anything is printed
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and flag in lines[0], res.stderr
+
+
+def test_adafactor_state_of_one_pipeline_stage_is_that_stages_matrices():
+    """Adafactor's factored state (rows + cols per matrix) of one stage: the shapes are cut into contiguous stages of
+    about equal parameter counts and the heaviest stage's state is the device's, not the whole model's."""
+    from globalbatch.plan.memory import one_pipeline_stage, optimizer_state_elements, stage_shapes
+
+    shapes = ((1000, 64), (64,), (64, 64), (64,), (64, 1000))  # embedding, norm, block, norm, head
+    n = sum(math.prod(s) for s in shapes)
+    cfg = MemoryConfig(params=n, optimizer="adafactor", param_shapes=shapes)
+    stages = stage_shapes(shapes, 2)
+    assert sum(stages, ()) == shapes  # every shape in one stage, in order
+    assert stages == [shapes[:2], shapes[2:]]  # midpoints 32,000 and 64,032 of 132,224 → stage 0; the rest → 1
+    one = one_pipeline_stage(cfg, 2)
+    assert one.params == -(-n // 2) and one.param_shapes == shapes[2:]
+    whole = optimizer_state_elements(cfg)[0]
+    assert whole == (1000 + 64) + 64 + (64 + 64) + 64 + (64 + 1000)
+    assert optimizer_state_elements(one)[0] == (64 + 64) + 64 + (64 + 1000) < whole  # stage 1: 1,256 of 2,384
+    assert one_pipeline_stage(cfg, 1) is cfg
+    assert len(stage_shapes(shapes, 8)) == 8 and sum(stage_shapes(shapes, 8), ()) == shapes  # empty stages allowed
+    adam = one_pipeline_stage(MemoryConfig(params=n, optimizer="adamw", param_shapes=shapes), 4)
+    assert optimizer_state_elements(adam)[0] == 2 * -(-n // 4)  # count-based optimizers: ⌈N / p⌉
+
+
+def test_plan_memory_with_a_task_counts_adafactor_per_pipeline_stage(capsys):
+    args = ["plan", "--memory", "8GiB", "--task", "tinygpt", "--task-arg", "max_corpus_bytes=200000",
+            "--optimizer", "adafactor", "--json"]
+    one = _run(capsys, args)
+    two = _run(capsys, args + ["--pp-stages", "2"])
+    assert one.exit_code == 0 and two.exit_code == 0, (one.output, two.output)
+    s1 = json.loads(one.stdout)["memory"]["breakdown"]["optimizer_states_bytes"]
+    s2 = json.loads(two.stdout)["memory"]["breakdown"]["optimizer_states_bytes"]
+    assert 0 < s2 < s1  # the whole model's factored state was counted on each stage

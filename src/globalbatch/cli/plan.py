@@ -323,11 +323,11 @@ def _memory_section(inputs: tuple, micro_batch: Optional[int], *, dp_world_size:
     """The memory section on ``dp_world_size`` ranks (the plan's: a ``--config`` file's included) and per pipeline
     stage (``ceil(params / pp_stages)``; the activations stay the whole model's per sample: under 1F1B the first
     stage holds p micro-batches of 1/p of the layers)."""
-    from ..plan.memory import memory_report
+    from ..plan.memory import memory_report, one_pipeline_stage
 
     device_bytes, cfg, acts = inputs
     pp = pp_stages or 1
-    cfg = dataclasses.replace(cfg, dp_world_size=dp_world_size or cfg.dp_world_size, params=-(-cfg.params // pp))
+    cfg = one_pipeline_stage(dataclasses.replace(cfg, dp_world_size=dp_world_size or cfg.dp_world_size), pp)
     return memory_report(cfg, acts, device_bytes, micro_batch=micro_batch, pp_stages=pp)
 
 

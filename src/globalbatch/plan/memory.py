@@ -37,14 +37,14 @@ change of optimizer, precision, sharding or device can be predicted before runni
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional, Sequence
 
 from globalbatch._util import SettingError
 
 __all__ = ["OPTIMIZER_STATES", "PRECISIONS", "SHARDINGS", "MemoryConfig", "MemoryBreakdown", "Activations",
            "activations_from_points", "optimizer_state_elements", "static_bytes", "breakdown",
-           "largest_micro_batch", "memory_report", "check_memory_config"]
+           "largest_micro_batch", "memory_report", "check_memory_config", "stage_shapes", "one_pipeline_stage"]
 
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "lars": 1, "lamb": 2, "sgd-plain": 0, "sgd-momentum": 1, "adafactor": None}
 """fp32 state elements per parameter; None: factored (depends on the shapes)."""
@@ -236,6 +236,33 @@ def largest_micro_batch(cfg: MemoryConfig, activations: Activations, device_byte
                            "a number > 0 (activations grow with the batch)")
     # Half a byte of slack (as the probe's line): a budget exactly at a boundary fits, one byte below does not.
     return int(math.floor((free + min(0.5, 0.5 * per_sample)) / per_sample))
+
+
+def stage_shapes(shapes: Sequence[tuple[int, ...]], pp_stages: int) -> list[tuple[tuple[int, ...], ...]]:
+    """The parameter shapes cut into ``pp_stages`` contiguous stages of about equal parameter counts, in the model's
+    parameter order (which follows its layers): a shape goes to stage ⌊p · m / N⌋, m the midpoint of its elements
+    in the running count, N all elements."""
+    sizes = [math.prod(sh) for sh in shapes]
+    total = sum(sizes) or 1
+    stages: list[list[tuple[int, ...]]] = [[] for _ in range(pp_stages)]
+    seen = 0
+    for sh, n in zip(shapes, sizes):
+        stages[min(pp_stages - 1, int(pp_stages * (seen + n / 2) / total))].append(tuple(sh))
+        seen += n
+    return [tuple(st) for st in stages]
+
+
+def one_pipeline_stage(cfg: MemoryConfig, pp_stages: int) -> MemoryConfig:
+    """What one device of a ``pp_stages``-stage pipeline holds: ⌈N / p⌉ parameters and, with shapes, those of the
+    stage (:func:`stage_shapes`) whose optimizer state is the largest (adafactor's factored state depends on which
+    matrices a stage has; the other optimizers' on the count alone)."""
+    if pp_stages == 1:
+        return cfg
+    shapes = cfg.param_shapes
+    if shapes is not None:
+        shapes = max(stage_shapes(shapes, pp_stages),
+                     key=lambda st: optimizer_state_elements(replace(cfg, param_shapes=st))[0])
+    return replace(cfg, params=-(-cfg.params // pp_stages), param_shapes=shapes)
 
 
 def memory_report(cfg: MemoryConfig, activations: Activations, device_bytes: float,
