@@ -202,6 +202,39 @@ def test_held_out_batches_are_collated_once_and_equal_a_fresh_collation():
         assert torch.equal(kept[j // 7]["labels"][j % 7, :n], other["labels"][j, :n])
 
 
+def test_held_out_batches_first_read_in_inference_mode_serve_autograd_and_threads():
+    """Kept batches first collated under inference mode are ordinary tensors (a later backward through them works),
+    and readers on several threads get one kept copy of each batch."""
+    import threading
+
+    task = load_task("tinygpt", **SMALL_GPT)
+    with torch.inference_mode():
+        first = next(iter(task.val_batches(5)))
+    assert not first["input_ids"].is_inference() and not first["labels"].is_inference()
+    model = task.build_model(0)
+    loss, n = task.loss_sum(model, first)  # outside inference mode: autograd saves the kept tensors
+    loss.backward()
+    assert n > 0 and all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+    other = load_task("tinygpt", **SMALL_GPT)
+    reads: list[list[dict]] = [[] for _ in range(4)]
+    start = threading.Barrier(4)
+
+    def read(k: int) -> None:
+        start.wait()
+        reads[k] = list(other.val_batches(3))
+
+    threads = [threading.Thread(target=read, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    expected = -(-other.num_val_samples // 3)
+    assert all(len(r) == expected for r in reads)
+    assert all(a is b for r in reads[1:] for a, b in zip(reads[0], r))  # one kept copy, whoever collated it
+    assert len(other._val_collated[3]) == expected
+
+
 def test_corpus_is_stdlib_without_tests_and_is_cached():
     from globalbatch.lab.tasks import tinygpt as tasks
 

@@ -229,9 +229,9 @@ class TinyGPTTask(Task):
     """Start byte of each validation document."""
     val_lengths: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, np.int64))
     """Bytes in each validation document."""
-    _val_collated: dict[int, list[dict[str, torch.Tensor]]] = field(init=False, repr=False, compare=False,
-                                                                    default_factory=dict)
-    """``micro_batch`` → the held-out micro-batches collated so far (the same at every evaluation)."""
+    _val_collated: dict[int, dict[int, dict[str, torch.Tensor]]] = field(init=False, repr=False, compare=False,
+                                                                         default_factory=dict)
+    """``micro_batch`` → index → the held-out micro-batches collated so far (the same at every evaluation)."""
 
     @classmethod
     def from_config(cls, config: TinyGPTConfig) -> "TinyGPTTask":
@@ -286,13 +286,17 @@ class TinyGPTTask(Task):
 
     def _val_stream(self, micro_batch: int) -> Iterator[dict[str, torch.Tensor]]:
         """Each micro-batch is collated on first use and kept (per ``micro_batch``); later calls yield the same CPU
-        tensors again, so callers read them and never write into them."""
-        done = self._val_collated.setdefault(micro_batch, [])
+        tensors again, so callers read them and never write into them. They are ordinary tensors even when first
+        read under ``torch.inference_mode`` (a later autograd use of them works), and two threads reading at once
+        keep one copy of each (``dict.setdefault`` is atomic; the loser's collation is dropped)."""
+        done = self._val_collated.setdefault(micro_batch, {})
         order = None
         for i, start in enumerate(range(0, self.num_val_samples, micro_batch)):
-            if i == len(done):
+            batch = done.get(i)
+            if batch is None:
                 order = val_order(self.num_val_samples) if order is None else order
                 ix = order[start:start + micro_batch]
-                done.append(self._collate(self.val_offsets[ix], self.val_lengths[ix], None))
-            yield done[i]
+                with torch.inference_mode(False):
+                    batch = done.setdefault(i, self._collate(self.val_offsets[ix], self.val_lengths[ix], None))
+            yield batch
 
