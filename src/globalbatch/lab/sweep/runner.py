@@ -130,25 +130,27 @@ def _cpu_count() -> int:
 
 
 class _Progress:
-    """Rich progress bars fed by polling each running trial's temporary JSONL (works for every backend)."""
+    """Rich progress fed by polling each running trial's temporary JSONL (works for every backend): one bar for the
+    trials done, one bar per running trial, a printed line per finished trial. Rendering costs CPU the trials share:
+    45 bars redrawn 10 times a second took a fifth of a core on a terminal, so only the running trials have bars,
+    redrawn :data:`PROGRESS_REFRESH_PER_S` times a second (``benchmarks/progress_overhead.py``)."""
 
     def __init__(self, out: Path, pending: Sequence[TrialSpec], budget: int, unit: str, enabled: bool) -> None:
         self.out, self.pending, self.budget, self.enabled = out, list(pending), budget, enabled
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.unit = unit
+        self._running: dict[str, Any] = {}
+        self._done: set[str] = set()
 
     def __enter__(self) -> "_Progress":
         if not self.enabled or not self.pending:
             return self
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self._progress = Progress(
-            TextColumn("{task.description:>16}"), BarColumn(), MofNCompleteColumn(), TextColumn(self.unit + "s"),
-            TimeElapsedColumn(), transient=False, console=Console(stderr=True),
-        )
-        self._ids = {t.name: self._progress.add_task(t.name, total=self.budget) for t in self.pending}
+        self._progress = progress_display(Console(stderr=True))
+        self._overall = self._progress.add_task("trials", total=len(self.pending), unit="trials")
+        self._t0 = time.time()
         self._progress.start()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
@@ -179,10 +181,22 @@ class _Progress:
             self.refresh()
 
     def refresh(self) -> None:
-        for name, tid in self._ids.items():
+        for t in self.pending:
+            name = t.name
+            if name in self._done:
+                continue
             c = self._consumed(name)
-            if c is not None:
-                self._progress.update(tid, completed=min(c, self.budget))
+            if c is None:
+                continue
+            if name not in self._running:
+                self._running[name] = self._progress.add_task(name, total=self.budget, unit=self.unit + "s")
+            self._progress.update(self._running[name], completed=min(c, self.budget))
+            if c >= self.budget and (self.out / "trials" / name / "summary.json").is_file():
+                self._done.add(name)
+                self._progress.remove_task(self._running.pop(name))
+                self._progress.update(self._overall, completed=len(self._done))
+                self._progress.console.print(f"  {name} done ({len(self._done)}/{len(self.pending)}, "
+                                             f"{time.time() - self._t0:,.0f} s)", highlight=False)
 
     def __exit__(self, *exc: Any) -> None:
         if self._thread is not None:
@@ -190,6 +204,19 @@ class _Progress:
             self._thread.join()
             self.refresh()
             self._progress.stop()
+
+
+PROGRESS_REFRESH_PER_S = 2
+"""Redraws per second of the sweep's progress display (rich's default is 10)."""
+
+
+def progress_display(console: Any) -> Any:
+    """The sweep's rich progress display: description, bar, done / total (each task's ``unit`` field), elapsed."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description:>16}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[unit]}"),
+                    TimeElapsedColumn(), transient=False, console=console,
+                    refresh_per_second=PROGRESS_REFRESH_PER_S)
 
 
 def run_sweep(
@@ -263,6 +290,7 @@ def _run_locked(config: SweepConfig, out: Path, unit: str, *, workers: Optional[
     t0 = time.time()
     cfg_dict = asdict(config)
     ran: list[TrialSpec] = []
+    pool = _WorkerPool(cfg_dict, max(1, requested), threads)  # local backend, more than one worker
 
     def run_cells(cells: Sequence[TrialSpec], pause_at: Optional[int] = None, scheduler: Any = None) -> None:
         if not cells:
@@ -281,41 +309,44 @@ def _run_locked(config: SweepConfig, out: Path, unit: str, *, workers: Optional[
                 finally:
                     torch.set_num_threads(old)
             else:
-                _run_pool(cfg_dict, cells, out, max(1, min(len(cells), requested)), threads, pause_at)
+                pool.run(cells, out, pause_at)
         ran.extend(cells)
 
-    # Successive halving (lab/sweep/halving.py): rung by rung, locally; in Ray's scheduler with --backend ray.
-    rungs = rung_positions(config, DESIGNS[config.design].rungs)
-    if rungs and backend == "ray":
-        run_cells(middle_first(config, pending), scheduler=ray_scheduler(config, out, rungs))
-    elif rungs:
-        run_rungs(config, out, rungs, run_cells)
-    elif pending:
-        run_cells(pending)
-    # LR grid per batch: while the best LR of a batch sits at an edge of what it ran, one more
-    # LR beyond it (every seed); derived from the finished results, so a resume repeats it.
-    # A narrow design: the base batch's grid (widened at an edge of the analysis' choice), then the other batches
-    # at that choice moved by the rule, again whenever the choice changes. A chosen LR that falls as the batch grows: the rule's LR from the
-    # neighbour (full-grid designs).
-    narrow = DESIGNS[config.design].narrow
-    while not rungs:  # a halving design widens its grids at the rungs
-        done_now = finished_summaries(out, config)
-        complete = all(trial_done(out / "trials" / t.name, t) for t in trials)
-        if narrow:  # the base batch's LR and edge as the analysis chooses them, re-read on every pass
-            choice = narrow_choice(out, config)
-            base_edge = None if choice is None else ({config.narrow_base(): choice[1]} if choice[1] else {})
-            extra = edge_cells(config, done_now, base_edge) + transfer_cells(config, done_now, choice)
-        else:
-            edges, falls, beyond, _ = _analysis_flags(out) if complete else (None, None, None, None)
-            extra = edge_cells(config, done_now, edges)
-            if complete and not extra:
-                extra = refine_cells(config, done_now, falls)
-            if complete and not extra:  # B_crit beyond the largest batch: the next batch (×2), capped
-                extra = batch_edge_cells(config, done_now, beyond)
-        extra = [t for t in {t.name: t for t in extra}.values() if not trial_done(out / "trials" / t.name, t)]
-        if not extra:
-            break
-        run_cells(extra)
+    try:
+        # Successive halving (lab/sweep/halving.py): rung by rung, locally; in Ray's scheduler with --backend ray.
+        rungs = rung_positions(config, DESIGNS[config.design].rungs)
+        if rungs and backend == "ray":
+            run_cells(middle_first(config, pending), scheduler=ray_scheduler(config, out, rungs))
+        elif rungs:
+            run_rungs(config, out, rungs, run_cells)
+        elif pending:
+            run_cells(pending)
+        # LR grid per batch: while the best LR of a batch sits at an edge of what it ran, one more
+        # LR beyond it (every seed); derived from the finished results, so a resume repeats it.
+        # A narrow design: the base batch's grid (widened at an edge of the analysis' choice), then the other batches
+        # at that choice moved by the rule, again whenever the choice changes. A chosen LR that falls as the batch grows: the rule's LR from the
+        # neighbour (full-grid designs).
+        narrow = DESIGNS[config.design].narrow
+        while not rungs:  # a halving design widens its grids at the rungs
+            done_now = finished_summaries(out, config)
+            complete = all(trial_done(out / "trials" / t.name, t) for t in trials)
+            if narrow:  # the base batch's LR and edge as the analysis chooses them, re-read on every pass
+                choice = narrow_choice(out, config)
+                base_edge = None if choice is None else ({config.narrow_base(): choice[1]} if choice[1] else {})
+                extra = edge_cells(config, done_now, base_edge) + transfer_cells(config, done_now, choice)
+            else:
+                edges, falls, beyond, _ = _analysis_flags(out) if complete else (None, None, None, None)
+                extra = edge_cells(config, done_now, edges)
+                if complete and not extra:
+                    extra = refine_cells(config, done_now, falls)
+                if complete and not extra:  # B_crit beyond the largest batch: the next batch (×2), capped
+                    extra = batch_edge_cells(config, done_now, beyond)
+            extra = [t for t in {t.name: t for t in extra}.values() if not trial_done(out / "trials" / t.name, t)]
+            if not extra:
+                break
+            run_cells(extra)
+    finally:
+        pool.close()
     for t in trials:  # an orphan of a killed earlier run may have left one after this run began
         remove_stale_tmp(out / "trials" / t.name)
     summaries = finished_summaries(out, config)
@@ -394,18 +425,28 @@ def _pool_trial(cfg: dict, spec: dict, out: str, threads: int, parent_pid: int, 
     return run_trial(cfg, spec, out, threads=threads, parent_pid=parent_pid, device=_WORKER_DEVICE, pause_at=pause_at)
 
 
-def _run_pool(cfg: dict, pending: Sequence[TrialSpec], out: Path, n_workers: int, threads: int,
-              pause_at: Optional[int] = None) -> None:
-    import multiprocessing as mp
-    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+class _WorkerPool:
+    """The sweep's worker processes (spawned), started on first use and kept across its rounds — the base cells,
+    then the LR-edge, refinement and batch-edge cells, or the rungs of successive halving — instead of a new pool
+    per round: each start imports torch and builds the task again in every worker (about 4 s per round on the
+    demo's 2 cores). Workers start on demand, so a round of one cell starts one."""
 
-    ctx = mp.get_context("spawn")
-    counter = ctx.Value("i", 0)
-    with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx, initializer=_worker_init,
-                             initargs=(threads, cfg["device"], counter)) as ex:
-        futures = {
-            ex.submit(_pool_trial, cfg, asdict(t), str(out), threads, os.getpid(), pause_at): t for t in pending
-        }
+    def __init__(self, cfg: dict, n_workers: int, threads: int) -> None:
+        self.cfg, self.n_workers, self.threads = cfg, n_workers, threads
+        self._executor: Any = None
+
+    def run(self, cells: Sequence[TrialSpec], out: Path, pause_at: Optional[int] = None) -> None:
+        from concurrent.futures import FIRST_EXCEPTION, wait
+
+        if self._executor is None:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
+
+            ctx = mp.get_context("spawn")
+            self._executor = ProcessPoolExecutor(max_workers=self.n_workers, mp_context=ctx, initializer=_worker_init,
+                                                 initargs=(self.threads, self.cfg["device"], ctx.Value("i", 0)))
+        futures = {self._executor.submit(_pool_trial, self.cfg, asdict(t), str(out), self.threads, os.getpid(),
+                                         pause_at): t for t in cells}
         finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
         for fut in finished:
             exc = fut.exception()
@@ -413,6 +454,12 @@ def _run_pool(cfg: dict, pending: Sequence[TrialSpec], out: Path, n_workers: int
                 for other in futures:
                     other.cancel()
                 raise RuntimeError(f"trial {futures[fut].name} failed: {exc}") from exc
+
+    def close(self) -> None:
+        """Wait for running trials (a failed round's others finish, as before), drop queued ones, stop the workers."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
 
 
 def _run_ray(cfg: dict, pending: Sequence[TrialSpec], out: Path, n_workers: int, threads: int, address: Optional[str],
