@@ -3,6 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+STAMP_RUN := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed-stamp
 
 .PHONY: demo test install browser clean
@@ -12,15 +13,21 @@ STAMP := $(VENV)/.installed-stamp
 # PYTHONDONTWRITEBYTECODE; without bytecode every process would recompile torch on import.
 unexport PYTHONDONTWRITEBYTECODE
 
-$(STAMP): pyproject.toml constraints.txt
+# `make demo` installs what the demo runs on (the package and matplotlib for the report's plots); `make test` adds
+# the dev extras (pytest, Ray Tune, transformers, Lightning, ...), which the demo does not need.
+$(STAMP_RUN): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[plot]'
+	touch $(STAMP_RUN)
+
+$(STAMP): $(STAMP_RUN)
 	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP_RUN)
 	$(VENV)/bin/globalbatch demo
 
 # The report test renders the demo's HTML in headless Chromium (Debian's package).
