@@ -159,7 +159,8 @@ def test_with_several_seeds_an_lr_is_stopped_only_where_every_seed_stops_it():
 
 
 @pytest.mark.slow
-def test_the_halving_design_stops_a_hopeless_lr_at_the_first_rung_counts_its_tokens_and_resumes_to_nothing(tmp_path):
+def test_the_halving_design_stops_a_hopeless_lr_at_the_first_rung_counts_its_tokens_and_resumes_to_nothing(tmp_path,
+                                                                                                          capsys):
     import json
 
     from globalbatch.lab.sweep import analyze_sweep_seeds, run_sweep
@@ -167,9 +168,12 @@ def test_the_halving_design_stops_a_hopeless_lr_at_the_first_rung_counts_its_tok
 
     cfg = tiny_config(lrs=[1e-5, 1e-3, 3e-3], eval_every=500, design="halving", seeds=[0, 1])
     assert rung_positions(cfg, (1 / 9, 1 / 3)) == [1000, 2000]
-    res = run_sweep(cfg, tmp_path, workers=1, threads=1, progress=False, timing_steps=0)
+    res = run_sweep(cfg, tmp_path, workers=1, threads=1, progress=True, timing_steps=0)
     log = json.loads((tmp_path / LOG_NAME).read_text())
     first = log["decisions"][0]
+    err = capsys.readouterr().err  # the progress display: a line per cell that reached its rung or finished
+    assert all(f"{n} paused at 1,0" in err for n in first["stopped"])  # paused at the first rung, never stuck
+    assert all(f"{n} done (" in err for n in log["finished"])
     assert {"b4_lr1e-05_s0", "b8_lr1e-05_s0"} <= set(first["stopped"])  # 100× too small an LR: far behind
     assert "seed spread" in first["margin_source"] and first["margin"] > 0  # the probes at seed 1 measured it
     assert sorted(res.ran)[:2] == ["b4_lr0.001_s0", "b4_lr0.001_s1"]  # the probe of batch 4: its middle LR, seed 1

@@ -34,7 +34,7 @@ from globalbatch.lab.sweep.lr_edges import (BatchEdge, batch_edge_cells, edge_ce
                                             transfer_cells)
 from globalbatch.lab.sweep.store import analyze_sweep_seeds, analyze_sweep_seeds_or_train
 from globalbatch.lab.sweep.timing import run_timing_pass
-from globalbatch.lab.sweep.trial import exit_if_orphaned, run_trial, trial_done
+from globalbatch.lab.sweep.trial import exit_if_orphaned, run_trial, trial_done, trial_paused
 
 __all__ = ["SweepResult", "run_sweep"]
 
@@ -135,8 +135,11 @@ class _Progress:
     45 bars redrawn 10 times a second took a fifth of a core on a terminal, so only the running trials have bars,
     redrawn :data:`PROGRESS_REFRESH_PER_S` times a second (``benchmarks/progress_overhead.py``)."""
 
-    def __init__(self, out: Path, pending: Sequence[TrialSpec], budget: int, unit: str, enabled: bool) -> None:
+    def __init__(self, out: Path, pending: Sequence[TrialSpec], budget: int, unit: str, enabled: bool,
+                 pause_at: Optional[int] = None) -> None:
         self.out, self.pending, self.budget, self.enabled = out, list(pending), budget, enabled
+        self.pause_at = pause_at
+        """The rung these trials run to (successive halving), None: the budget."""
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.unit = unit
@@ -180,23 +183,39 @@ class _Progress:
         while not self._stop.wait(0.5):
             self.refresh()
 
+    def _finished(self, t: TrialSpec) -> Optional[str]:
+        """How a trial of this display ended: ``"done"`` (its summary), ``"paused at N"`` (at this display's rung),
+        or None (not yet)."""
+        d = self.out / "trials" / t.name
+        if (d / "summary.json").is_file():
+            return "done"
+        if self.pause_at is not None:
+            marker = trial_paused(d, t)
+            if marker is not None and marker["consumed"] >= self.pause_at:
+                return f"paused at {marker['consumed']:,}"
+        return None
+
     def refresh(self) -> None:
+        target = self.pause_at or self.budget
         for t in self.pending:
             name = t.name
             if name in self._done:
                 continue
-            c = self._consumed(name)
-            if c is None:
+            end = self._finished(t)
+            if end is None:
+                c = self._consumed(name)
+                if c is None:
+                    continue
+                if name not in self._running:
+                    self._running[name] = self._progress.add_task(name, total=target, unit=self.unit + "s")
+                self._progress.update(self._running[name], completed=min(c, target))
                 continue
-            if name not in self._running:
-                self._running[name] = self._progress.add_task(name, total=self.budget, unit=self.unit + "s")
-            self._progress.update(self._running[name], completed=min(c, self.budget))
-            if c >= self.budget and (self.out / "trials" / name / "summary.json").is_file():
-                self._done.add(name)
+            self._done.add(name)
+            if name in self._running:
                 self._progress.remove_task(self._running.pop(name))
-                self._progress.update(self._overall, completed=len(self._done))
-                self._progress.console.print(f"  {name} done ({len(self._done)}/{len(self.pending)}, "
-                                             f"{time.time() - self._t0:,.0f} s)", highlight=False)
+            self._progress.update(self._overall, completed=len(self._done))
+            self._progress.console.print(f"  {name} {end} ({len(self._done)}/{len(self.pending)}, "
+                                         f"{time.time() - self._t0:,.0f} s)", highlight=False)
 
     def __exit__(self, *exc: Any) -> None:
         if self._thread is not None:
@@ -295,7 +314,7 @@ def _run_locked(config: SweepConfig, out: Path, unit: str, *, workers: Optional[
     def run_cells(cells: Sequence[TrialSpec], pause_at: Optional[int] = None, scheduler: Any = None) -> None:
         if not cells:
             return
-        with _Progress(out, cells, config.budget, unit, progress):
+        with _Progress(out, cells, config.budget, unit, progress, pause_at):
             if backend == "ray":
                 _run_ray(cfg_dict, cells, out, max(1, min(len(cells), requested)), threads, address, rungs=rungs,
                          scheduler=scheduler, probes=probe_cells(config) if scheduler is not None else ())
@@ -427,9 +446,9 @@ def _pool_trial(cfg: dict, spec: dict, out: str, threads: int, parent_pid: int, 
 
 class _WorkerPool:
     """The sweep's worker processes (spawned), started on first use and kept across its rounds — the base cells,
-    then the LR-edge, refinement and batch-edge cells, or the rungs of successive halving — instead of a new pool
-    per round: each start imports torch and builds the task again in every worker (about 4 s per round on the
-    demo's 2 cores). Workers start on demand, so a round of one cell starts one."""
+    then the LR-edge, refinement and batch-edge cells, or the rungs of successive halving: a start imports torch
+    and builds the task again in every worker (about 4 s on the demo's 2 cores). Workers start on demand, so a
+    round of one cell starts one."""
 
     def __init__(self, cfg: dict, n_workers: int, threads: int) -> None:
         self.cfg, self.n_workers, self.threads = cfg, n_workers, threads
@@ -456,7 +475,8 @@ class _WorkerPool:
                 raise RuntimeError(f"trial {futures[fut].name} failed: {exc}") from exc
 
     def close(self) -> None:
-        """Wait for running trials (a failed round's others finish, as before), drop queued ones, stop the workers."""
+        """Wait for the running trials (a failed round's others finish), cancel those no worker has taken yet, stop
+        the workers."""
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
