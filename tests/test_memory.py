@@ -238,6 +238,11 @@ def test_adafactor_state_of_one_pipeline_stage_is_that_stages_matrices():
     assert len(stage_shapes(shapes, 8)) == 8 and sum(stage_shapes(shapes, 8), ()) == shapes  # empty stages allowed
     adam = one_pipeline_stage(MemoryConfig(params=n, optimizer="adamw", param_shapes=shapes), 4)
     assert optimizer_state_elements(adam)[0] == 2 * -(-n // 4)  # count-based optimizers: ⌈N / p⌉
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(SettingError, match="pp_stages"):
+            stage_shapes(shapes, bad)
+        with pytest.raises(SettingError, match="pp_stages"):
+            one_pipeline_stage(cfg, bad)
 
 
 def test_plan_memory_with_a_task_counts_adafactor_per_pipeline_stage(capsys):

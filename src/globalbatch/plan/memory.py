@@ -241,7 +241,9 @@ def largest_micro_batch(cfg: MemoryConfig, activations: Activations, device_byte
 def stage_shapes(shapes: Sequence[tuple[int, ...]], pp_stages: int) -> list[tuple[tuple[int, ...], ...]]:
     """The parameter shapes cut into ``pp_stages`` contiguous stages of about equal parameter counts, in the model's
     parameter order (which follows its layers): a shape goes to stage ⌊p · m / N⌋, m the midpoint of its elements
-    in the running count, N all elements."""
+    in the running count, N all elements. A tensor larger than a stage's share leaves a neighbouring stage empty."""
+    _number("pp_stages", pp_stages, low=1, whole=True, allowed="a whole number ≥ 1")
+    pp_stages = int(pp_stages)
     sizes = [math.prod(sh) for sh in shapes]
     total = sum(sizes) or 1
     stages: list[list[tuple[int, ...]]] = [[] for _ in range(pp_stages)]
@@ -256,6 +258,8 @@ def one_pipeline_stage(cfg: MemoryConfig, pp_stages: int) -> MemoryConfig:
     """What one device of a ``pp_stages``-stage pipeline holds: ⌈N / p⌉ parameters and, with shapes, those of the
     stage (:func:`stage_shapes`) whose optimizer state is the largest (adafactor's factored state depends on which
     matrices a stage has; the other optimizers' on the count alone)."""
+    _number("pp_stages", pp_stages, low=1, whole=True, allowed="a whole number ≥ 1")
+    pp_stages = int(pp_stages)
     if pp_stages == 1:
         return cfg
     shapes = cfg.param_shapes
