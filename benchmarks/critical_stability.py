@@ -69,14 +69,18 @@ def spread_from_noise(st, goal: float = 1.6, draws: int = 20_000) -> str:
     """How much of a target's seed-to-seed B_crit spread each seed's own estimation noise explains: Cochran's Q of
     the seeds' ln B_crit with their fits' SEs (χ² with K − 1 dof under one B_crit shared by the seeds), and the
     max/min that K estimates with exactly these SEs of one shared value give (Monte Carlo): its median and
-    P(≤ ``goal``). "" when fewer than 2 seeds have a point estimate with an SE."""
+    P(≤ ``goal``). K: the seeds with a point estimate and a finite SE (a seed whose B_crit lies beyond the swept
+    batches has none). Both treat the seeds' estimates as independent normals in ln B_crit; the partially pooled
+    fits share their S_min's pull and one residual variance, so both are approximations (a parametric bootstrap
+    of the whole pooled fit would be exact). "" when fewer than 2 seeds qualify."""
     import numpy as np
     from scipy import stats
 
     pooled = st.pooled
     if pooled is None:
         return ""
-    seeds = [s for s, v in st.b_crit_per_seed.items() if v is not None and pooled.se_log_b_crit.get(s)]
+    seeds = [s for s, v in st.b_crit_per_seed.items()
+             if v is not None and math.isfinite(pooled.se_log_b_crit.get(s, math.nan)) and pooled.se_log_b_crit[s] > 0]
     if len(seeds) < 2:
         return ""
     x = np.log([st.b_crit_per_seed[s] for s in seeds])

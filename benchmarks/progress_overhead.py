@@ -1,14 +1,14 @@
 """The CPU a sweep's progress display takes from its trials: the lab's display against one bar per cell.
 
 A sweep's trials use every core (the demo: 2 workers on 2 cores), so the main process's rendering is paid out of
-the trials' time. Before: one rich bar per pending cell (45 in the demo's base round), redrawn at rich's default
-10 times a second. Now (``globalbatch.lab.sweep.runner.progress_display``): an overall bar and the running trials'
+the trials' time. Baseline: one rich bar per pending cell (45 in the demo's base round), redrawn at rich's default
+10 times a second. Ours (``globalbatch.lab.sweep.runner.progress_display``): an overall bar and the running trials'
 bars only (2 in the demo), redrawn ``PROGRESS_REFRESH_PER_S`` times a second, and a printed line per finished trial.
 
 Both render the same made-up progress — ``--cells`` cells, ``--workers`` running at a time, each moving forward every
 0.1 s — into a terminal console writing to memory (a real terminal pays the escape sequences' writes on top), for
 ``--seconds`` each, alternately ``--pairs`` times; reported: process CPU seconds per wall second of each and the
-median ratio (before / now) over the pairs, and the share of one core each takes.
+median ratio (baseline / ours) over the pairs, and the share of one core each takes.
 
     python benchmarks/progress_overhead.py                 # 45 cells, 2 running, 5 s × 2 × 3 pairs: ~30 s
     python benchmarks/progress_overhead.py --cells 200 --workers 8
@@ -100,7 +100,7 @@ def main() -> None:
     n = statistics.median(r["now"] for r in rows)
     ratio = statistics.median(r["before"] / r["now"] for r in rows)
     print(f"\n{args.cells} cells, {args.workers} running: one bar per cell at 10 Hz takes {b:.1%} of a core, the lab's "
-          f"display {n:.1%}; ratio (before / now) {ratio:.1f}× (median of {args.pairs} pairs)")
+          f"display {n:.1%}; ratio (baseline / ours) {ratio:.1f}× (median of {args.pairs} pairs)")
 
 
 if __name__ == "__main__":

@@ -240,8 +240,9 @@ def _calibrated_probe(work: Path, probe_runs: list[dict], overheads: list[dict],
 
 
 def _least_contended(step_s: list[float], group: int = 5) -> float:
-    """The same statistic as the probe side: the fastest of the medians of consecutive groups of steps (a probe run
-    reports the median of its timed steps; the fastest of the probe runs is kept)."""
+    """One window's reading in one round: the fastest of the medians of consecutive groups of ``group`` steps (a
+    group is about as long as a probe run's 8 timed steps, whose median is the probe's reading). The cluster
+    measurement uses it too. Check 2 then takes the median of these readings over its rounds."""
     meds = [statistics.median(step_s[i:i + group]) for i in range(0, len(step_s) - group + 1, group)]
     return min(meds) if meds else statistics.median(step_s)
 
@@ -554,7 +555,8 @@ def check_step_time(work: Path, steps: int = 10, cluster_file: str | None = None
     # overhead, each measured alone (for 1-process rows) and as 2 processes at once (for 2-process rows).
     # The machine's speed drifts by more than the goal over a minute (other tenants, caches, frequency), so the
     # inputs and the compared windows are measured in interleaved rounds — probe, overhead, windows; 1 process,
-    # then 2 — and both sides keep their least contended reading over the same rounds.
+    # then 2 — and both sides keep the median over the same rounds of one reading per round (the probe: its median
+    # of 8 steps per size; a window: its fastest median of a group of 5 steps, per step the slower rank).
     measured = None
     if cluster_file is None:
         cluster_file = str(work / "gloo_cluster.yaml")
