@@ -97,6 +97,22 @@ def test_a_map_location_this_machine_lacks_is_named_not_blamed_on_the_file(tmp_p
     load_checkpoint(path, d, map_location=torch.device("cpu"))  # a device it has: loads
 
 
+def test_a_map_location_dict_to_an_absent_device_is_named_not_blamed_on_the_file(tmp_path):
+    """A dict (torch checks it while it loads) mapping the file's CPU tensors onto one past the last CUDA device
+    (cuda:0 on a machine without CUDA)."""
+    from globalbatch.errors import SettingError
+
+    model, _, d = _driver()
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, d)
+    where = {"cpu": f"cuda:{torch.cuda.device_count()}"}
+    with pytest.raises(SettingError) as exc:
+        load_checkpoint(path, d, map_location=where)
+    line = str(exc.value)
+    assert line.startswith(f"map_location {where!r} is not allowed (Attempting to deserialize object on")
+    assert "\n" not in line and "save_checkpoint" not in line
+
+
 def test_a_checkpoint_of_the_old_schedules_resumes_under_the_new_names(tmp_path):
     """Written with TokenLRSchedule(unit="token") (the old names): the same run now, with LRSchedule and one unit."""
     import warnings

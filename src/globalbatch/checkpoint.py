@@ -233,12 +233,15 @@ _SAVED = ("model", "optimizer", "driver")
 """What every :func:`save_checkpoint` file holds."""
 
 
+_MAP_LOCATION_ALLOWED = "'cpu' or a device this machine has (cuda:0 … cuda:N−1, mps), a dict or a function"
+
+
 def _check_map_location(map_location: Any) -> None:
     """A device named by ``map_location`` (a string or ``torch.device``) must exist here: otherwise a one-line
     :class:`SettingError` naming ``map_location``, not the file (dicts and functions are torch's to check)."""
     if not isinstance(map_location, (str, torch.device)):
         return
-    allowed = "'cpu' or a device this machine has (cuda:0 … cuda:N−1, mps), a dict or a function"
+    allowed = _MAP_LOCATION_ALLOWED
     try:
         device = torch.device(map_location)
     except (RuntimeError, ValueError):
@@ -266,6 +269,10 @@ def _read(path: str | os.PathLike, map_location: Any) -> dict[str, Any]:
         text = str(exc)
         text = text.split("WeightsUnpickler error:", 1)[1] if "WeightsUnpickler error:" in text else text
         detail = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")[:200]
+        if "Attempting to deserialize object on" in text:  # the file is fine; where its tensors would go is not
+            where = text[text.index("Attempting"):].split(". ", 1)[0]
+            raise SettingError("map_location", Raw(repr(map_location)), _MAP_LOCATION_ALLOWED,
+                               why=where) from None
         raise SettingError("checkpoint", Raw(repr(str(path))), allowed,
                            why=f"torch.load(weights_only=True) cannot read it: {type(exc).__name__}: {detail}") from None
     missing = [k for k in _SAVED if not isinstance(state, dict) or k not in state]
