@@ -574,8 +574,9 @@ def check_step_time(work: Path, steps: int = 10, cluster_file: str | None = None
     def inputs_of(procs: int, which: list[int], tag: str):
         path = _calibrated_probe(work, [probes[procs][i] for i in which], [overheads[procs][i] for i in which],
                                  procs, tag)
-        return mfu_curve_from_probe(str(path)), json.loads(path.read_text())["peak_flops_per_s"], \
-            {k: statistics.median_low([overheads[procs][i][k] for i in which]) for k in overheads[procs][0]}
+        data = json.loads(path.read_text())  # the probe with the overheads' medians (_calibrated_probe)
+        return mfu_curve_from_probe(str(path)), data["peak_flops_per_s"], \
+            {k: data[k] for k in ("optimizer_step_s", "step_overhead_s", "overhead_params")}
 
     everything = list(range(rounds))
     inputs = {procs: inputs_of(procs, everything, "all") for procs in (1, 2)}

@@ -160,9 +160,8 @@ class _Progress:
         return self
 
     def _consumed(self, trial: str) -> Optional[int]:
+        """Units a running trial has reported in its temporary JSONL (None: none yet); :meth:`_finished` reads ends."""
         d = self.out / "trials" / trial
-        if (d / "summary.json").is_file():
-            return self.budget
         try:
             tmps = sorted(d.glob("metrics.jsonl.tmp-*"), key=lambda p: p.stat().st_mtime)
             if not tmps:
