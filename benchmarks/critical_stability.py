@@ -66,15 +66,14 @@ def config_for(task: str, preset: str = "demo"):
 
 
 def spread_from_noise(st, goal: float = 1.6, draws: int = 20_000) -> str:
-    """How much of a target's seed-to-seed B_crit spread each seed's own estimation noise explains: Cochran's Q of
-    the seeds' ln B_crit with their fits' SEs (χ² with K − 1 dof under one B_crit shared by the seeds), and the
-    max/min that K estimates with exactly these SEs of one shared value give (Monte Carlo): its median and
-    P(≤ ``goal``). K: the seeds with a point estimate and a finite SE (a seed whose B_crit lies beyond the swept
-    batches has none). Both treat the seeds' estimates as independent normals in ln B_crit; the partially pooled
-    fits share their S_min's pull and one residual variance, so both are approximations (a parametric bootstrap
-    of the whole pooled fit would be exact). "" when fewer than 2 seeds qualify."""
+    """How much of a target's seed-to-seed B_crit spread each seed's own estimation noise explains: the max/min that K
+    estimates of one shared value with exactly the seeds' SEs of ln B_crit give (Monte Carlo; its median and
+    P(≤ ``goal``)), and the analysis' F-test of one B_crit shared by the seeds (:mod:`globalbatch.critical.seed_spread`,
+    from the steps themselves). K: the seeds with a point estimate and a finite SE (a seed whose B_crit lies beyond
+    the swept batches has none). The Monte Carlo treats the seeds' estimates as independent normals in ln B_crit;
+    the partially pooled fits share their S_min's pull, so it is an approximation. "" when fewer than 2 seeds
+    qualify."""
     import numpy as np
-    from scipy import stats
 
     pooled = st.pooled
     if pooled is None:
@@ -83,16 +82,12 @@ def spread_from_noise(st, goal: float = 1.6, draws: int = 20_000) -> str:
              if v is not None and math.isfinite(pooled.se_log_b_crit.get(s, math.nan)) and pooled.se_log_b_crit[s] > 0]
     if len(seeds) < 2:
         return ""
-    x = np.log([st.b_crit_per_seed[s] for s in seeds])
     se = np.array([pooled.se_log_b_crit[s] for s in seeds])
-    w = 1 / se ** 2
-    q = float(np.sum(w * (x - np.sum(w * x) / np.sum(w)) ** 2))
-    p = float(stats.chi2.sf(q, len(seeds) - 1))
     sim = np.random.default_rng(0).normal(0.0, se, size=(draws, len(seeds)))
     ratio = np.exp(sim.max(axis=1) - sim.min(axis=1))
+    test = f"; {st.seed_spread.text()}" if st.seed_spread is not None else ""
     return (f"estimation noise alone (seeds' SE of ln B_crit {', '.join(f'{v:.2f}' for v in se)}): max/min median "
-            f"{np.median(ratio):.2f}, P(≤ {goal:g}) {np.mean(ratio <= goal):.0%}; Cochran's Q {q:.1f} on "
-            f"{len(seeds) - 1} dof, p = {p:.2f} ({'the seeds differ beyond their noise' if p < 0.05 else 'no spread beyond the noise'})")
+            f"{np.median(ratio):.2f}, P(≤ {goal:g}) {np.mean(ratio <= goal):.0%}{test}")
 
 
 def main(argv=None) -> int:

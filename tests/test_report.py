@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import html
 import io
 import json
 import math
@@ -359,6 +360,8 @@ def test_one_answer_per_page_comparisons_collapsed(seeds_report):
     assert "P(fastest)" not in answer and "bootstrap resamples of the 3 seed(s)" in answer  # how sure, in words
     assert "From the training loss of 3 seed(s)" in answer
     assert f"B_crit {res.seed_analysis.primary.b_crit:,.0f} tokens per step" in answer
+    spread = res.seed_analysis.primary.seed_spread  # whether the seed range is the seeds' or the fits' noise
+    assert spread is not None and html.escape(spread.text()) in page and spread.text().split(":")[0] in answer
     assert sec.answer_tables == 1 and sum("B_crit" in h for h in sec.answer_headers) == 1
     # comparisons: collapsed and labelled, nothing of them outside a <details>
     comparison = [d for s, d in zip(sec.summaries, sec.details) if s.startswith("Comparison, not the answer")]

@@ -7,8 +7,9 @@
 - :mod:`~globalbatch.critical.settings`: :class:`AnalysisSettings`, every analysis' settings in one dataclass.
 - :mod:`~globalbatch.critical.seeds`: the analysis over seeds and its recommendation with its uncertainty, from
   :mod:`~globalbatch.critical.seed_targets` (common targets, per-target results over seeds),
-  :mod:`~globalbatch.critical.lr_choice` (one LR per batch and its flags) and :mod:`~globalbatch.critical.joint`
-  (the joint B_crit(L) fit).
+  :mod:`~globalbatch.critical.lr_choice` (one LR per batch and its flags), :mod:`~globalbatch.critical.pooled`
+  (per-seed B_crit with S_min partially pooled), :mod:`~globalbatch.critical.seed_spread` (do the seeds' B_crit
+  differ beyond their noise?) and :mod:`~globalbatch.critical.joint` (the joint B_crit(L) fit).
 - :mod:`~globalbatch.critical.errors`: :class:`NoAnswerError`, what the data cannot answer (user errors are
   :class:`globalbatch.errors.SettingError`).
 """

@@ -34,7 +34,7 @@ from globalbatch.errors import Raw, SettingError
 
 import numpy as np
 
-__all__ = ["HyperbolaFit", "fit_hyperbola", "zhang_cbs"]
+__all__ = ["HyperbolaFit", "fit_hyperbola", "zhang_cbs", "nested_f_test"]
 
 
 
@@ -302,3 +302,18 @@ def fit_hyperbola(batch_sizes: Sequence[float], steps: Sequence[float]) -> Hyper
         residual_std_log=math.sqrt(sse / dof) if dof > 0 else 0.0,
         batch_range=(float(b.min()), float(b.max())),
     )
+
+
+def nested_f_test(sse_shared: float, sse_own: float, seeds: int, batches: int) -> tuple[float, float]:
+    """The extra-sum-of-squares F-test of ``seeds`` hyperbola fits at ``batches`` batches each sharing one parameter
+    against each its own (Motulsky & Christopoulos 2004, ch. 22): F = ((SSE_shared − SSE_own)/(K − 1)) /
+    (SSE_own/(n − 2K)) with n = K·m points, and P(F_{K−1, n−2K} ≥ F). Exact data (SSE_own ≈ 0): F = 0 where the shared
+    fit is exact too, else ∞ (p = 0). Returns ``(f_stat, p_value)``."""
+    from scipy import stats
+
+    n, dof_num, dof_den = seeds * batches, seeds - 1, seeds * batches - 2 * seeds
+    if sse_own <= 1e-12 * n:
+        f_stat = 0.0 if sse_shared <= 1e-10 * n else math.inf
+    else:
+        f_stat = max(sse_shared - sse_own, 0.0) / dof_num / (sse_own / dof_den)
+    return float(f_stat), (float(stats.f.sf(f_stat, dof_num, dof_den)) if math.isfinite(f_stat) else 0.0)

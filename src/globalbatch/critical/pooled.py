@@ -33,9 +33,9 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from globalbatch.critical.errors import NoAnswerError
-from globalbatch.critical.fit import fit_hyperbola
+from globalbatch.critical.fit import fit_hyperbola, nested_f_test
 
-__all__ = ["POOL_ALPHA", "SHRINK_LIMIT_SE", "PooledFit", "fit_shared_s_min", "pooled_for_target"]
+__all__ = ["POOL_ALPHA", "SHRINK_LIMIT_SE", "PooledFit", "fit_shared_s_min", "pooled_for_target", "seeds_table"]
 
 POOL_ALPHA = 0.2
 """Level at which the F-test's verdict on one shared S_min is stated (:attr:`PooledFit.shared`). The per-seed B_crit
@@ -157,7 +157,6 @@ def fit_shared_s_min(batches: Sequence[float], steps: Mapping[int, Sequence[floa
     :class:`~globalbatch.critical.errors.NoAnswerError` with fewer than 2 seeds or 3 batches (no residual for
     the per-seed fits) or when no start converges.
     """
-    from scipy import stats
     from scipy.optimize import least_squares
 
     b = np.asarray(batches, dtype=float)
@@ -192,11 +191,7 @@ def fit_shared_s_min(batches: Sequence[float], steps: Mapping[int, Sequence[floa
     n = k * m
     dof_num, dof_den = k - 1, n - 2 * k
     scale = max(sse_own, 0.0)
-    if scale <= 1e-12 * n:  # exact data: sharing holds iff the shared fit is exact too
-        f_stat = 0.0 if sse_sh <= 1e-10 * n else math.inf
-    else:
-        f_stat = max(sse_sh - sse_own, 0.0) / dof_num / (scale / dof_den)
-    p_value = float(stats.f.sf(f_stat, dof_num, dof_den)) if math.isfinite(f_stat) else 0.0
+    f_stat, p_value = nested_f_test(sse_sh, scale, k, m)
     s2 = scale / dof_den  # the pooled residual variance of the per-seed fits
     try:
         cov_shared = np.linalg.pinv(best.jac.T @ best.jac)
@@ -221,15 +216,22 @@ def fit_shared_s_min(batches: Sequence[float], steps: Mapping[int, Sequence[floa
                      dof_num=dof_num, dof_den=dof_den, f_stat=float(f_stat), p_value=p_value, alpha=alpha)
 
 
-def pooled_for_target(batches: Sequence[float], steps: Mapping[float, Mapping[int, Optional[float]]],
-                      seeds: Sequence[int], *, alpha: float = POOL_ALPHA) -> Optional[PooledFit]:
-    """The partially pooled fit of ``seeds`` (those to pool: monotone, every batch reached) at one target's steps
-    (batch → seed → steps); None when fewer than 2 seeds or 3 batches qualify, or the fit fails."""
+def seeds_table(batches: Sequence[float], steps: Mapping[float, Mapping[int, Optional[float]]],
+                seeds: Sequence[int]) -> Optional[dict[int, list[float]]]:
+    """Seed → its steps at each of ``batches`` for the ``seeds`` that reached every batch (one target's steps: batch →
+    seed → steps); None when fewer than 2 seeds or 3 batches qualify (a multi-seed fit has no residual)."""
     use = [s for s in seeds if all(steps[bb].get(s) for bb in batches)]
     if len(use) < 2 or len(batches) < 3:
         return None
+    return {s: [float(steps[bb][s]) for bb in batches] for s in use}  # type: ignore[arg-type]
+
+
+def pooled_for_target(batches: Sequence[float], steps: Mapping[float, Mapping[int, Optional[float]]],
+                      seeds: Sequence[int], *, alpha: float = POOL_ALPHA) -> Optional[PooledFit]:
+    """The partially pooled fit of ``seeds`` (those to pool: monotone) at one target's steps (:func:`seeds_table`);
+    None when fewer than 2 seeds or 3 batches qualify, or the fit fails."""
+    table = seeds_table(batches, steps, seeds)
     try:
-        return fit_shared_s_min(batches, {s: [float(steps[bb][s]) for bb in batches] for s in use},  # type: ignore[arg-type]
-                                alpha=alpha)
+        return None if table is None else fit_shared_s_min(batches, table, alpha=alpha)
     except NoAnswerError:
         return None

@@ -23,6 +23,9 @@ seeds with a training-loss read-out, measured on the demo task). For a sweep run
    (:mod:`globalbatch.critical.pooled`): each seed keeps its own B_crit, refitted at an S_min moved from its own
    fit's toward the shared one by the James–Stein weight of the extra-sum-of-squares F statistic, at most half its
    own SE. Each target states the test, its p-value and the weights (:attr:`SeedTarget.pooled`).
+4. **Whether the seeds differ** (:mod:`globalbatch.critical.seed_spread`): the F-test of one B_crit shared by the
+   monotone seeds, each with its own S_min (:attr:`SeedTarget.seed_spread`) — whether the seed range is the seeds'
+   own or their estimates' noise.
 
 The fit across targets is :mod:`globalbatch.critical.joint`; the whole analysis with its
 recommendation, :mod:`globalbatch.critical.seeds`. Pure numpy/scipy; no torch.
@@ -42,6 +45,7 @@ from globalbatch.critical.fit import HyperbolaFit, fit_hyperbola
 from globalbatch.critical.pooled import POOL_ALPHA, PooledFit, pooled_for_target
 from globalbatch.critical.readout import heldout_fit
 from globalbatch.critical.recommend import TargetResult, points_for_target
+from globalbatch.critical.seed_spread import SeedSpread, seed_spread_for_target
 from globalbatch.errors import SettingError
 
 __all__ = ["MONOTONE_SLACK", "N_BOOT", "SeedTarget", "common_targets", "check_targets_reached", "is_monotone", "common_lr", "target_over_seeds",
@@ -207,6 +211,9 @@ class SeedTarget:
     its B_crit are the per-seed values."""
     b_crit_own_per_seed: dict[int, Optional[float]] = field(default_factory=dict)
     """Per-seed B_crit from each seed's own two-parameter fit (what :attr:`b_crit_per_seed` holds without pooling)."""
+    seed_spread: Optional[SeedSpread] = None
+    """The F-test of one B_crit shared by the monotone seeds (:mod:`globalbatch.critical.seed_spread`): whether their
+    spread is the seeds' or their estimates' (None: fewer than 2 such seeds)."""
 
     @property
     def pooling_text(self) -> str:
@@ -341,6 +348,7 @@ def target_over_seeds(curves: Sequence[Curve], target: float, *, readout: str = 
             st.b_crit_per_seed[s] = tr.fit.b_crit if _usable(tr.fit) else None
             st.b_crit_text_per_seed[s] = tr.fit.b_crit_text()
     good = [s for s in seeds if monotone[s]]
+    st.seed_spread = seed_spread_for_target(batches, steps, good)
     _use_pooled(st, pooled_for_target(batches, steps, good, alpha=pool_alpha) if pool_alpha is not None else None)
     vals = [v for v in st.b_crit_per_seed.values() if v is not None]
     if vals:

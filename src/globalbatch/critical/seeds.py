@@ -222,6 +222,9 @@ def analyze_seeds(curves: Sequence[Curve], *, settings: Optional[AnalysisSetting
         if bad:
             out.warnings.append(f"target {st.target:.4f}: non-monotone or unreached steps for seed(s) "
                                 f"{', '.join(map(str, bad))}: left out of the fits")
+        if st.seed_spread is not None and st.seed_spread.differ:
+            out.warnings.append(f"target {st.target:.4f}: {st.seed_spread.text()} — the seed range is the seeds' "
+                                "own; more seeds narrow the median's interval, not that range")
     pts = [(st.target, s, b, cast(float, st.steps[b][s])) for st in results for s in seeds if st.monotone[s]
            for b in st.steps if st.steps[b][s] is not None]
     try:
@@ -289,6 +292,7 @@ def seed_analysis_json(a: SeedAnalysis, batch_key: Callable[[float], int]) -> di
             "b_crit_own_per_seed": {str(s): num(v) for s, v in st.b_crit_own_per_seed.items()},
             "pooling": st.pooled.as_json() if st.pooled is not None else None,
             "pooling_text": st.pooling_text,
+            "seed_spread": st.seed_spread.as_json() if st.seed_spread is not None else None,
             "b_simple": a.b_simple.get(st.target),
         })
     rec = a.recommendation

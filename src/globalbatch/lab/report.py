@@ -193,6 +193,8 @@ def _target_flags(st) -> str:
     flags = ["in warmup: " + ", ".join(st.reached_in_warmup)] if st.reached_in_warmup else []
     if outside_band(st.b_crit, st.joint_interval):
         flags.append("median outside the joint band")
+    if st.seed_spread is not None and st.seed_spread.differ:
+        flags.append(f"seeds differ beyond their noise (p {st.seed_spread.p_value:.2g})")
     return "; ".join(flags)
 
 
@@ -321,7 +323,8 @@ def _lead_seeds_html(data: SweepData, analysis: Analysis, sa: SeedAnalysis) -> s
     bc = (f"<li>Critical batch at loss {st.target:.4f}: <b>B_crit {_fmt(st.b_crit)} {unit}s per step</b>"
           + (f", {_fmt(iv[0])}–{_fmt(iv[1])} (seed range ∪ bootstrap 95 %)" if iv else "")
           + f"; median over the seeds whose steps to target fall with the batch ({sum(st.monotone.values())} of "
-          f"{len(st.monotone)}).</li>" if st.b_crit is not None else
+          f"{len(st.monotone)})" + (f"; {html.escape(st.seed_spread.text())}" if st.seed_spread is not None else "")
+          + ".</li>" if st.b_crit is not None else
           f"<li>No B_crit at loss {st.target:.4f}: no seed gives a usable fit (see the per-seed numbers below).</li>")
     trend = ""
     if sa.joint is not None and sa.joint_flags:
