@@ -23,7 +23,8 @@ references ``/tmp/s9/ref_tinygpt`` (the full 5-seed demo tinygpt sweep, ``runs/c
 completed under the current code: 120 trials) and ``/tmp/s9/ref_mnist`` (``runs/critical_stability_mnist`` with its
 batch-edge cells: 190 trials); the sweep designs' repetitions ``/tmp/s9/cost_{task}`` (completed under the current
 code: the narrow designs' transferred cells rerun with the LR the analysis chooses); the branch designs' in
-``/tmp/h6b`` and ``runs/critical_cost_*``. Every row was read by the code of commit bcd95a5.
+``/tmp/h6b`` and ``runs/critical_cost_*``. Every row was read by the code of commit bcd95a5, except tinygpt's
+``narrow2`` and ``seeds1`` rows: run and read by commit 734f323 (the same trial and read-out code).
 """
 
 from __future__ import annotations
