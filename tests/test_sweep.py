@@ -172,6 +172,25 @@ def test_later_rounds_run_in_the_same_worker_processes_and_match_one_process(tmp
             tmp_path / "alone" / "trials" / name)
 
 
+def test_a_closing_pool_starts_no_trial_a_worker_already_holds(tmp_path):
+    """Ctrl-C: the sweep closes its pool, which cancels the cells no worker took — but the executor hands each
+    worker one more cell ahead, which cancelling cannot reach; the pool's stop event keeps that one from starting.
+    Here the event is set before a cell is handed over: the worker returns it untouched (no trial directory)."""
+    from globalbatch.lab.sweep.runner import _WorkerPool
+
+    cfg = tiny_config(batches=[4], lrs=[1e-3])
+    pool = _WorkerPool(asdict(cfg), 1, 1)
+    try:
+        pool.run([], tmp_path)  # the workers' executor and its stop event
+        pool._stop.set()
+        t0 = time.time()
+        pool.run(cfg.trials(), tmp_path)
+        assert not (tmp_path / "trials").exists(), "a trial started after the stop"
+        assert time.time() - t0 < 60
+    finally:
+        pool.close()
+
+
 def test_analyze_sweep_gives_points_and_recommendation(reference_sweep):
     out, _, _ = reference_sweep
     data, analysis = analyze_sweep(out, settings=AnalysisSettings(first_seed_n_targets=2))

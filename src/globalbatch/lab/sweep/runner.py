@@ -392,6 +392,8 @@ def _watch_parent(parent_pid: int) -> None:
 
 _WORKER_DEVICE: Optional[str] = None
 """This pool worker's device (one GPU per worker for ``device="cuda"``), set by :func:`_worker_init`."""
+_WORKER_STOP: Any = None
+"""The sweep's stop event in a pool worker (set when the sweep closes its pool: no further trial starts)."""
 
 
 def _die_with_parent() -> None:
@@ -413,8 +415,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_init(threads: int, device: str = "cpu", counter: Any = None) -> None:
-    global _WORKER_DEVICE
+def _worker_init(threads: int, device: str = "cpu", counter: Any = None, stop: Any = None) -> None:
+    global _WORKER_DEVICE, _WORKER_STOP
+    _WORKER_STOP = stop
     parent = os.getppid()
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before the signal was armed
@@ -438,8 +441,11 @@ def _worker_init(threads: int, device: str = "cpu", counter: Any = None) -> None
 
 
 def _pool_trial(cfg: dict, spec: dict, out: str, threads: int, parent_pid: int, pause_at: Optional[int] = None) -> dict:
-    """``run_trial`` in a pool worker, on the worker's own device; an orphaned worker starts nothing."""
+    """``run_trial`` in a pool worker, on the worker's own device; an orphaned worker starts nothing, nor one whose
+    sweep is stopping (a cell already handed to the worker's queue, which cancelling cannot reach)."""
     exit_if_orphaned(parent_pid)
+    if _WORKER_STOP is not None and _WORKER_STOP.is_set():
+        return {"stopped": spec.get("name", "")}
     return run_trial(cfg, spec, out, threads=threads, parent_pid=parent_pid, device=_WORKER_DEVICE, pause_at=pause_at)
 
 
@@ -452,6 +458,7 @@ class _WorkerPool:
     def __init__(self, cfg: dict, n_workers: int, threads: int) -> None:
         self.cfg, self.n_workers, self.threads = cfg, n_workers, threads
         self._executor: Any = None
+        self._stop: Any = None
 
     def run(self, cells: Sequence[TrialSpec], out: Path, pause_at: Optional[int] = None) -> None:
         from concurrent.futures import FIRST_EXCEPTION, wait
@@ -461,8 +468,10 @@ class _WorkerPool:
             from concurrent.futures import ProcessPoolExecutor
 
             ctx = mp.get_context("spawn")
+            self._stop = ctx.Event()
             self._executor = ProcessPoolExecutor(max_workers=self.n_workers, mp_context=ctx, initializer=_worker_init,
-                                                 initargs=(self.threads, self.cfg["device"], ctx.Value("i", 0)))
+                                                 initargs=(self.threads, self.cfg["device"], ctx.Value("i", 0),
+                                                           self._stop))
         futures = {self._executor.submit(_pool_trial, self.cfg, asdict(t), str(out), self.threads, os.getpid(),
                                          pause_at): t for t in cells}
         finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
@@ -474,9 +483,11 @@ class _WorkerPool:
                 raise RuntimeError(f"trial {futures[fut].name} failed: {exc}") from exc
 
     def close(self) -> None:
-        """Wait for the running trials (a failed round's others finish), cancel those no worker has taken yet, stop
-        the workers."""
+        """Wait for the running trials (a failed round's others finish; on Ctrl-C each worker's trial is interrupted
+        too, and resumes from its checkpoint on the next run), start no other — neither those cancelling reaches nor
+        the one a worker already holds queued — and stop the workers."""
         if self._executor is not None:
+            self._stop.set()
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
 
