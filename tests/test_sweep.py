@@ -191,6 +191,23 @@ def test_a_closing_pool_starts_no_trial_a_worker_already_holds(tmp_path):
         pool.close()
 
 
+def test_progress_ignores_a_killed_attempts_temp_file(tmp_path):
+    """A killed earlier run leaves ``metrics.jsonl.tmp-<its pid>``; until the trial restarts, its bar shows no
+    progress rather than the dead attempt's."""
+    from globalbatch.lab.sweep.runner import _Progress
+
+    cfg = tiny_config(batches=[4], lrs=[1e-3])
+    (t,) = cfg.trials()
+    d = tmp_path / "trials" / t.name
+    d.mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (d / f"metrics.jsonl.tmp-{int(dead.stdout)}").write_text(json.dumps({"kind": "step", "consumed": 4000}) + "\n")
+    progress = _Progress(tmp_path, [t], cfg.budget, "token", enabled=False)
+    assert progress._consumed(t.name) is None
+    (d / f"metrics.jsonl.tmp-{os.getpid()}").write_text(json.dumps({"kind": "step", "consumed": 800}) + "\n")
+    assert progress._consumed(t.name) == 800  # a live writer's
+
+
 def test_analyze_sweep_gives_points_and_recommendation(reference_sweep):
     out, _, _ = reference_sweep
     data, analysis = analyze_sweep(out, settings=AnalysisSettings(first_seed_n_targets=2))

@@ -50,11 +50,18 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def tmp_writer(path: Path) -> Optional[int]:
+    """The pid of a live process writing ``…tmp-<pid>`` (None: not a pid suffix, or that process is gone: a killed
+    attempt's file)."""
+    pid = Path(path).name.rsplit("-", 1)[-1]
+    return int(pid) if pid.isdigit() and pid_alive(int(pid)) else None
+
+
 def remove_stale_tmp(trial_dir: Path, *, also_own: bool = False) -> None:
     """Delete ``metrics.jsonl.tmp-<pid>`` files of killed attempts (writer gone; never a live writer's)."""
     for stale in Path(trial_dir).glob("metrics.jsonl.tmp-*"):
-        pid = stale.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or not pid_alive(int(pid)) or (also_own and int(pid) == os.getpid()):
+        pid = tmp_writer(stale)
+        if pid is None or (also_own and pid == os.getpid()):
             stale.unlink(missing_ok=True)
 
 

@@ -24,7 +24,7 @@ from globalbatch.critical.lr_choice import chosen_lr_per_batch
 from globalbatch.critical.settings import AnalysisSettings
 from globalbatch.lab.tasks import load_task_checked
 from globalbatch.lab.device import check_device
-from globalbatch.lab.rundir import check_manifest, lock_run_dir, remove_stale_tmp
+from globalbatch.lab.rundir import check_manifest, lock_run_dir, remove_stale_tmp, tmp_writer
 from globalbatch.validate import make_out_dir
 from globalbatch.validate import out_dir as out_dir_checked
 from globalbatch.lab.sweep.config import BACKENDS, RAY_HINT, SweepConfig, TrialSpec
@@ -160,10 +160,12 @@ class _Progress:
         return self
 
     def _consumed(self, trial: str) -> Optional[int]:
-        """Units a running trial has reported in its temporary JSONL (None: none yet); :meth:`_finished` reads ends."""
+        """Units a running trial has reported in its temporary JSONL (None: none yet; a killed earlier attempt's file,
+        its writer gone, is not this trial's progress); :meth:`_finished` reads ends."""
         d = self.out / "trials" / trial
         try:
-            tmps = sorted(d.glob("metrics.jsonl.tmp-*"), key=lambda p: p.stat().st_mtime)
+            tmps = sorted((p for p in d.glob("metrics.jsonl.tmp-*") if tmp_writer(p) is not None),
+                          key=lambda p: p.stat().st_mtime)
             if not tmps:
                 return None
             with open(tmps[-1], "rb") as f:
