@@ -16,7 +16,8 @@ seeds', and no estimator of a per-seed B_crit can make it smaller without hiding
 within the estimates' noise. The shared fit profiles ln B_crit (for a fixed B_crit every seed's ln S_min is its
 mean residual, exact in log space) with ``scipy.optimize.minimize_scalar``. The test assumes the log-steps residuals
 are independent with one variance across seeds; its size and power were measured on synthetic sweeps with
-known B_crit (``tests/test_critical_seed_spread.py``, docs/critical.md). Pure numpy/scipy; no torch.
+known B_crit (``benchmarks/critical_seed_spread.py``, held to in ``tests/test_critical_seed_spread.py``;
+docs/critical.md). Pure numpy/scipy; no torch.
 """
 
 from __future__ import annotations
