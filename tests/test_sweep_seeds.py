@@ -143,6 +143,26 @@ def test_batch_edge_cells_add_the_next_batch_where_b_crit_lies_beyond_the_larges
         SweepConfig(batches=[4], lrs=[1e-3], budget=10, batch_edge_extend=-1)
 
 
+def test_a_narrow_design_extends_the_batch_edge_at_the_rules_lr_and_transfers_to_it():
+    """A narrow design reads B_crit beyond its largest batch as the full design does, and runs the next batch at
+    the base batch's chosen LR moved by the rule only (not a grid); from then on the transfer re-derives it."""
+    from globalbatch.lab.sweep.lr_edges import transfer_cells
+
+    cfg = SweepConfig(batches=[4, 8, 16], lrs=[1e-3, 2e-3, 4e-3], budget=10_000, seeds=[0, 1], design="narrow2",
+                      lr_rule="sqrt")
+    base = cfg.narrow_base()
+    s = [_summary(base, lr, seed, 2.0) for lr in cfg.lrs_for(base) for seed in (0, 1)]
+    s += [_summary(b, cfg.transfer_lr(2e-3, base, b), seed, 2.0) for b in (4, 16) for seed in (0, 1)]
+    edge = BatchEdge(beyond=2, seeds=2, lr=cfg.transfer_lr(2e-3, base, 16))
+    assert batch_edge_cells(cfg, s, BatchEdge(beyond=0, seeds=2, lr=None), narrow_lr=2e-3) == []
+    cells = batch_edge_cells(cfg, s, edge, narrow_lr=2e-3)
+    assert set(cells) == {TrialSpec(batch=32, lr=cfg.transfer_lr(2e-3, base, 32), seed=seed) for seed in (0, 1)}
+    ran = s + [_summary(32, c.lr, c.seed, 2.0) for c in cells]
+    assert batch_edge_cells(cfg, ran, edge, narrow_lr=2e-3) == []  # the cap: one doubling
+    moved = transfer_cells(cfg, ran, (4e-3, None))  # the choice moved: every other batch follows, batch 32 too
+    assert {(c.batch, c.lr) for c in moved} == {(b, cfg.transfer_lr(4e-3, base, b)) for b in (4, 16, 32)}
+
+
 def test_the_analysis_verdict_counts_seeds_whose_b_crit_lies_beyond_the_largest_batch():
     from dataclasses import replace
     from types import SimpleNamespace

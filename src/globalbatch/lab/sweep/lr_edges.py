@@ -142,14 +142,18 @@ class BatchEdge:
         return self.seeds > 0 and 2 * self.beyond >= self.seeds
 
 
-def batch_edge_cells(config: SweepConfig, summaries: list[dict[str, Any]], edge: Optional[BatchEdge]) -> list[TrialSpec]:
+def batch_edge_cells(config: SweepConfig, summaries: list[dict[str, Any]], edge: Optional[BatchEdge],
+                     narrow_lr: Optional[float] = None) -> list[TrialSpec]:
     """The batch-edge extension's cells: an edge batch that started completes its grid (every seed); else, when
     ``edge.extend`` and fewer than ``batch_edge_extend`` doublings ran, the next one — batch 2·largest, at
-    :meth:`SweepConfig.lrs_for` plus the rule's move of ``edge.lr`` where that lies outside, for every seed."""
+    :meth:`SweepConfig.lrs_for` plus the rule's move of ``edge.lr`` where that lies outside, for every seed.
+
+    A narrow design (``narrow_lr``: its base batch's chosen LR) runs the new batch at that LR moved by the rule
+    only, like its other batches; :func:`transfer_cells` completes and re-derives it from then on."""
     seeds = config.seed_list()
     ran = {int(s["batch"]) for s in summaries}
     done = {(int(s["batch"]), float(s["lr"]), int(s.get("seed", 0))) for s in summaries}
-    for b in config.edge_batches():
+    for b in config.edge_batches() if narrow_lr is None else ():
         if b in ran:
             todo = [TrialSpec(batch=b, lr=lr, seed=s) for lr in config.lrs_for(b) for s in seeds
                     if (b, lr, s) not in done]
@@ -160,6 +164,9 @@ def batch_edge_cells(config: SweepConfig, summaries: list[dict[str, Any]], edge:
     new = 2 * max(ran | set(config.batches))
     if new not in config.edge_batches():
         return []  # the cap
+    if narrow_lr is not None:
+        return [TrialSpec(batch=new, lr=config.transfer_lr(narrow_lr, config.narrow_base(), new), seed=s)
+                for s in seeds]
     lrs = list(config.lrs_for(new))
     if edge.lr is not None:
         moved = float(f"{edge.lr * 2 ** config.rule_power():.4g}")
@@ -217,8 +224,8 @@ def refine_cells(config: SweepConfig, summaries: list[dict[str, Any]],
 def transfer_cells(config: SweepConfig, summaries: list[dict[str, Any]],
                    choice: Optional[tuple[float, Optional[str]]] = None) -> list[TrialSpec]:
     """A narrow design's other batches: once the base batch's grid (and its edge extensions) is finished for every
-    seed and its chosen LR is not at an edge it may still extend, each other batch at that LR moved by the rule,
-    for every seed.
+    seed and its chosen LR is not at an edge it may still extend, each other batch (a batch-edge extension's
+    included, once it ran: :func:`batch_edge_cells`) at that LR moved by the rule, for every seed.
 
     ``choice``: ``(lr, edge)``, the base batch's LR as the analysis over seeds reads it
     (:func:`globalbatch.critical.lr_choice.chosen_lr_per_batch` at the primary target: the least median held-out
@@ -250,5 +257,6 @@ def transfer_cells(config: SweepConfig, summaries: list[dict[str, Any]],
     if (edge == "low" and sum(lr < min(grid) for lr in lrs) < config.lr_edge_extend) or \
             (edge == "high" and sum(lr > max(grid) for lr in lrs) < config.lr_edge_extend):
         return []  # the base batch's grid widens first (edge_cells)
+    extended = {int(s["batch"]) for s in summaries} & set(config.edge_batches())  # a batch-edge extension ran
     return [TrialSpec(batch=b, lr=config.transfer_lr(best, base, b), seed=s)
-            for b in sorted(config.batches) if b != base for s in seeds]
+            for b in sorted(set(config.batches) | extended) if b != base for s in seeds]
