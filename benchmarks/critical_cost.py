@@ -66,6 +66,7 @@ def _tokens(run: Path) -> float:
 def _reuse(cfg, run: Path, donors: list[Path]) -> int:
     """Link into ``run`` every cell the design will ask for that a donor run already finished."""
     from globalbatch.lab.sweep.lr_edges import edge_cells, finished_summaries, transfer_cells
+    from globalbatch.lab.sweep.runner import narrow_choice
 
     names = {t.name for t in cfg.trials()}
     linked = 0
@@ -74,8 +75,8 @@ def _reuse(cfg, run: Path, donors: list[Path]) -> int:
             linked += _link_trials(d, run, names)
         done = finished_summaries(run, cfg) if (run / "trials").is_dir() else []
         more = {t.name for t in edge_cells(cfg, done, None)}
-        if cfg.design.startswith("narrow"):
-            more |= {t.name for t in transfer_cells(cfg, done)}
+        if cfg.design.startswith("narrow"):  # the LR the runner will transfer: the analysis' choice, as it reads it
+            more |= {t.name for t in transfer_cells(cfg, done, narrow_choice(run, cfg) if done else None)}
         if more <= names:
             break
         names |= more
