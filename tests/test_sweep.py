@@ -526,6 +526,24 @@ def _crossing_trial(cfg, spec, out, threads=1, pause_at=None):
         "skipped_windows": 0, "final_val_loss": float(loss[-1]), "train_time_s": n * b_tok / 1e4, "micro_batch": b})
 
 
+def test_narrow_design_extends_the_batch_edge_where_b_crit_lies_beyond(tmp_path, monkeypatch):
+    """The stand-in's B_crit is 1,600 tokens, beyond the largest batch (32 × 20): after its transfers a narrow design
+    runs the next batch, 64, at the base batch's chosen LR moved by the rule only, and reads a point there."""
+    import globalbatch.lab.sweep.runner as runner
+    from globalbatch.critical.lr_choice import chosen_lr_per_batch
+    from globalbatch.lab.sweep import analyze_sweep_seeds
+
+    monkeypatch.setattr(runner, "run_trial", _crossing_trial)
+    cfg = SweepConfig(task="tinygpt", task_overrides=TINY, batches=[8, 16, 32], lrs=[1e-3, 3e-3], budget=200_000,
+                      seeds=[0], design="narrow1", lr_edge_extend=1, warmup=0)
+    res = run_sweep(cfg, tmp_path / "s", workers=1, threads=1, progress=False, timing_steps=0)
+    data, sa = analyze_sweep_seeds(tmp_path / "s")
+    chosen = chosen_lr_per_batch(sa.primary)[data.batch_units()[16]]
+    at_64 = {float(n.split("_lr")[1].split("_")[0]) for n in res.ran if n.startswith("b64_")}
+    assert len(at_64) == 1 and at_64.pop() == pytest.approx(cfg.transfer_lr(chosen, 16, 64), rel=1e-3), sorted(res.ran)
+    assert not any(n.startswith("b128_") for n in res.ran)  # the cap: one doubling
+
+
 def test_narrow_design_transfers_the_lr_the_analysis_chooses_and_follows_it(tmp_path, monkeypatch):
     """Base batch 16 at rel 1 and 3 (× the rule's LR): lowest final loss at rel 1, but once batches 8 and 32 ran the
     primary target loosens and the analysis reads batch 16 at rel 3 (fewer steps). The transfer follows the

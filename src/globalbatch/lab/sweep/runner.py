@@ -353,7 +353,8 @@ def _run_locked(config: SweepConfig, out: Path, unit: str, *, workers: Optional[
             if narrow:  # the base batch's LR and edge as the analysis chooses them, re-read on every pass
                 choice = narrow_choice(out, config)
                 base_edge = None if choice is None else ({config.narrow_base(): choice[1]} if choice[1] else {})
-                extra = edge_cells(config, done_now, base_edge) + transfer_cells(config, done_now, choice)
+                extra = [t for t in edge_cells(config, done_now, base_edge) + transfer_cells(config, done_now, choice)
+                         if not trial_done(out / "trials" / t.name, t)]  # a transfer lists its finished cells too
                 if complete and not extra and choice is not None:  # B_crit beyond the largest batch: as the full design
                     extra = batch_edge_cells(config, done_now, _analysis_flags(out)[2], narrow_lr=choice[0])
             else:
