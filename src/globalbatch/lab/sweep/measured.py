@@ -24,7 +24,8 @@ completed under the current code: 120 trials) and ``/tmp/s9/ref_mnist`` (``runs/
 batch-edge cells: 190 trials); the sweep designs' repetitions ``/tmp/s9/cost_{task}`` (completed under the current
 code: the narrow designs' transferred cells rerun with the LR the analysis chooses); the branch designs' in
 ``/tmp/h6b`` and ``runs/critical_cost_*``. Every row was read by the code of commit bcd95a5, except tinygpt's
-``narrow2`` and ``seeds1`` rows: run and read by commit 734f323 (the same trial and read-out code).
+``seeds1`` row: run and read by commit 734f323 (the same trial and read-out code), and both tasks' ``narrow1`` and
+``narrow2`` rows: completed with their batch-edge cells and read by commit 2a2cfd0.
 """
 
 from __future__ import annotations
