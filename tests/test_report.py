@@ -484,3 +484,18 @@ def test_b_crit_plot_labels_a_flagged_joint_fit_as_a_comparison(seeds_report, tm
     assert "joint fit, a comparison (flagged: B_crit falls as the loss falls)" in texts
     assert not any(t.startswith("joint fit: B_crit ∝") for t in texts)
     report_mod._plt().close(figs[0])
+
+
+def test_fit_rows_state_no_bound_where_b_crit_lies_outside_and_the_data_support_none():
+    """B_crit fitted far below the swept batches with no one-sided bound the scatter supports: the comparison row says
+    so instead of asking for an interval that does not exist (which raised and lost the whole page)."""
+    from types import SimpleNamespace
+
+    from globalbatch.critical.fit import fit_hyperbola
+    from globalbatch.critical.recommend import TargetResult
+    from globalbatch.lab.report import _fit_rows
+
+    fit = fit_hyperbola([16, 32, 64], [59.582, 15.773, 15.457])
+    assert fit.extrapolated and fit.b_crit_bound(0.95) is None
+    rows = _fit_rows(None, SimpleNamespace(targets=[TargetResult(target=2.5, points=[], unreached=[], fit=fit)]))
+    assert rows[0][2] == "no bound" and "supports no bound" in rows[0][-1]

@@ -81,6 +81,10 @@ def _fit_rows(data: SweepData, analysis: Analysis) -> list[list[str]]:
         f = t.fit
         bound = f.b_crit_bound(0.95)
         name = f"{t.target:.4f}" + (" (primary)" if t is analysis.targets[0] else "")
+        if f.degenerate is not None or (bound is None and f.extrapolated):  # no interval and no bound to state
+            rows.append([name, str(f.n_points), "no bound", "–", "–", f"{f.s_min:,.1f} / {f.e_min:,.0f}",
+                         f.b_crit_text()])
+            continue
         if bound is None:
             lo, hi = f.b_crit_interval(0.95)
             rows.append([name, str(f.n_points), f"{f.b_crit:,.0f} ± {f.se_b_crit:,.0f}", f"{lo:,.0f}–{hi:,.0f}",
