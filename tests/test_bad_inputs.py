@@ -279,6 +279,7 @@ CASES = [
     _c("sweep-tokens-1e400", SWEEP + ["--tokens", "1e400"], "--tokens"),
     _c("sweep-tokens-1e999999999", SWEEP + ["--tokens", "1e999999999"], "--tokens"),
     _c("sweep-tokens-zero", SWEEP + ["--tokens", "0"], "--tokens"),
+    _c("sweep-tokens-below-two-steps", SWEEP + ["--tokens", "50"], "--tokens"),  # batch 2 × 16 tokens × 2 = 64
     _c("sweep-warmup-min-steps-negative", SWEEP + ["--warmup-min-steps", "-3"], "--warmup-min-steps"),
     _c("sweep-tokens-word", SWEEP + ["--tokens", "many"], "--tokens"),
     _c("sweep-batches-1e400", SWEEP + ["--batches", "1e400"], "--batches"),

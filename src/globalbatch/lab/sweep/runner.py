@@ -284,7 +284,14 @@ def run_sweep(
         except ImportError:
             raise SettingError("backend", "ray", f"local, or ray after {RAY_HINT}", why="Ray Tune is not installed") from None
     check_device(config.device, config.precision)  # a device that does not exist: one line, nothing written
-    unit = load_task_checked(config.task, config.task_overrides).unit  # fails here, not in a worker
+    task = load_task_checked(config.task, config.task_overrides)  # fails here, not in a worker
+    unit = task.unit
+    per_sample = (task.seq_len or 1) if unit == "token" else 1
+    step_units = max(config.batches) * per_sample
+    if config.budget < 2 * step_units:  # a trial of fewer than two steps of the largest batch reads no steps to target
+        raise SettingError("budget", config.budget, f"at least 2 steps of the largest batch: ≥ {2 * step_units:,} "
+                           f"{unit}s (batch {max(config.batches)}" + (f" × {per_sample} tokens" if per_sample > 1 else "")
+                           + " × 2)")
     out = out_dir_checked(out_dir, "out")
     make_out_dir(out, "out")
     with lock_run_dir(out):  # a second sweep into this directory: one error line, exit 2
