@@ -88,6 +88,10 @@ def test_too_little_data_has_no_answer():
         shared_b_crit_f_test([8.0, 16.0], {0: [3.0, 2.0], 1: [3.0, 2.0]})
     with pytest.raises(NoAnswerError, match="finite steps"):
         shared_b_crit_f_test(MNIST_BATCHES, {0: 5 * (1 + 300 / MNIST_BATCHES), 1: [np.nan] * 7})
+    with pytest.raises(NoAnswerError, match="finite steps"):
+        shared_b_crit_f_test(MNIST_BATCHES, {0: 5 * (1 + 300 / MNIST_BATCHES), 1: [None] * 7})
+    with pytest.raises(NoAnswerError, match="1 distinct batch"):
+        shared_b_crit_f_test([64.0] * 3, {0: [3.0, 2.0, 1.0], 1: [3.0, 2.0, 1.0]})
     steps = {8.0: {0: 10.0, 1: None}, 16.0: {0: 6.0, 1: 6.0}, 32.0: {0: 4.0, 1: 4.0}}
     assert seed_spread_for_target([8.0, 16.0, 32.0], steps, [0, 1]) is None  # seed 1 never reached at batch 8
 
@@ -113,3 +117,17 @@ def test_the_analysis_states_it_and_warns_where_the_seeds_differ():
             spread = doc["targets"][-1]["seed_spread"]
             assert spread["differ"] and spread["p_value"] < 0.05 and spread["dof"][0] == 3
     assert alike_flagged <= 1 and odd_flagged >= 3, (alike_flagged, odd_flagged)
+
+
+@pytest.mark.parametrize("batches, steps, alpha, field", [
+    ([0.0, 16.0, 32.0], {0: [3, 2, 1], 1: [3, 2, 1]}, 0.05, "batches"),
+    ([math.nan, 16.0, 32.0], {0: [3, 2, 1], 1: [3, 2, 1]}, 0.05, "batches"),
+    ([8.0, 16.0, 32.0], {0: [3, 2], 1: [3, 2, 1]}, 0.05, "steps"),
+    ([8.0, 16.0, 32.0], {0: [3, 2, 1], 1: [3, 2, 1]}, 2.0, "alpha"),
+    ([8.0, 16.0, 32.0], {0: [3, 2, 1], 1: [3, 2, 1]}, True, "alpha"),
+])
+def test_bad_input_names_the_argument(batches, steps, alpha, field):
+    from globalbatch.errors import SettingError
+
+    with pytest.raises(SettingError, match=f"^{field} "):
+        shared_b_crit_f_test(batches, steps, alpha=alpha)

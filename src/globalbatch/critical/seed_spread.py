@@ -29,6 +29,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from globalbatch.critical.errors import NoAnswerError
+from globalbatch.errors import SettingError
 from globalbatch.critical.fit import nested_f_test
 from globalbatch.critical.pooled import seeds_table
 
@@ -98,14 +99,29 @@ def shared_b_crit_f_test(batches: Sequence[float], steps: Mapping[int, Sequence[
     ``steps``: seed → steps to the target at each of ``batches`` (every seed at every batch, all > 0). Both models
     are fitted by the same profile over ln B_crit (within the batches' range ± 12 in ln), so the nested one cannot
     fit better. Raises :class:`~globalbatch.critical.errors.NoAnswerError` with fewer than 2 seeds or 3 batches (the
-    per-seed fits have no residual) or non-finite steps."""
-    b = np.asarray(batches, dtype=float)
-    seeds = tuple(sorted(steps))
-    if len(seeds) < 2 or b.size < 3:
-        raise NoAnswerError(f"shared B_crit: {len(seeds)} seed(s) × {b.size} batch(es); needs ≥ 2 seeds and ≥ 3 "
-                            "batches")
-    y = np.log(np.array([[float(v) for v in steps[s]] for s in seeds]))
-    if y.shape != (len(seeds), b.size) or not np.all(np.isfinite(y)):
+    per-seed fits have no residual) or non-finite steps, and :class:`~globalbatch.errors.SettingError` for batches that are
+    not finite and > 0, a seed whose steps do not match the batches, or ``alpha`` outside (0, 1)."""
+    if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 < alpha < 1):
+        raise SettingError("alpha", alpha, "a level between 0 and 1, e.g. 0.05")
+    try:
+        b = np.asarray(batches, dtype=float).ravel()
+    except (TypeError, ValueError):
+        raise SettingError("batches", batches, "batch sizes > 0") from None
+    if not (b.size and np.all(np.isfinite(b)) and np.all(b > 0)):
+        raise SettingError("batches", list(batches), "finite batch sizes > 0")
+    seeds = tuple(sorted(steps, key=str))
+    if len(seeds) < 2 or np.unique(b).size < 3:
+        raise NoAnswerError(f"shared B_crit: {len(seeds)} seed(s) × {np.unique(b).size} distinct batch(es); needs ≥ 2 "
+                            "seeds and ≥ 3 batches")
+    try:
+        rows = [[float(v) for v in steps[s]] for s in seeds]
+    except (TypeError, ValueError):
+        raise NoAnswerError("shared B_crit: every seed needs finite steps > 0 at every batch") from None
+    if any(len(r) != b.size for r in rows):
+        raise SettingError("steps", {s: len(r) for s, r in zip(seeds, rows)}, f"{b.size} steps per seed, one per batch")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = np.log(np.array(rows))
+    if not np.all(np.isfinite(y)):
         raise NoAnswerError("shared B_crit: every seed needs finite steps > 0 at every batch")
     k, m = y.shape
     grid = np.linspace(math.log(b.min()) - 12.0, math.log(b.max()) + 12.0, 481)
