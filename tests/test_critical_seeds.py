@@ -304,3 +304,34 @@ def test_one_step_trials_give_a_value_error_not_an_index_error():
     one = [Curve(batch_size=b, lr=1e-3, examples=np.array([b]), loss=np.array([5.5]), seed=0) for b in (128.0, 256.0)]
     with pytest.raises(ValueError, match="no loss reading after its first step; raise the budget"):
         common_targets(one, readout="train")
+
+
+def test_the_median_over_seeds_counts_a_seed_that_only_bounds_b_crit():
+    """One seed at 60 and two whose B_crit only has a lower bound (> 128): the median is > 128, not 60 (the seeds with
+    a point alone); two points and one bound keep a point; bounds on the far side of the middle do not move it."""
+    from globalbatch.critical.seed_targets import censored_median
+
+    assert censored_median([60.0], [("lower", 128.0), ("lower", 128.0)]) == (None, ("lower", 128.0))
+    assert censored_median([60.0, 100.0], [("lower", 128.0)]) == (100.0, None)
+    assert censored_median([60.0, 100.0, 110.0], [("upper", 20.0), ("lower", 500.0)]) == (100.0, None)
+    assert censored_median([], [("upper", 20.0), ("upper", 30.0)]) == (None, ("upper", 25.0))
+    assert censored_median([60.0], [("lower", 128.0)]) == (None, ("lower", 94.0))  # two seeds: the mean of the middle
+    assert censored_median([70.0, 80.0], []) == (75.0, None) and censored_median([], []) == (None, None)
+
+
+def test_a_target_whose_median_is_a_bound_says_so_in_the_json_and_has_no_interval():
+    """Seeds whose steps still halve with the batch at every batch (B_crit far beyond): the per-seed values are lower
+    bounds, the median is a bound, and no interval is stated around a point that is not there."""
+    import json
+
+    curves = [synth_curve(b, s, factor=(1 + 40 * b_crit_true(3.0) / b) / (1 + b_crit_true(3.0) / b)) for s in (0, 1, 2)
+              for b in BATCHES]
+    a = analyze_seeds(curves, settings=AnalysisSettings(n_targets=3))
+    bounded = [t for t in a.targets if t.b_crit_median_bound is not None]
+    assert bounded, [t.b_crit_text_per_seed for t in a.targets]
+    t = bounded[0]
+    assert t.b_crit is None and t.interval() is None and t.b_crit_median_bound[0] == "lower"
+    assert t.median_text.startswith("> ") and "give only a lower bound" in t.median_text
+    doc = json.loads(json.dumps(seed_analysis_json(a, lambda u: int(u)), allow_nan=False))
+    row = next(r for r in doc["targets"] if r["target_loss"] == t.target)
+    assert row["b_crit"] is None and row["b_crit_median_bound"][0] == "lower" and row["b_crit_interval"] is None

@@ -193,7 +193,14 @@ class SeedTarget:
     """Per-seed B_crit: None when that seed's cell is non-monotone, its fit degenerate or extrapolated."""
     b_crit_text_per_seed: dict[int, str] = field(default_factory=dict)
     b_crit: Optional[float] = None
-    """Median over seeds of the usable per-seed B_crit."""
+    """Median over the fitted seeds of their B_crit, a seed that only bounds it counted by its bound
+    (:func:`censored_median`); None where that median is itself only a bound (:attr:`b_crit_median_bound`)."""
+    b_crit_bound_per_seed: dict[int, tuple[str, float]] = field(default_factory=dict)
+    """Seed → ``("lower", X)`` (B_crit > X: every batch in the perfect-scaling regime) or ``("upper", X)`` where its
+    fit gives a one-sided bound instead of a point."""
+    b_crit_median_bound: Optional[tuple[str, float]] = None
+    """``("lower", X)``: the median over seeds is > X (at least half the seeds only give lower bounds); ``("upper", X)``
+    likewise; None where the median is a point (:attr:`b_crit`) or there is nothing to take it over."""
     b_crit_range: Optional[tuple[float, float]] = None
     median_fit: Optional[HyperbolaFit] = None
     """Fit of the median steps over the monotone seeds."""
@@ -224,10 +231,40 @@ class SeedTarget:
     def all_monotone(self) -> bool:
         return all(self.monotone.values())
 
+    @property
+    def interval_source(self) -> str:
+        """What :meth:`interval` is, in words (its label on the report page)."""
+        fitted = [s for s, v in self.b_crit_per_seed.items() if v is not None]
+        if len(fitted) == 1:
+            return f"seed {fitted[0]}'s own 95 % CI, the only seed with a point; not the seed-to-seed spread"
+        return "seed range ∪ bootstrap 95 %"
+
+    @property
+    def median_text(self) -> str:
+        """The median over seeds in words: ``"1,234"``, ``"> 512"`` (at least half the seeds only bound it from
+        below; how many), or ``"–"``."""
+        if self.b_crit is not None:
+            return f"{self.b_crit:,.0f}"
+        if self.b_crit_median_bound is None:
+            return "–"
+        kind, x = self.b_crit_median_bound
+        return f"{'>' if kind == 'lower' else '<'} {x:,.0f} ({self.bound_note})"
+
+    @property
+    def bound_note(self) -> str:
+        """``"2 of 3 seeds give only a lower bound"`` for :attr:`b_crit_median_bound`'s side ("" without one)."""
+        if self.b_crit_median_bound is None:
+            return ""
+        kind = self.b_crit_median_bound[0]
+        n = sum(1 for s, b in self.b_crit_bound_per_seed.items() if b[0] == kind and self.b_crit_per_seed.get(s) is None)
+        return f"{n} of {len(self.monotone)} seeds give only {'a lower' if kind == 'lower' else 'an upper'} bound"
+
     def interval(self) -> Optional[tuple[float, float]]:
         """The stated uncertainty of B_crit here: the hull of the seed range and the bootstrap interval; with one
         fitted seed, that seed's own 95 % interval (which does not contain the seed-to-seed spread)."""
         fitted = [s for s, v in self.b_crit_per_seed.items() if v is not None]
+        if self.b_crit is None:  # no point (or only a bound) to put an interval around
+            return None
         if len(fitted) == 1:
             if self.pooled is not None and fitted[0] in self.pooled.b_crit:
                 return self.pooled.interval(fitted[0])
@@ -284,6 +321,27 @@ def pooling_summary(targets: Sequence[SeedTarget]) -> str:
             + (f"; the F-test rejects one shared S_min (p < {first.alpha:g}) at {', '.join(rejected)}" if rejected else ""))
 
 
+def censored_median(points: Sequence[float], bounds: Sequence[tuple[str, float]]) -> tuple[Optional[float],
+                                                                                            Optional[tuple[str, float]]]:
+    """The median over seeds where some give only a one-sided bound: ``(value, None)`` when it is a point, or
+    ``(None, ("lower", X))`` / ``(None, ("upper", X))`` when it is only bounded. Each seed's B_crit lies in
+    [lo, hi] — a point v in [v, v], ``("lower", x)`` in [x, ∞), ``("upper", x)`` in (0, x] — and the median is monotone
+    in every seed's value, so it lies in [median of the lo, median of the hi]; both are equal when the seeds at the
+    middle are points. ``(None, None)`` without seeds."""
+    lo = [float(v) for v in points] + [x if k == "lower" else 0.0 for k, x in bounds]
+    hi = [float(v) for v in points] + [math.inf if k == "lower" else x for k, x in bounds]
+    if not lo:
+        return None, None
+    m_lo, m_hi = float(np.median(lo)), float(np.median(hi))
+    if m_lo == m_hi:
+        return m_lo, None
+    if math.isinf(m_hi):
+        return None, ("lower", m_lo)
+    if m_lo == 0.0:
+        return None, ("upper", m_hi)
+    return None, ("lower", m_lo)  # bounds on both sides of the middle: the lower one is what the seeds support
+
+
 def _use_pooled(st: SeedTarget, pooled: Optional[PooledFit]) -> None:
     """Record the partially pooled fit; its B_crit become the per-seed values (a seed whose B_crit lies beyond the
     swept batches gets no point, as with its own fit)."""
@@ -302,6 +360,7 @@ def _use_pooled(st: SeedTarget, pooled: Optional[PooledFit]) -> None:
             side = ">" if v > max(pooled.batches) else "<"
             edge = max(pooled.batches) if side == ">" else min(pooled.batches)
             st.b_crit_per_seed[s] = None
+            st.b_crit_bound_per_seed[s] = ("lower" if side == ">" else "upper", float(edge))
             st.b_crit_text_per_seed[s] = (f"B_crit {side} {edge:,.0f} (partially pooled fit {v:,.0f}, beyond the swept "
                                           f"batches; own fit: {st.b_crit_text_per_seed.get(s, '–')})")
 
@@ -347,12 +406,15 @@ def target_over_seeds(curves: Sequence[Curve], target: float, *, readout: str = 
         else:
             st.b_crit_per_seed[s] = tr.fit.b_crit if _usable(tr.fit) else None
             st.b_crit_text_per_seed[s] = tr.fit.b_crit_text()
+            if (bound := tr.fit.b_crit_bound(0.95)) is not None:
+                st.b_crit_bound_per_seed[s] = bound
     good = [s for s in seeds if monotone[s]]
     st.seed_spread = seed_spread_for_target(batches, steps, good)
     _use_pooled(st, pooled_for_target(batches, steps, good, alpha=pool_alpha) if pool_alpha is not None else None)
     vals = [v for v in st.b_crit_per_seed.values() if v is not None]
+    st.b_crit, st.b_crit_median_bound = censored_median(
+        vals, [b for s, b in st.b_crit_bound_per_seed.items() if st.b_crit_per_seed.get(s) is None])
     if vals:
-        st.b_crit = float(np.median(vals))
         st.b_crit_range = (float(min(vals)), float(max(vals)))
     st.median_fit = _median_steps_fit(st, good)
     if len(good) >= 2:

@@ -274,6 +274,10 @@ def seed_analysis_json(a: SeedAnalysis, batch_key: Callable[[float], int]) -> di
         targets.append({
             "target_loss": st.target,
             "b_crit": num(st.b_crit),
+            "b_crit_median_bound": list(st.b_crit_median_bound) if st.b_crit_median_bound else None,
+            "b_crit_median_text": st.median_text,
+            "b_crit_bound_per_seed": {str(s): list(b) for s, b in st.b_crit_bound_per_seed.items()},
+            "b_crit_interval_source": st.interval_source,
             "b_crit_per_seed": {str(s): num(v) for s, v in st.b_crit_per_seed.items()},
             "b_crit_text_per_seed": {str(s): v for s, v in st.b_crit_text_per_seed.items()},
             "b_crit_range": list(st.b_crit_range) if st.b_crit_range else None,
@@ -299,7 +303,9 @@ def seed_analysis_json(a: SeedAnalysis, batch_key: Callable[[float], int]) -> di
     pst = a.primary
     doc = {
         "b_crit_answer": {"source": "median over seeds, per target (targets[].b_crit)", "target_loss": pst.target,
-                          "b_crit": num(pst.b_crit), "b_crit_interval": list(iv) if (iv := pst.interval()) else None},
+                          "b_crit": num(pst.b_crit), "b_crit_interval": list(iv) if (iv := pst.interval()) else None,
+                          "b_crit_median_bound": list(pst.b_crit_median_bound) if pst.b_crit_median_bound else None,
+                          "text": pst.median_text, "interval_source": pst.interval_source},
         "unit": a.unit, "readout": a.readout, "seeds": a.seeds, "targets": targets,
         "monotone_share": num(a.monotone_share()),
         "joint": None if a.joint is None else {

@@ -184,7 +184,7 @@ def _seed_rows(data: SweepData, sa: SeedAnalysis) -> list[list[str]]:
                         for s, v in st.b_crit_per_seed.items())
         iv = st.interval()
         mono = sum(st.monotone.values())
-        rows.append([f"{st.target:.4f}" + (" (primary)" if st is sa.primary else ""), _fmt(st.b_crit),
+        rows.append([f"{st.target:.4f}" + (" (primary)" if st is sa.primary else ""), st.median_text,
                      f"{_fmt(iv[0])}–{_fmt(iv[1])}" if iv else "–", per,
                      _fmt(st.joint_b_crit) + (f" ({_fmt(st.joint_interval[0])}–{_fmt(st.joint_interval[1])})"
                                               if st.joint_interval else ""),
@@ -324,12 +324,19 @@ def _lead_seeds_html(data: SweepData, analysis: Analysis, sa: SeedAnalysis) -> s
                 + (f"<li>Time to target {t[0]:,.1f} s, {t[1]:,.1f}–{t[2]:,.1f} s over seeds; winner per seed: "
                    f"{per_seed}.</li>" if t else ""))
     iv = st.interval()
-    bc = (f"<li>Critical batch at loss {st.target:.4f}: <b>B_crit {_fmt(st.b_crit)} {unit}s per step</b>"
-          + (f", {_fmt(iv[0])}–{_fmt(iv[1])} (seed range ∪ bootstrap 95 %)" if iv else "")
-          + f"; median over the seeds whose steps to target fall with the batch ({sum(st.monotone.values())} of "
-          f"{len(st.monotone)})" + (f"; {html.escape(st.seed_spread.text())}" if st.seed_spread is not None else "")
-          + ".</li>" if st.b_crit is not None else
-          f"<li>No B_crit at loss {st.target:.4f}: no seed gives a usable fit (see the per-seed numbers below).</li>")
+    spread = f"; {html.escape(st.seed_spread.text())}" if st.seed_spread is not None else ""
+    if st.b_crit is not None:
+        bc = (f"<li>Critical batch at loss {st.target:.4f}: <b>B_crit {_fmt(st.b_crit)} {unit}s per step</b>"
+              + (f", {_fmt(iv[0])}–{_fmt(iv[1])} ({html.escape(st.interval_source)})" if iv else "")
+              + f"; median over the seeds whose steps to target fall with the batch ({sum(st.monotone.values())} of "
+              f"{len(st.monotone)}){spread}.</li>")
+    elif st.b_crit_median_bound is not None:
+        kind, x = st.b_crit_median_bound
+        bc = (f"<li>Critical batch at loss {st.target:.4f}: <b>B_crit {'&gt;' if kind == 'lower' else '&lt;'} {_fmt(x)} "
+              f"{unit}s per step</b>, a bound: the median over the seeds whose steps to target fall with the batch "
+              f"({html.escape(st.bound_note)}){spread}.</li>")
+    else:
+        bc = f"<li>No B_crit at loss {st.target:.4f}: no seed gives a usable fit (see the per-seed numbers below).</li>"
     trend = ""
     if sa.joint is not None and sa.joint_flags:
         trend = ("<li>No trend across targets: the joint fit of B_crit(L) is flagged ("
@@ -348,7 +355,7 @@ def _lead_seeds_html(data: SweepData, analysis: Analysis, sa: SeedAnalysis) -> s
         iv = tgt.interval()
         cell = _fmt(tgt.b_crit) + (f" [{_fmt(iv[0])}–{_fmt(iv[1])}]" if tgt.b_crit is not None and iv else "")
         if tgt.b_crit is None:
-            cell = "– (no usable fit)"
+            cell = tgt.median_text if tgt.b_crit_median_bound is not None else "– (no usable fit)"
         rows.append([f"{tgt.target:.4f}" + (" (primary)" if tgt is st else ""), cell,
                      f"{sum(tgt.monotone.values())} of {len(tgt.monotone)}"])
     table = _table_html(["target loss (" + readout + ")", f"B_crit, {data.unit}s per step: median over seeds "
