@@ -279,6 +279,11 @@ CASES = [
     _c("sweep-tokens-1e400", SWEEP + ["--tokens", "1e400"], "--tokens"),
     _c("sweep-tokens-1e999999999", SWEEP + ["--tokens", "1e999999999"], "--tokens"),
     _c("sweep-tokens-zero", SWEEP + ["--tokens", "0"], "--tokens"),
+    # the seed and a task override, checked before the run directory (or its default parent, runs/) is made
+    _c("branch-seed-negative", BRANCH + ["--seed", "-3"], "--seed"),
+    _c("noise-seed-negative-default-out", NOISE[:1] + NOISE[3:] + ["--seed", "-1"], "--seed"),
+    _c("noise-task-arg-bad-default-out", ["noise", "--task", "mnist", "--steps", "2", "--micro-batch", "2",
+                                          "--grad-accum", "2", "--device", "cpu", "--task-arg", "hidden=0"], "--task-arg"),
     _c("sweep-tokens-below-two-steps", SWEEP + ["--tokens", "50"], "--tokens"),  # batch 2 × 16 tokens × 2 = 64
     _c("sweep-warmup-min-steps-negative", SWEEP + ["--warmup-min-steps", "-3"], "--warmup-min-steps"),
     _c("sweep-tokens-word", SWEEP + ["--tokens", "many"], "--tokens"),

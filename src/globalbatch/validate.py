@@ -278,16 +278,16 @@ def created_out_dir(path: Any, field: str = "out") -> Iterator[Path]:
     """Check and create ``path`` for a command's output; if the command then fails, a directory it
     created (still empty) is removed again, so a rejected run leaves nothing behind."""
     p = out_dir(path, field)
-    new = not p.exists()
+    created = [d for d in (p, *p.parents) if not d.exists()]  # this directory and the parents it creates, deepest first
     make_out_dir(p, field)
     try:
         yield p
     except BaseException:
-        if new:
+        for d in created:
             try:
-                p.rmdir()
+                d.rmdir()  # only while still empty
             except OSError:
-                pass
+                break
         raise
 
 

@@ -146,6 +146,7 @@ class BranchConfig:
                         f"× the last branch point {self.branch_at[-1]:,}")
         if self.seeds < 2:
             raise E("seeds", self.seeds, "a whole number ≥ 2 (the test needs two seeds per k)")
+        whole(self.seed, "seed", minimum=0)  # before the run directory's manifest is written
         if not self.tolerance >= 0 or not math.isfinite(self.tolerance):
             raise E("tolerance", self.tolerance, "a loss difference ≥ 0 (Merrill et al.: 0.01)")
         if not 0 < self.alpha < 1:

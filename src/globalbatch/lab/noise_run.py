@@ -53,6 +53,9 @@ class NoiseRunConfig:
     measure); None: every window is measured."""
 
     def __post_init__(self) -> None:
+        from globalbatch.validate import whole
+
+        whole(self.seed, "seed", minimum=0)  # before anything is created
         if self.budget is not None:
             NoiseConfig(budget=self.budget)  # the one check of a budget
         check_noise_settings(micro_batch=self.micro_batch, grad_accum_steps=self.grad_accum_steps, steps=self.steps,
