@@ -343,6 +343,7 @@ CASES = [
     _c("sweep-out-locked", SWEEP, "--out", "locked"),
     # report: settings
     _c("report-objective", ["report", "run", "--objective", "speed"], "--objective", "run"),
+    _c("report-target-above-the-start", ["report", "run", "--targets", "100"], "--targets", "run"),
     _c("report-tolerance-neg", ["report", "run", "--time-tolerance", "-1"], "--time-tolerance", "run"),
     _c("report-tolerance-big", ["report", "run", "--time-tolerance", "5"], "--time-tolerance", "run"),
     _c("report-tolerance-nan", ["report", "run", "--time-tolerance", "nan"], "--time-tolerance", "run"),

@@ -162,6 +162,11 @@ def points_for_target(
                 cost=best[1] * cpe if cpe is not None else None,
             )
         )
+    if any(p.steps <= 0 for p in points):  # a batch is at or below it before its first step
+        start = min(float(c.eval_loss[0]) if readout == "heldout" and c.eval_loss is not None and c.eval_loss.size
+                    else float(c.loss[0]) for c in curves if c.loss.size)
+        raise SettingError("targets", target, f"losses below where the trials start (≈ {start:.4f})",
+                           why="a batch reaches it before its first step")
     result = TargetResult(target=float(target), points=points, unreached=unreached)
     try:
         fit = fit_hyperbola([p.batch_size for p in points], [p.steps for p in points])
