@@ -480,3 +480,18 @@ def test_deadline_and_budget_filter_the_answer():
     priced = scale(conv, model, Cluster(**{**{f: getattr(C, f) for f in C.__slots__}, "gpu_hour_price": 2.0}), curve,
                    ScaleConfig(target_loss=2.6, max_gpus=8)).to_dict()
     assert priced["best"]["cost"] == pytest.approx(2.0 * priced["best"]["gpu_hours"])
+
+
+def test_a_law_whose_b_crit_does_not_rise_as_the_loss_falls_is_refused():
+    """The model integrates a noise scale that grows as the loss falls: a sweep's joint fit with k ≥ 0 (B_crit flat or
+    falling along the path) is refused, naming k and its SE, instead of planning from it."""
+    from globalbatch.errors import SettingError
+    from globalbatch.scale import BCritLaw
+    from globalbatch.scale.convergence import from_points
+
+    pts = [(t, s, b, 10.0 * (1 + 500.0 / b) * t) for t in (3.0, 2.8, 2.6) for s in (0, 1) for b in (128.0, 512.0, 2048.0)]
+    for k in (0.66, 0.0):
+        law = BCritLaw(b_ref_tokens=500.0, loss_ref=2.8, k=k, cov=((0.01, 0.0), (0.0, 0.0576)))
+        with pytest.raises(SettingError, match=r"b_crit_law 'k = .* \(SE 0.24\)'.*does not rise as the loss falls"):
+            from_points(pts, law)
+    from_points(pts, BCritLaw(b_ref_tokens=500.0, loss_ref=2.8, k=-2.0))  # rises: accepted

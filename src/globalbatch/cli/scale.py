@@ -87,7 +87,11 @@ def convergence_from_sweep(run_dir: str):
                                             f"{len(a.targets)} targets)",
                            conditions=f"task {data.config.task} {data.config.task_overrides}, "
                                       f"{data.config.optimizer}, held-out loss")
-    except SettingError as exc:  # fit_s_min: fewer than 2 usable targets
+    except SettingError as exc:  # a law that does not rise as the loss falls; fit_s_min: fewer than 2 usable targets
+        if exc.field == "b_crit_law":
+            raise SettingError("run_dir", run_dir, "a sweep whose B_crit rises as the loss falls, or --prior",
+                               why=f"its joint fit B_crit(L) ∝ L^k has {exc.value}: B_crit does not rise as the loss "
+                                   "falls, so the model has no noise scale to integrate") from None
         raise SettingError("run_dir", run_dir, "a sweep with S_min at ≥ 2 targets", why=str(exc)) from None
     units = data.batch_units()
     per_seq = [u / b for b, u in units.items() if b > 0]

@@ -196,6 +196,11 @@ def from_points(points: Sequence[tuple[float, int, float, float]], law: BCritLaw
                 conditions: str = "") -> "ConvergenceModel":
     """A fitted model from a B_crit(L) law (``globalbatch.critical``'s joint fit) and the steps it was fitted on:
     S_min at each target, then :func:`fit_s_min` across targets."""
+    if law.k >= 0:  # the model integrates a noise scale that grows as the loss falls; a fit that falls is no law for it
+        se = math.sqrt(max(law.cov[1][1], 0.0))
+        raise SettingError("b_crit_law", f"k = {law.k:.3g}" + (f" (SE {se:.2g})" if se > 0 else ""),
+                           "a B_crit(L) law that rises as the loss falls (k < 0)",
+                           why="its B_crit does not rise as the loss falls")
     sm = s_min_at_targets(points, law)
     ts = sorted(sm)
     s_law = fit_s_min(ts, [sm[t] for t in ts])
