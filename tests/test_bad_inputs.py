@@ -285,6 +285,7 @@ CASES = [
     _c("noise-task-arg-bad-default-out", ["noise", "--task", "mnist", "--steps", "2", "--micro-batch", "2",
                                           "--grad-accum", "2", "--device", "cpu", "--task-arg", "hidden=0"], "--task-arg"),
     _c("sweep-tokens-below-two-steps", SWEEP + ["--tokens", "50"], "--tokens"),  # batch 2 × 16 tokens × 2 = 64
+    _c("sweep-threads-huge", SWEEP + ["--threads", "100000"], "--threads"),  # killed the workers' OpenMP pools
     _c("sweep-warmup-min-steps-negative", SWEEP + ["--warmup-min-steps", "-3"], "--warmup-min-steps"),
     _c("sweep-tokens-word", SWEEP + ["--tokens", "many"], "--tokens"),
     _c("sweep-batches-1e400", SWEEP + ["--batches", "1e400"], "--batches"),

@@ -273,8 +273,12 @@ def run_sweep(
         raise SettingError("backend", backend, ", ".join(BACKENDS))
     if workers is not None and (isinstance(workers, bool) or workers < 1):
         raise SettingError("workers", workers, "a whole number ≥ 1")
-    if threads is not None and (isinstance(threads, bool) or threads < 1):
-        raise SettingError("threads", threads, "a whole number ≥ 1")
+    most = 8 * _cpu_count()  # beyond it the OpenMP pools of the workers kill them (100,000 did) and nothing gains
+    if threads is not None and (isinstance(threads, bool) or not 1 <= threads <= most):
+        raise SettingError("threads", threads, f"a whole number from 1 to {most} (8 × the {_cpu_count()} cores here)")
+    if workers is not None and workers > 64 * _cpu_count() and backend != "ray":
+        raise SettingError("workers", workers, f"a whole number from 1 to {64 * _cpu_count()} on this machine's "
+                           f"{_cpu_count()} cores (more across machines: --backend ray)")
     if address is not None and backend != "ray":
         raise SettingError("address", address, "an address only with backend ray")
     if backend == "ray":
