@@ -30,6 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = dict(n_layer=1, d_model=16, n_head=2, seq_len=16, max_corpus_bytes=100_000)
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
 def tiny_config(**kw) -> SweepConfig:
     base = dict(task="tinygpt", task_overrides=TINY, batches=[4, 8], lrs=[1e-3, 3e-3], budget=6000,
                 max_val_samples=16, eval_every=2000, lr_rule="none", lr_edge_extend=0)
@@ -367,7 +371,8 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
         ("--micro-batch", "0"): "error: --micro-batch 0 is not allowed; allowed: a whole number ≥ 1",
         ("--tokens", "0"): "error: --tokens 0 is not allowed; allowed: a whole number of units ≥ 1 (at most 1e18), e.g. 2M",
         ("--lrs", "-1"): "error: --lrs -1 is not allowed; allowed: distinct finite numbers > 0, e.g. 3e-4,1e-3",
-        ("--threads", "0"): "error: --threads 0 is not allowed; allowed: a whole number ≥ 1",
+        ("--threads", "0"): f"error: --threads 0 is not allowed; allowed: a whole number from 1 to {8 * _cores()} (8 × "
+                            f"the {_cores()} cores here)",
         ("--batch-edge-extend", "-1"): "error: --batch-edge-extend -1 is not allowed; allowed: a whole number ≥ 0",
         ("--optimizer", "lion"): "error: --optimizer 'lion' is not allowed; allowed: adamw, sgd, lars, lamb",
     }
