@@ -547,6 +547,8 @@ def test_narrow_design_extends_the_batch_edge_where_b_crit_lies_beyond(tmp_path,
     at_64 = {float(n.split("_lr")[1].split("_")[0]) for n in res.ran if n.startswith("b64_")}
     assert len(at_64) == 1 and at_64.pop() == pytest.approx(cfg.transfer_lr(chosen, 16, 64), rel=1e-3), sorted(res.ran)
     assert not any(n.startswith("b128_") for n in res.ran)  # the cap: one doubling
+    again = run_sweep(cfg, tmp_path / "s", workers=1, threads=1, progress=False, timing_steps=0)
+    assert again.ran == [] and sorted(again.skipped) == sorted(res.ran)  # a resume counts the edge cells as finished
 
 
 def test_narrow_design_transfers_the_lr_the_analysis_chooses_and_follows_it(tmp_path, monkeypatch):

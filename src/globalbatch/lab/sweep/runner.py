@@ -46,7 +46,8 @@ class SweepResult:
     ran: list[str]
     """Trials run by this call."""
     skipped: list[str]
-    """Trials already finished by an earlier call (not rerun)."""
+    """Trials already finished by an earlier call (not rerun): every finished trial of the run directory this call did
+    not run, edge and refinement cells included."""
     wall_time_s: float
     workers: int
     threads_per_worker: int
@@ -390,9 +391,10 @@ def _run_locked(config: SweepConfig, out: Path, unit: str, *, workers: Optional[
         # All the sweep's threads in one process, nothing else of the sweep running.
         timing = run_timing_pass(config, out, summaries, threads=min(cores, max(1, requested * threads)),
                                  steps=timing_steps, warmup=timing_warmup)
+    ran_names = list(dict.fromkeys(t.name for t in ran))
     return SweepResult(
-        out_dir=str(out), summaries=summaries, ran=list(dict.fromkeys(t.name for t in ran)),
-        skipped=[t.name for t in done],
+        out_dir=str(out), summaries=summaries, ran=ran_names,
+        skipped=[str(s["trial"]) for s in summaries if s.get("trial") not in set(ran_names)],  # edge cells too
         wall_time_s=time.time() - t0, workers=n_workers, threads_per_worker=threads, timing=timing,
         timing_s=time.time() - t_timing,
     )
