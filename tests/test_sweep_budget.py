@@ -101,3 +101,7 @@ def test_budget_runs_the_planned_design_and_the_report_says_so(tmp_path, capsys)
         assert "NOT shown to hold" in report["design"]["statement"] and "NOT shown to hold" in plan.statement
     page = (out / "report" / "report.html").read_text()
     assert html.escape(plan.design.summary) in page and html.escape(plan.design.measured) in page
+    # what it trained, beside the plan: the trials' tokens over the full design's (3 × 2 × 2 × 2K = 24K)
+    spent = sum(json.loads((out / "trials" / n / "summary.json").read_text())["consumed"] for n in ran)
+    want = f"trained {spent:,.0f} tokens, {spent / 24_000:.1%} of the full design's 24,000"
+    assert doc["design"]["spent"].startswith(want) and html.escape(want) in page

@@ -100,6 +100,7 @@ def sweep_cmd(
     from .. import validate as V
     from .._util import flag_names
     from ..lab.report import design_json, seed_analysis_or_note, seed_json
+    from ..lab.sweep.halving import spent_text
     from ..lab.sweep import SweepConfig, analyze_sweep, run_sweep
 
     with flag_names(flag_names_of("sweep")):
@@ -133,7 +134,8 @@ def sweep_cmd(
         echo_json({"out_dir": result.out_dir, "ran": result.ran, "skipped": result.skipped,
                     "design": None if plan is None else {**design_json(plan.design.name, plan.statement),
                                                          "budget_fraction": plan.fraction,
-                                                         "planned_fraction": plan.planned_fraction},
+                                                         "planned_fraction": plan.planned_fraction,
+                                                         "spent": spent_text(out, cfg, data.unit)},
                     "wall_time_s": result.wall_time_s, "workers": result.workers,
                     "threads_per_worker": result.threads_per_worker, "analysis": analysis.to_dict(),
                     "seeds": over_seeds,
@@ -144,7 +146,8 @@ def sweep_cmd(
                     "warnings": list(analysis.warnings)})
         return
     console.print(f"sweep {out}: {len(result.ran)} trial(s) run, {len(result.skipped)} already finished, "
-                  f"{result.wall_time_s:,.1f} s ({result.workers} worker(s) × {result.threads_per_worker} thread(s))")
+                  f"{result.wall_time_s:,.1f} s ({result.workers} worker(s) × {result.threads_per_worker} thread(s))"
+                  + (f"; design {plan.design.name}: {spent_text(out, cfg, data.unit)}" if plan is not None else ""))
     added = sorted({s.batch for s in data.summaries.values()} - set(cfg.batches))
     if added:
         console.print(f"batch {', '.join(map(str, added))} added beyond --batches: B_crit at the primary target lay "

@@ -282,7 +282,12 @@ def _design_text(data: SweepData) -> str:
     n_seeds = len(cfg.seeds) if cfg.seeds is not None else 1
     from globalbatch.lab.sweep.halving import run_statement
 
-    return design_statement(cfg.design, len(cfg.batches), len(cfg.lrs), n_seeds, ran=run_statement(data.out_dir))
+    text = design_statement(cfg.design, len(cfg.batches), len(cfg.lrs), n_seeds, ran=run_statement(data.out_dir))
+    if not text:
+        return text
+    from globalbatch.lab.sweep.halving import spent_text
+
+    return text + f" This run {spent_text(data.out_dir, cfg, data.unit)}."
 
 
 # ---------------------------------------------------------------------------

@@ -53,7 +53,7 @@ import numpy as np
 from globalbatch._util import atomic_write_json
 from globalbatch.lab.sweep.config import SweepConfig, TrialSpec
 
-__all__ = ["rung_positions", "RungCell", "RungDecision", "read_cell", "decide_rung", "trained_units", "run_rungs",
+__all__ = ["spent_text", "rung_positions", "RungCell", "RungDecision", "read_cell", "decide_rung", "trained_units", "run_rungs",
            "probe_cells", "middle_first", "run_statement",
            "ray_scheduler", "LOG_NAME"]
 
@@ -387,3 +387,13 @@ def _spec(name: str) -> TrialSpec:
     """``b8_lr0.003_s1`` → its TrialSpec."""
     b, lr, s = name.split("_")
     return TrialSpec(batch=int(b[1:]), lr=float(lr[2:]), seed=int(s[1:]))
+
+
+def spent_text(out: Path | str, config: SweepConfig, unit: str = "unit") -> str:
+    """What a sweep directory trained against its full design: ``"trained 1.2M tokens, 10.7 % of the full design's
+    11.2M (edge and refinement cells included)"`` — beside the plan, which counts the base cells only."""
+    n_seeds = len(config.seeds) if config.seeds is not None else 1
+    full = float(len(config.batches) * len(config.lrs) * n_seeds * config.budget)
+    spent = trained_units(Path(str(out)))["total"]
+    return (f"trained {spent:,.0f} {unit}s, {spent / full:.1%} of the full design's {full:,.0f} (edge and refinement "
+            "cells included)")
