@@ -90,6 +90,15 @@ class SweepData:
                 used = "the timed pass is used" if b in self.timing else "time to target uses their median"
                 out.append(f"batch {b}: in-trial {self.unit}s/s vary {hi / lo:.1f}× across its LRs ({spread}) — "
                            f"machine load, not the LR; {used}")
+        for b, t in sorted(self.timing.items()):  # the timed pass itself, step by step
+            steps = [r for r in t.get("step_units_per_s") or []
+                     if isinstance(r, (int, float)) and math.isfinite(r) and r > 0]
+            if len(steps) >= 2 and max(steps) > 3 * min(steps):
+                out.append(f"batch {b}: the timing pass's steps vary {max(steps) / min(steps):.0f}× ({min(steps):,.0f}–"
+                           f"{max(steps):,.0f} {self.unit}s/s over {len(steps)} steps) — machine load or a slow start; "
+                           f"its {float(t.get('units_per_s') or math.nan):,.0f} {self.unit}s/s, which the time to target "
+                           "uses, is uncertain (on an idle machine, delete timing/ and rerun the same sweep command: "
+                           "finished trials are kept, the pass reruns)")
         return out
 
     def batch_units(self) -> dict[int, float]:
