@@ -392,9 +392,10 @@ def _run_locked(config: SweepConfig, out: Path, unit: str, *, workers: Optional[
         timing = run_timing_pass(config, out, summaries, threads=min(cores, max(1, requested * threads)),
                                  steps=timing_steps, warmup=timing_warmup)
     ran_names = list(dict.fromkeys(t.name for t in ran))
+    this_call = set(ran_names)
     return SweepResult(
         out_dir=str(out), summaries=summaries, ran=ran_names,
-        skipped=[str(s["trial"]) for s in summaries if s.get("trial") not in set(ran_names)],  # edge cells too
+        skipped=[str(s["trial"]) for s in summaries if s.get("trial") not in this_call],  # edge cells too
         wall_time_s=time.time() - t0, workers=n_workers, threads_per_worker=threads, timing=timing,
         timing_s=time.time() - t_timing,
     )
