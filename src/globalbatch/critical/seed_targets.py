@@ -48,7 +48,8 @@ from globalbatch.critical.recommend import TargetResult, points_for_target
 from globalbatch.critical.seed_spread import SeedSpread, seed_spread_for_target
 from globalbatch.errors import SettingError
 
-__all__ = ["MONOTONE_SLACK", "N_BOOT", "SeedTarget", "censored_median", "common_targets", "check_targets_reached", "is_monotone", "common_lr", "target_over_seeds",
+__all__ = ["MONOTONE_SLACK", "N_BOOT", "SeedTarget", "censored_median", "common_targets", "check_targets_reached",
+           "is_monotone", "common_lr", "target_over_seeds",
            "pooling_summary"]
 
 
