@@ -286,6 +286,8 @@ CASES = [
                                           "--grad-accum", "2", "--device", "cpu", "--task-arg", "hidden=0"], "--task-arg"),
     _c("sweep-tokens-below-two-steps", SWEEP + ["--tokens", "50"], "--tokens"),  # batch 2 × 16 tokens × 2 = 64
     _c("sweep-threads-huge", SWEEP + ["--threads", "100000"], "--threads"),  # killed the workers' OpenMP pools
+    _c("sweep-seed-and-seeds", SWEEP + ["--seed", "1", "--seeds", "0,1"], "--seed"),  # --seed would be ignored
+    _c("sweep-eval-points-and-every", SWEEP + ["--eval-points", "5", "--eval-every", "100"], "--eval-points"),
     _c("sweep-warmup-min-steps-negative", SWEEP + ["--warmup-min-steps", "-3"], "--warmup-min-steps"),
     _c("sweep-tokens-word", SWEEP + ["--tokens", "many"], "--tokens"),
     _c("sweep-batches-1e400", SWEEP + ["--batches", "1e400"], "--batches"),

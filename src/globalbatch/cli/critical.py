@@ -61,8 +61,16 @@ def _print_report(res) -> None:
         typer.echo(f"warning: {w}", err=True)
 
 
+def _on_command_line(ctx: typer.Context, name: str) -> bool:
+    """True when the user typed the option ``name`` (not its default). By the source's name: typer may carry its own
+    copy of click's ParameterSource."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
+
+
 @app.command("sweep", short_help="Batch × LR sweep at equal tokens; fit the critical batch.")
 def sweep_cmd(
+    ctx: typer.Context,
     task: TaskOption = "tinygpt",
     batches: str = typer.Option("16,32,64,128,256", "--batches", help="Global batch sizes in samples (sequences) per step, comma-separated."),
     lrs: str = typer.Option("3e-4,1e-3,3e-3", "--lrs", help="Peak learning rates at --base-batch, comma-separated; every batch runs them moved by --lr-rule."),
@@ -98,13 +106,17 @@ def sweep_cmd(
     from types import SimpleNamespace
 
     from .. import validate as V
-    from .._util import flag_names
+    from .._util import SettingError, flag_names
     from ..lab.report import design_json, seed_analysis_or_note, seed_json
     from ..lab.sweep.halving import spent_text
     from ..lab.sweep import SweepConfig, analyze_sweep, run_sweep
 
     with flag_names(flag_names_of("sweep")):
         V.out_dir(out, "out")
+        for one, other, value, given in (("seed", "--seeds", seed, seeds), ("eval_points", "--eval-every", eval_points,
+                                                                           eval_every)):
+            if given is not None and _on_command_line(ctx, one):  # the other one would be ignored
+                raise SettingError(one, value, f"either it or {other}", why=f"{other} is given too")
         cfg = SweepConfig(task=task, task_overrides=V.key_values(task_arg, "task_arg"),
                           batches=V.count_list(batches, "batches"), lrs=V.number_list(lrs, "lrs"),
                           budget=V.count(tokens, "budget", what="a whole number of units"), seed=seed,
