@@ -280,13 +280,11 @@ def _design_text(data: SweepData) -> str:
 
     cfg = data.config
     n_seeds = len(cfg.seeds) if cfg.seeds is not None else 1
-    from globalbatch.lab.sweep.halving import run_statement
+    from globalbatch.lab.sweep.halving import run_statement, spent_text
 
     text = design_statement(cfg.design, len(cfg.batches), len(cfg.lrs), n_seeds, ran=run_statement(data.out_dir))
     if not text:
         return text
-    from globalbatch.lab.sweep.halving import spent_text
-
     return text + f" This run {spent_text(data.out_dir, cfg, data.unit)}."
 
 

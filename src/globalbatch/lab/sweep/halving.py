@@ -392,7 +392,7 @@ def _spec(name: str) -> TrialSpec:
 def spent_text(out: Path | str, config: SweepConfig, unit: str = "unit") -> str:
     """What a sweep directory trained against its full design: ``"trained 1.2M tokens, 10.7 % of the full design's
     11.2M (edge and refinement cells included)"`` — beside the plan, which counts the base cells only."""
-    n_seeds = len(config.seeds) if config.seeds is not None else 1
+    n_seeds = len(config.seeds) if config.seeds is not None else 1  # the full design's (seed_list(): the design's)
     full = float(len(config.batches) * len(config.lrs) * n_seeds * config.budget)
     spent = trained_units(Path(str(out)))["total"]
     return (f"trained {spent:,.0f} {unit}s, {spent / full:.1%} of the full design's {full:,.0f} (edge and refinement "
